@@ -1,0 +1,147 @@
+"""Layer 3: which live replica computes which microbatch ids (DESIGN.md §6).
+
+Every rank calls :func:`plan` with the same inputs (membership epoch + published timings) and must get
+the same answer, so everything here is pure, integer-exact where it can be, and free of set/dict
+iteration order: replicas are always taken in ascending replica id ("replica order").
+
+Cost model (1F1B pipeline of depth P): a replica that runs q > 0 microbatches at t seconds each finishes
+after (q + P - 1) * t; a replica with q = 0 does nothing and finishes at 0. The plan minimises the
+largest finish time over the replicas.
+
+Why greedy is exact: f_r(k) = (k + P - 1) * t_r is non-decreasing in k, so any quota vector q "uses" the
+values f_r(1..q_r) of each replica, N = sum(q_r) values in total, and its finish time max_r f_r(q_r) is
+at least the N-th smallest of the multiset {f_r(k)}. Giving ids one at a time to the replica whose next
+finish time f_r(q_r + 1) is smallest takes exactly the N smallest values of that multiset, so it reaches
+that lower bound. Ties (equal floats) go to the lowest replica id, which makes the result deterministic
+and turns equal timings into the even split of :func:`even_plan`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+
+
+class PlanInputError(ValueError):
+    """The inputs to a plan are inconsistent (a caller bug, not a runtime failure)."""
+
+
+def _check_ids(ids: Sequence[int]) -> list[int]:
+    ids = list(ids)
+    if len(set(ids)) != len(ids):
+        raise PlanInputError("microbatch ids must be unique: each id is computed exactly once")
+    return ids
+
+
+def _check_replicas(replicas: Sequence[int], ids: list[int]) -> list[int]:
+    order = sorted(replicas)
+    if len(set(order)) != len(order):
+        raise PlanInputError(f"replica ids must be unique, got {list(replicas)}")
+    if ids and not order:
+        raise PlanInputError(f"no live replica left to place {len(ids)} microbatch ids")
+    return order
+
+
+def _check_depth(pipeline_depth: int) -> None:
+    if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1:
+        raise PlanInputError(f"pipeline_depth must be an integer >= 1, got {pipeline_depth!r}")
+
+
+def _known_time(time_per_microbatch: Mapping[int, float | None], replica: int) -> float | None:
+    """A replica's timing, None when unknown; invalid numbers are a caller bug."""
+    value = time_per_microbatch.get(replica)
+    if value is None:
+        return None
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise PlanInputError(f"time per microbatch of replica {replica} must be finite and > 0, got {value}")
+    return value
+
+
+def _finish_time(quota: int, seconds: float, pipeline_depth: int) -> float:
+    # The single place the cost model is evaluated: plan() and predicted_time() must agree bit for bit.
+    return 0.0 if quota == 0 else (quota + pipeline_depth - 1) * seconds
+
+
+def _blocks(ids: list[int], order: list[int], quotas: Mapping[int, int]) -> dict[int, list[int]]:
+    """Cut ids into contiguous blocks, one per replica in replica order."""
+    plan_: dict[int, list[int]] = {}
+    start = 0
+    for replica in order:
+        plan_[replica] = ids[start:start + quotas[replica]]
+        start += quotas[replica]
+    assert start == len(ids), "quotas must cover every id"
+    return plan_
+
+
+def even_quotas(count: int, replicas: Sequence[int]) -> dict[int, int]:
+    """As even as possible; the remainder goes to the lowest replica ids."""
+    order = sorted(replicas)
+    base, extra = divmod(count, len(order)) if order else (0, 0)
+    return {replica: base + (1 if rank < extra else 0) for rank, replica in enumerate(order)}
+
+
+def even_plan(ids: Sequence[int], replicas: Sequence[int]) -> dict[int, list[int]]:
+    """The failure-free default: contiguous blocks, as even as possible, in replica order."""
+    ids = _check_ids(ids)
+    order = _check_replicas(replicas, ids)
+    return _blocks(ids, order, even_quotas(len(ids), order))
+
+
+def optimal_quotas(count: int, times: Mapping[int, float], pipeline_depth: int) -> dict[int, int]:
+    """Integer quotas summing to count that minimise max_r finish time (greedy, see module doc)."""
+    order = sorted(times)
+    quotas = {replica: 0 for replica in order}
+    # Heap entries (finish time if given one more id, replica order index): the index breaks float ties.
+    heap = [(_finish_time(1, times[r], pipeline_depth), index) for index, r in enumerate(order)]
+    heapq.heapify(heap)
+    for _ in range(count):
+        _, index = heapq.heappop(heap)
+        replica = order[index]
+        quotas[replica] += 1
+        heapq.heappush(heap, (_finish_time(quotas[replica] + 1, times[replica], pipeline_depth), index))
+    return quotas
+
+
+def plan(ids: Sequence[int], replicas: Sequence[int], time_per_microbatch: Mapping[int, float | None],
+         pipeline_depth: int) -> dict[int, list[int]]:
+    """Map microbatch ids (kept in the given order) to live replicas as contiguous blocks.
+
+    Returns {replica: ids it computes} for every live replica (an empty list when its quota is 0).
+    If any live replica has no known timing (None or missing), all are treated as equal: even split.
+    Raises PlanInputError (a ValueError) on duplicate ids/replicas, ids with no replica left, a bad
+    pipeline depth, or a non-positive / non-finite timing.
+    """
+    ids = _check_ids(ids)
+    order = _check_replicas(replicas, ids)
+    _check_depth(pipeline_depth)
+    times = {replica: _known_time(time_per_microbatch, replica) for replica in order}
+    if any(seconds is None for seconds in times.values()):
+        quotas = even_quotas(len(ids), order)
+    else:
+        quotas = optimal_quotas(len(ids), times, pipeline_depth)
+    return _blocks(ids, order, quotas)
+
+
+def predicted_time(quotas: Mapping[int, int], time_per_microbatch: Mapping[int, float | None],
+                   pipeline_depth: int) -> float:
+    """Predicted iteration time max_r (q_r + P - 1) * t_r, with q_r = 0 counting as 0."""
+    _check_depth(pipeline_depth)
+    worst = 0.0
+    for replica in sorted(quotas):
+        quota = quotas[replica]
+        if quota < 0:
+            raise PlanInputError(f"quota of replica {replica} must be >= 0, got {quota}")
+        if quota == 0:
+            continue
+        seconds = _known_time(time_per_microbatch, replica)
+        if seconds is None:
+            raise PlanInputError(f"replica {replica} has {quota} microbatches but no known timing")
+        worst = max(worst, _finish_time(quota, seconds, pipeline_depth))
+    return worst
+
+
+def quotas_of(plan_: Mapping[int, Sequence[int]]) -> dict[int, int]:
+    """Quota per replica of a plan (convenience for predicted_time)."""
+    return {replica: len(block) for replica, block in plan_.items()}
