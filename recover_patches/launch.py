@@ -1,0 +1,365 @@
+"""Local launcher: ``python -m recover_patches.launch --nproc-per-node N script.py [args...]``.
+
+Starts this node's ranks with the usual torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS=1 unless set).
+
+Why fork: importing torch + megatron.core costs seconds of CPU per process. The launcher imports
+them once (``--preload``, with OMP_NUM_THREADS already set and no thread started) and forks every
+rank from that warm parent; a child resets its signal handlers, sets its env and runs the script
+with ``runpy.run_path`` as ``__main__`` (exit code = the script's; an exception prints its
+traceback and exits 1).
+
+Unlike torchrun, the death of one rank does not kill the others: surviving ranks are expected to
+carry on (ReCoVer's whole point). The launcher waits for every rank, prints one line per failed
+rank and a final summary. SIGINT/SIGTERM to the launcher is forwarded to the ranks as SIGTERM,
+followed by SIGKILL after ``--term-grace`` seconds (or at once on a second signal).
+
+Coordinator (default on; ``--no-coordinator`` gives a plain torchrun-like launcher). Node 0 forks
+the membership coordinator (DESIGN §5) before the ranks, unless RECOVER_COORDINATOR is already set
+(a coordinator started by hand, e.g. under SLURM). Ranks get RECOVER_COORDINATOR and
+RECOVER_JOB_TOKEN. The launcher reports every child's exit to the coordinator the moment it sees
+it, and SIGKILLs any of its children the coordinator has declared dead (a hung rank is fenced, so
+it can never wake up and rejoin a job that moved on).
+
+Exit status rule:
+  * 0 if every rank of this node exited 0;
+  * otherwise still 0 if the job declared itself complete through the coordinator
+    (``MembershipClient.declare_complete()``, called after the final commit) and every rank of
+    this node that failed was already dead in the membership epoch at which completion was
+    declared, i.e. the job survived exactly those failures. A failure the job did not account for
+    (a rank dying after the declaration, or one the coordinator never saw) still fails the launch;
+  * otherwise 1; 128+signal when the launcher itself was stopped by SIGINT/SIGTERM.
+User errors (bad flags) exit 2 before anything is started.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import os
+import runpy
+import secrets
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import NoReturn
+
+LOG_PREFIX = "[recover.launch]"
+DEFAULT_PRELOAD = "torch,megatron.core"
+
+
+class LaunchUsageError(Exception):
+    """A bad command line: reported in one message, exit status 2, nothing started."""
+
+
+def log(message: str) -> None:
+    print(f"{LOG_PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recover_patches.launch", allow_abbrev=False)
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500,
+                   help="0 picks a free port (single node only)")
+    p.add_argument("--preload", default=DEFAULT_PRELOAD,
+                   help="comma-separated modules imported once before forking ranks; 'none' for none")
+    p.add_argument("--term-grace", type=float, default=10.0,
+                   help="seconds between forwarding SIGTERM and SIGKILL")
+    p.add_argument("--no-coordinator", action="store_true",
+                   help="torchrun-like mode: no membership coordinator, no RECOVER_* env")
+    p.add_argument("--coordinator-port", type=int, default=0,
+                   help="port of the coordinator on the master address; 0 = free port (single node)")
+    p.add_argument("--job-token", default=None,
+                   help="shared secret of this job (default: env RECOVER_JOB_TOKEN or generated)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.nproc_per_node < 1:
+        raise LaunchUsageError("--nproc-per-node must be >= 1")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise LaunchUsageError("--node-rank must be in [0, --nnodes); got "
+                               f"--node-rank {args.node_rank} --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.master_port == 0:
+        raise LaunchUsageError("--master-port 0 works on one node only: give every node the same port")
+    if not os.path.isfile(args.script):
+        raise LaunchUsageError(f"script {args.script!r} not found: pass the path of the training script")
+    if args.term_grace < 0:
+        raise LaunchUsageError("--term-grace must be >= 0")
+    if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
+        raise LaunchUsageError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+    if (not args.no_coordinator and args.nnodes > 1 and args.coordinator_port == 0
+            and "RECOVER_COORDINATOR" not in os.environ):
+        raise LaunchUsageError("with --nnodes > 1 give every node the same --coordinator-port "
+                               "(or set RECOVER_COORDINATOR=host:port)")
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def preload(modules: str) -> None:
+    """Import the heavy modules once so every forked rank starts warm."""
+    if modules.strip().lower() in ("", "none"):
+        return
+    for name in modules.split(","):
+        importlib.import_module(name.strip())
+    if threading.active_count() > 1:
+        # fork() copies only the calling thread; a lock held by another thread stays held forever.
+        log(f"warning: {threading.active_count() - 1} thread(s) running before fork")
+
+
+def exit_code_of(code: object) -> int:
+    """Map a SystemExit payload to a process status the way the interpreter does."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_rank(script: str, script_args: list[str], env: dict[str, str]) -> NoReturn:
+    """Body of a forked child: become a fresh `python script.py args` process, never return."""
+    code = 1
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # what the interpreter sets at start-up
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        os.environ.update(env)
+        sys.argv = [script, *script_args]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = exit_code_of(e.code)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = 128 + signal.SIGINT
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()  # the script's (and preloaded modules') exit hooks, as at exit
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+@dataclass
+class Rank:
+    rank: int
+    pid: int
+    status: int | None = None  # raw waitpid status once exited
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.status is None else os.waitstatus_to_exitcode(self.status)
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        return f"killed by signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def rank_env(args: argparse.Namespace, local_rank: int, extra: dict[str, str]) -> dict[str, str]:
+    world = args.nnodes * args.nproc_per_node
+    env = {
+        "RANK": str(args.node_rank * args.nproc_per_node + local_rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
+        "GROUP_RANK": str(args.node_rank),
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(args.master_port),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    env.update(extra)
+    return env
+
+
+def fork_rank(script: str, script_args: list[str], env: dict[str, str]) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        run_rank(script, script_args, env)
+    return pid
+
+
+class Supervisor:
+    """Waits for the ranks, forwards termination signals, feeds the coordinator link."""
+
+    def __init__(self, ranks: list[Rank], term_grace: float, link=None):
+        self.ranks = {r.pid: r for r in ranks}
+        self.term_grace = term_grace
+        self.link = link
+        self.kill_deadline: float | None = None
+        self.stop_signal: int | None = None
+        self.fenced: set[int] = set()
+
+    def live(self) -> list[Rank]:
+        return [r for r in self.ranks.values() if r.status is None]
+
+    def on_signal(self, signum: int, _frame) -> None:
+        if self.stop_signal is not None:  # second Ctrl-C: no more patience
+            self.kill_deadline = 0.0
+            return
+        self.stop_signal = signum
+        self.kill_deadline = time.monotonic() + self.term_grace
+        log(f"got {signal.Signals(signum).name}: sending SIGTERM to {len(self.live())} rank(s)")
+        self._signal_all(signal.SIGTERM)
+
+    def _signal_all(self, sig: int) -> None:
+        for r in self.live():
+            try:
+                os.kill(r.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def run(self) -> None:
+        """Block until every rank has exited; a signal or a child exit wakes the loop at once."""
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        poller = select.poll()
+        poller.register(wake_r, select.POLLIN)
+        pidfds = []
+        try:
+            for r in self.live():
+                fd = os.pidfd_open(r.pid)
+                pidfds.append(fd)
+                poller.register(fd, select.POLLIN)
+        except (OSError, AttributeError):  # no pidfd (kernel < 5.3): poll waitpid instead
+            pass
+        polling = len(pidfds) < len(self.live())
+        try:
+            while True:
+                self._reap()
+                if not self.live():
+                    return
+                if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
+                    log(f"grace period over: SIGKILL to {len(self.live())} rank(s)")
+                    self._signal_all(signal.SIGKILL)
+                    self.kill_deadline = float("inf")
+                if self.link is not None:
+                    self._fence(self.link.dead_ranks())
+                timeout = 0.01 if polling else (0.2 if self.link is not None else 5.0)
+                if self.kill_deadline is not None:
+                    timeout = max(0.0, min(timeout, self.kill_deadline - time.monotonic()))
+                poller.poll(timeout * 1000)
+                try:
+                    os.read(wake_r, 512)
+                except BlockingIOError:
+                    pass
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            for fd in (*pidfds, wake_r, wake_w):
+                os.close(fd)
+
+    def _reap(self) -> None:
+        for r in self.live():
+            pid, status = os.waitpid(r.pid, os.WNOHANG)
+            if pid == 0:
+                continue
+            r.status = status
+            if self.link is not None:
+                self.link.report_exit(r.rank, r.exit_code)
+
+    def _fence(self, dead: frozenset[int]) -> None:
+        for r in self.live():
+            if r.rank in dead and r.rank not in self.fenced:
+                self.fenced.add(r.rank)
+                log(f"rank {r.rank} declared dead by the coordinator: SIGKILL")
+                os.kill(r.pid, signal.SIGKILL)
+
+
+def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) -> int:
+    failed = [r for r in ranks if r.exit_code != 0]
+    for r in failed:
+        log(f"rank {r.rank} (pid {r.pid}) failed: {describe(r.exit_code)}")
+    if not failed:
+        log(f"all {len(ranks)} rank(s) exited 0")
+        return 0
+    if completion is not None:
+        epoch, dead = completion
+        unexpected = [r.rank for r in failed if r.rank not in dead]
+        if not unexpected:
+            log(f"{len(failed)} of {len(ranks)} rank(s) failed, but the job declared completion at "
+                f"epoch {epoch} with those ranks already dead: success")
+            return 0
+        log(f"job declared completion at epoch {epoch}, but rank(s) {unexpected} failed outside it")
+    log(f"{len(failed)} of {len(ranks)} rank(s) failed")
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        validate(args)
+    except LaunchUsageError as e:
+        print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: threads are sized at init
+    if args.master_port == 0:
+        args.master_port = free_port(args.master_addr)
+    preload(args.preload)
+
+    coordinator = None
+    extra_env: dict[str, str] = {}
+    if not args.no_coordinator:
+        try:  # TEMPORARY until the coordinator lands (next commits)
+            from recover_patches.collectives.launcher_link import start_or_join_coordinator
+        except ImportError:
+            start_or_join_coordinator = None
+        if start_or_join_coordinator is not None:
+            coordinator, extra_env = start_or_join_coordinator(
+                args, token=args.job_token or os.environ.get("RECOVER_JOB_TOKEN") or secrets.token_hex(16))
+    # Block termination signals while forking: a child must not run the launcher's handler in
+    # the instant before it installs its own, and the launcher must not die between two forks.
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    ranks = [Rank(rank=args.node_rank * args.nproc_per_node + i,
+                  pid=fork_rank(args.script, args.script_args, rank_env(args, i, extra_env)))
+             for i in range(args.nproc_per_node)]
+    link = coordinator.connect() if coordinator is not None else None
+    sup = Supervisor(ranks, args.term_grace, link)
+    signal.signal(signal.SIGTERM, sup.on_signal)
+    signal.signal(signal.SIGINT, sup.on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+    completion = None
+    try:
+        sup.run()
+    finally:
+        if coordinator is not None:
+            completion = coordinator.finish(link)
+    status = summarize(ranks, completion)
+    if sup.stop_signal is not None:
+        return 128 + sup.stop_signal
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The launcher with tiny rank scripts (no torch in the children: --preload none)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+# Every rank records its pid and env, then behaves as told by its per-rank line in BEHAVIOUR.
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    info = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "GROUP_RANK")}
+    info.update(pid=os.getpid(), argv=sys.argv, name=__name__,
+                preloaded="xml.dom.minidom" in sys.modules)
+    with open(os.path.join(out, f"start.{rank}"), "w") as f:
+        json.dump(info, f)
+    action = json.loads(sys.argv[2]).get(str(rank), "ok")
+    if action == "exit3":
+        sys.exit(3)
+    if action == "raise":
+        raise ValueError("boom from the rank script")
+    if action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action in ("sleep", "ignore_term"):
+        open(os.path.join(out, f"sleeping.{rank}"), "w").close()
+        time.sleep(60)
+    time.sleep(0.5)  # outlive the failing ranks: their death must not take us down
+    open(os.path.join(out, f"done.{rank}"), "w").close()
+""")
+
+
+def start_launcher(tmp_path: Path, nproc: int, behaviour: dict, *extra: str) -> subprocess.Popen:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(nproc),
+           "--no-coordinator", "--preload", "none", "--master-port", "0", *extra,
+           str(script), str(tmp_path), json.dumps(behaviour)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def rank_pids(tmp_path: Path) -> list[int]:
+    return [json.loads(p.read_text())["pid"] for p in tmp_path.glob("start.*")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 20) -> tuple[int, str]:
+    """Wait for the launcher; whatever happens, kill it and every rank it started, by PID."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err
+    finally:
+        for pid in [proc.pid, *rank_pids(tmp_path)]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_for_files(tmp_path: Path, pattern: str, count: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(tmp_path.glob(pattern))) < count:
+        assert time.monotonic() < deadline, f"timed out waiting for {count} x {pattern}"
+        time.sleep(0.02)
+
+
+def test_env_argv_and_preload(tmp_path):
+    proc = start_launcher(tmp_path, 3, {}, "--preload", "xml.dom.minidom")
+    code, err = finish(proc, tmp_path)
+    assert code == 0, err
+    infos = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp_path.glob("start.*")}
+    assert sorted(infos) == [0, 1, 2]
+    ports = {i["MASTER_PORT"] for i in infos.values()}
+    assert len(ports) == 1 and int(ports.pop()) > 0  # --master-port 0 resolved once for all
+    for rank, info in infos.items():
+        assert info["RANK"] == info["LOCAL_RANK"] == str(rank)
+        assert info["WORLD_SIZE"] == info["LOCAL_WORLD_SIZE"] == "3"
+        assert info["GROUP_RANK"] == "0" and info["MASTER_ADDR"] == "127.0.0.1"
+        assert info["OMP_NUM_THREADS"] == "1"
+        assert info["name"] == "__main__"
+        assert info["argv"][0].endswith("rank.py") and info["argv"][1] == str(tmp_path)
+        assert info["preloaded"] is True
+    assert "all 3 rank(s) exited 0" in err
+    assert not any(alive(pid) for pid in rank_pids(tmp_path))
+
+
+def test_multi_node_rank_numbering(tmp_path):
+    # The port is only passed on here (nothing listens in these ranks); the last flag wins.
+    proc = start_launcher(tmp_path, 2, {}, "--nnodes", "3", "--node-rank", "2", "--master-port", "1234")
+    code, err = finish(proc, tmp_path)
+    assert code == 0, err
+    infos = [json.loads(p.read_text()) for p in tmp_path.glob("start.*")]
+    assert sorted((i["RANK"], i["LOCAL_RANK"]) for i in infos) == [("4", "0"), ("5", "1")]
+    assert {i["WORLD_SIZE"] for i in infos} == {"6"}
+
+
+def test_failing_ranks_do_not_kill_the_others(tmp_path):
+    proc = start_launcher(tmp_path, 4, {"1": "exit3", "2": "raise", "3": "sigkill"})
+    code, err = finish(proc, tmp_path)
+    assert code == 1
+    assert (tmp_path / "done.0").exists(), "rank 0 was taken down by the failure of others"
+    assert "rank 1 (pid" in err and "failed: exit code 3" in err
+    assert "failed: exit code 1" in err and "ValueError: boom from the rank script" in err
+    assert "rank 3 (pid" in err and "killed by signal SIGKILL" in err
+    assert "3 of 4 rank(s) failed" in err
+    assert "rank 0 (pid" not in err
+    assert not any(alive(pid) for pid in rank_pids(tmp_path))
+
+
+def test_sigterm_is_forwarded_then_sigkill_after_grace(tmp_path):
+    proc = start_launcher(tmp_path, 2, {"0": "sleep", "1": "ignore_term"}, "--term-grace", "0.5")
+    try:
+        wait_for_files(tmp_path, "sleeping.*", 2)
+    except AssertionError:
+        finish(proc, tmp_path, timeout=1)
+        raise
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc, tmp_path)
+    assert code == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 5
+    assert "rank 0" in err and "killed by signal SIGTERM" in err
+    assert "rank 1" in err and "killed by signal SIGKILL" in err
+    assert not any(alive(pid) for pid in rank_pids(tmp_path))
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-port", "0"], "--master-port"),
+    (["--heartbeat-interval", "3", "--heartbeat-timeout", "1"], "--heartbeat-interval"),
+])
+def test_usage_errors_exit_2_and_start_nothing(tmp_path, flags, needle):
+    proc = start_launcher(tmp_path, 2, {}, *flags)
+    code, err = finish(proc, tmp_path)
+    assert code == 2 and needle in err
+    assert not list(tmp_path.glob("start.*"))
