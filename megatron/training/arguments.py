@@ -1,0 +1,88 @@
+"""Command line of `pretrain_gpt_recover.py`: Megatron-LM's `pretrain_gpt.py` flags plus ReCoVer's.
+
+Attribute names are Megatron-LM's argparse dests (args.num_layers, args.micro_batch_size, ...), so
+code written against Megatron's `args` reads ours the same way. The flags themselves are declared in
+`arguments_flags` / `arguments_recover` / `arguments_unsupported`, the rules in `arguments_validate_*`.
+
+Derived by `validate_args` (beyond Megatron-LM's usual ffn/kv/lr-decay defaults):
+  world_size, rank, local_rank, data_parallel_size, device, params_dtype,
+  num_microbatches_per_iteration = global_batch_size // micro_batch_size   (M, NOT divided by DP)
+Deviations from Megatron-LM, each documented in the flag's help: --ckpt-format defaults to torch;
+on CPU --distributed-backend nccl means gloo; --rampup-batch-size is allowed with --train-iters;
+args.recover is a bool; args.attention_backend stays a string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron.training.arguments_errors import ArgumentError
+from megatron.training.arguments_flags import (
+    add_batch_args, add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
+    add_optimizer_args, add_parallel_args, add_precision_args)
+from megatron.training.arguments_recover import add_recover_args, apply_recover_env_defaults
+from megatron.training.arguments_unsupported import add_refused_args, reject_unsupported_values
+from megatron.training.arguments_validate_io import (
+    validate_checkpointing, validate_data, validate_logging, validate_recover, validate_tokenizer)
+from megatron.training.arguments_validate_model import (
+    validate_device_flags, validate_model_shape, validate_parallel)
+from megatron.training.arguments_validate_schedule import (
+    global_batch_size_at, validate_batch, validate_lr_and_weight_decay, validate_training_length)
+
+__all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args", "parse_and_validate",
+           "global_batch_size_at", "PROG"]
+
+PROG = "pretrain_gpt_recover.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False as in Megatron-LM: a prefix of a flag must not silently mean the flag.
+    parser = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        description="Resilient GPT pre-training: Megatron-LM pretrain_gpt.py flags plus ReCoVer's.")
+    for add_group in (add_model_args, add_parallel_args, add_batch_args, add_optimizer_args,
+                      add_data_args, add_checkpoint_args, add_logging_args, add_precision_args,
+                      add_recover_args, add_refused_args):
+        add_group(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse only. argparse's own errors exit 2; refused Megatron flags raise ArgumentError."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    apply_recover_env_defaults(args)
+    reject_unsupported_values(args)
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu") -> argparse.Namespace:
+    """Check the flags against each other and the job, fill derived values; raise ArgumentError."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    reject_unsupported_values(args)  # also for namespaces that did not come from parse_args
+    validate_parallel(args, world_size)
+    validate_model_shape(args)
+    validate_device_flags(args, device)
+    validate_batch(args)
+    validate_training_length(args)
+    validate_lr_and_weight_decay(args)
+    warnings = validate_data(args)
+    validate_tokenizer(args)
+    validate_checkpointing(args)
+    validate_logging(args)
+    validate_recover(args)
+    # Printed only once everything passed, so a failing run shows exactly one error line.
+    if args.rank == 0:
+        for line in warnings:
+            print(line, file=sys.stderr, flush=True)
+    return args
+
+
+def parse_and_validate(argv: list[str] | None, world_size: int, device: str = "cpu") -> argparse.Namespace:
+    """The entry point's call: a user error becomes one stderr line and exit code 2."""
+    try:
+        return validate_args(parse_args(argv), world_size, device)
+    except ArgumentError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

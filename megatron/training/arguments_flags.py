@@ -1,0 +1,181 @@
+"""The Megatron-LM `pretrain_gpt.py` flags ReCoVer accepts: same names, dests and defaults.
+
+Only declarations live here; every cross-flag rule is in the `arguments_validate_*` modules, so a
+flag's meaning can be read in one place and its constraints in another.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# The split Megatron falls back to (with a warning) when --data-path is given without --split.
+LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP hidden size. Default 4*hidden (with --swiglu: 8/3*hidden rounded down to 64).")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Per-head projection size. Default hidden-size // num-attention-heads.")
+    g.add_argument("--seq-length", type=int, default=None, help="Tokens per sample.")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Largest sequence length position embeddings support (>= --seq-length).")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope"], help="Position embedding kind.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this (times TP size).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Give the output layer its own weights instead of sharing the input embedding.")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="Normalization layer kind.")
+    g.add_argument("--swiglu", action="store_true", help="Use a gated SwiGLU MLP instead of GeLU.")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="Drop the biases of linear layers.")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="Standard deviation of the normal weight initialisation.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probs.")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="Attention kernel. On CPU every allowed value runs torch SDPA attention; "
+                        "flash and fused need a GPU. Kept as a string (megatron-core's AttnBackend[name]).")
+    g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
+                   help="Layer implementation. Default: transformer_engine on GPU when it is "
+                        "importable, else local (always local on CPU).")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="Scale Q*K^T by 1/layer-number (fp16 stability).")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="Compute the attention softmax in fp32.")
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor parallel size.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline stages.")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Sequence parallelism over the TP group (GPU only: gloo has no reduce-scatter).")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Context parallel size. ReCoVer supports only 1.")
+    g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
+                   help="Collective backend. On CPU, nccl means gloo (the CPU backend), silently.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="Timeout for building process groups, in minutes.")
+    g.add_argument("--local-rank", type=int, default=None,
+                   help="Local rank; accepted for compatibility, the LOCAL_RANK env var wins.")
+    g.add_argument("--use-cpu-initialization", action="store_true", default=None,
+                   help="Initialise weights on the CPU.")
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("batch and length of training")
+    g.add_argument("--micro-batch-size", type=int, required=True, help="Samples per microbatch.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per iteration. Default micro-batch-size * data-parallel size.")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCR", "SAMPLES"),
+                   help="Grow the global batch from START by INCR over SAMPLES samples. Unlike "
+                        "Megatron-LM, also allowed with --train-iters.")
+    g.add_argument("--train-iters", type=int, default=None, help="Iterations to train for.")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Samples to train for (sets train-iters; excludes --train-iters).")
+
+
+def add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
+                   help="Optimizer. Only adam is supported by ReCoVer.")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning rate decay.")
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   help="Learning rate decay shape.")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="Iterations to decay over. Default --train-iters.")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Samples to decay over (sample-based runs). Default --train-samples.")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warmup length as a fraction of the decay length.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warmup length in iterations.")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="Warmup length in samples.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate warmup starts at.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay coefficient.")
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="Initial weight decay (non-constant --weight-decay-incr-style).")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="Final weight decay (non-constant --weight-decay-incr-style).")
+    g.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"], help="Weight decay schedule.")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip (0: off).")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed.")
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help='Dataset prefix, or a blend "W1 PREFIX1 W2 PREFIX2 ...".')
+    g.add_argument("--split", default=None,
+                   help=f'Train/valid/test weights, e.g. "949,50,1". Default "{LEGACY_DEFAULT_SPLIT}" '
+                        "(with a warning when --data-path is given).")
+    g.add_argument("--mock-data", action="store_true", help="Train on synthetic data (no --data-path).")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   choices=["GPT2BPETokenizer", "NullTokenizer"], help="Tokenizer kind.")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json.")
+    g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt.")
+    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
+    g.add_argument("--data-cache-path", default=None, help="Where dataset index caches are written.")
+    g.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="Restart position ids after each end-of-document token.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="Do not attend across end-of-document tokens.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document tokens.")
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="Directory to save checkpoints to.")
+    g.add_argument("--load", default=None, help="Directory to load a checkpoint from.")
+    g.add_argument("--save-interval", type=int, default=None, help="Iterations between saves.")
+    g.add_argument("--no-save-optim", action="store_true", default=None,
+                   help="Do not save optimizer state.")
+    g.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG state.")
+    g.add_argument("--no-load-optim", action="store_true", default=None,
+                   help="Do not load optimizer state.")
+    g.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load RNG state.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load weights only and start from iteration 0.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM: save a checkpoint and exit.")
+    g.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                   help="Checkpoint format. Default torch (per-rank torch files), unlike Megatron-LM's "
+                        "torch_dist, which ReCoVer does not support yet.")
+
+
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    g.add_argument("--eval-iters", type=int, default=100, help="Iterations per evaluation.")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="Write TensorBoard logs here (needs the tensorboard package).")
+    g.add_argument("--metrics-file", default=None,
+                   help="ReCoVer: append one JSON record per iteration to this JSONL file.")
+
+
+def add_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("precision")
+    g.add_argument("--fp16", action="store_true", help="fp16 training (GPU only).")
+    g.add_argument("--bf16", action="store_true", help="bf16 training (GPU only).")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="Static fp16 loss scale; default dynamic.")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="Starting dynamic loss scale.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Accumulate and reduce gradients in fp32.")

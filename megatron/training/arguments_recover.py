@@ -1,0 +1,42 @@
+"""ReCoVer's own flags: in-job recovery, its membership coordinator, and fault injection."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+COORDINATOR_ENV = "RECOVER_COORDINATOR"
+JOB_TOKEN_ENV = "RECOVER_JOB_TOKEN"
+
+
+def add_recover_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("ReCoVer")
+    g.add_argument("--recover", default="on", choices=["on", "off"],
+                   help="on: survive rank loss inside the job. off: stock behaviour, a rank death ends "
+                        "the job (restart from --load). Stored as a bool in args.recover.")
+    g.add_argument("--recover-policy", default="redistribute", choices=["redistribute", "drop"],
+                   help="redistribute: re-run a failed replica's microbatches on survivors (same global "
+                        "batch). drop: skip them (the replica-dropping baseline).")
+    g.add_argument("--recover-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="A collective that makes no progress for this long declares its peers failed.")
+    g.add_argument("--recover-min-replicas", type=int, default=1,
+                   help="Stop cleanly (for checkpoint-restart) when fewer replicas than this survive.")
+    g.add_argument("--inject-fault", action="append", default=[], metavar="SPEC",
+                   help="Inject a deterministic fault (repeatable); see recover_patches fault injection.")
+    g.add_argument("--recover-heartbeat-interval", type=float, default=0.5, metavar="SECONDS",
+                   help="Seconds between heartbeats to the coordinator.")
+    g.add_argument("--coordinator-addr", default=None, metavar="HOST:PORT",
+                   help=f"Membership coordinator address. Default: env {COORDINATOR_ENV}.")
+    g.add_argument("--job-token", default=None,
+                   help=f"Shared secret of this job's ranks. Default: env {JOB_TOKEN_ENV}.")
+
+
+def apply_recover_env_defaults(args: argparse.Namespace) -> None:
+    """Fill env-provided defaults after parsing (read late, so the token never shows up in --help)."""
+    if args.coordinator_addr is None:
+        args.coordinator_addr = os.environ.get(COORDINATOR_ENV) or None
+    if args.job_token is None:
+        args.job_token = os.environ.get(JOB_TOKEN_ENV) or None
+    # "on"/"off" strings are a trap in Python code (`if "off":` is true): callers get a bool.
+    if isinstance(args.recover, str):
+        args.recover = args.recover == "on"

@@ -1,0 +1,83 @@
+"""Megatron-LM flags ReCoVer knows but refuses: removed upstream, or not supported by ReCoVer yet.
+
+They are registered on the parser with an action that raises at once, so the user learns what to do
+instead of getting argparse's generic "unrecognized arguments".
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NamedTuple
+
+from megatron.training.arguments_errors import ArgumentError
+
+
+class RefusedFlag(NamedTuple):
+    flag: str
+    nargs: int  # values the flag takes, so argparse consumes them instead of reporting them unknown
+    message: str
+    fix: str
+
+
+_NOT_YET = "is not supported by ReCoVer yet"
+
+REMOVED_FLAGS: tuple[RefusedFlag, ...] = (
+    RefusedFlag("--data-impl", 1, "was removed from Megatron-LM: indexed datasets are always mmap",
+                "drop the flag"),
+    RefusedFlag("--checkpoint-activations", 0,
+                "was removed from Megatron-LM, replaced by --recompute-activations / "
+                "--recompute-granularity", "use --recompute-activations / --recompute-granularity "
+                "(not supported by ReCoVer yet: drop the flag)"),
+    RefusedFlag("--activations-checkpoint-method", 1,
+                "was removed from Megatron-LM, replaced by --recompute-method",
+                "use --recompute-method (not supported by ReCoVer yet: drop the flag)"),
+)
+
+UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
+    RefusedFlag(flag, nargs, _NOT_YET, "drop the flag")
+    for flag, nargs in (
+        ("--num-layers-per-virtual-pipeline-stage", 1),
+        ("--expert-model-parallel-size", 1),
+        ("--num-experts", 1),
+        ("--use-distributed-optimizer", 0),
+        ("--overlap-grad-reduce", 0),
+        ("--overlap-param-gather", 0),
+        ("--async-save", 0),
+        ("--recompute-activations", 0),
+        ("--recompute-granularity", 1),
+        ("--recompute-method", 1),
+        ("--recompute-num-layers", 1),
+        ("--fp8-format", 1),
+        ("--use-flash-attn", 0),
+    )
+)
+
+
+class _RefuseAction(argparse.Action):
+    def __init__(self, option_strings, dest, refused: RefusedFlag, **kwargs) -> None:
+        self.refused = refused
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        r = self.refused
+        raise ArgumentError(r.flag, f"{r.flag} {r.message}", r.fix)
+
+
+def add_refused_args(parser: argparse.ArgumentParser) -> None:
+    for refused in REMOVED_FLAGS + UNSUPPORTED_FLAGS:
+        parser.add_argument(refused.flag, nargs=refused.nargs, action=_RefuseAction,
+                            refused=refused, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def reject_unsupported_values(args: argparse.Namespace) -> None:
+    """Flags ReCoVer accepts but not with every value Megatron-LM allows."""
+    if args.context_parallel_size != 1:
+        raise ArgumentError("--context-parallel-size",
+                            f"--context-parallel-size {args.context_parallel_size} {_NOT_YET}",
+                            "use --context-parallel-size 1 (or drop the flag)")
+    if args.optimizer != "adam":
+        raise ArgumentError("--optimizer", f"--optimizer {args.optimizer} {_NOT_YET}",
+                            "use --optimizer adam")
+    if args.ckpt_format != "torch":
+        raise ArgumentError("--ckpt-format", f"--ckpt-format {args.ckpt_format} {_NOT_YET}",
+                            "use --ckpt-format torch")

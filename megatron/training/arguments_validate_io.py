@@ -1,0 +1,112 @@
+"""Checks for what the job reads and writes: data, tokenizer, checkpoints, logs; and ReCoVer's flags."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+from megatron.training.arguments_errors import ArgumentError
+from megatron.training.arguments_flags import LEGACY_DEFAULT_SPLIT
+
+# megatron-core's mock dataset always uses this even split; say so in args rather than hide it.
+MOCK_DATA_SPLIT = "1,1,1"
+
+
+def validate_data(args: argparse.Namespace) -> list[str]:
+    """Returns warnings for the caller to print once every check has passed."""
+    warnings: list[str] = []
+    if args.mock_data and args.data_path is not None:
+        raise ArgumentError("--mock-data", "--mock-data and --data-path are exclusive",
+                            "drop --data-path to train on mock data, or drop --mock-data")
+    if not args.mock_data and not args.data_path:
+        raise ArgumentError("--data-path", "no training data given",
+                            "pass --data-path PREFIX (or 'W1 PREFIX1 W2 PREFIX2 ...'), or --mock-data")
+    if args.data_path:
+        _check_blend(args.data_path)
+    if args.split is None:
+        if args.mock_data:
+            args.split = MOCK_DATA_SPLIT
+        else:
+            warnings.append("WARNING: --split not given with --data-path; using the legacy "
+                            f'default "{LEGACY_DEFAULT_SPLIT}"')
+            args.split = LEGACY_DEFAULT_SPLIT
+    if args.num_workers < 0:
+        raise ArgumentError("--num-workers", "--num-workers must be >= 0", "pass --num-workers 2")
+    return warnings
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_blend(data_path: list[str]) -> None:
+    """A blend is either prefixes only, or weight/prefix pairs: half-weighted lists are typos."""
+    if len(data_path) < 2 or len(data_path) % 2 == 1:
+        return
+    weights = data_path[0::2]
+    numeric = [_is_number(w) for w in weights]
+    if any(numeric) and not all(numeric):
+        raise ArgumentError("--data-path", f"blend {' '.join(data_path)!r} mixes weighted and "
+                            "unweighted entries", "pass 'W1 PREFIX1 W2 PREFIX2 ...' or only prefixes")
+    if all(numeric) and any(float(w) < 0 for w in weights):
+        raise ArgumentError("--data-path", "blend weights must be >= 0", "fix the weights")
+
+
+def validate_tokenizer(args: argparse.Namespace) -> None:
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None or args.vocab_size < 1:
+            raise ArgumentError("--vocab-size", "NullTokenizer needs a positive --vocab-size",
+                                "pass --vocab-size N")
+        return
+    for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        if path is None:
+            raise ArgumentError(flag, f"{args.tokenizer_type} needs {flag}",
+                                f"pass {flag} PATH, or use --tokenizer-type NullTokenizer --vocab-size N")
+        if not os.path.isfile(path):
+            raise ArgumentError(flag, f"{flag} file not found: {path}", f"pass an existing {flag}")
+
+
+def validate_checkpointing(args: argparse.Namespace) -> None:
+    if args.save is not None and (args.save_interval is None or args.save_interval < 1):
+        raise ArgumentError("--save-interval", "--save needs a positive --save-interval",
+                            "pass --save-interval N (iterations between saves)")
+
+
+def validate_logging(args: argparse.Namespace) -> None:
+    for flag, value, least in (("--log-interval", args.log_interval, 1),
+                               ("--eval-interval", args.eval_interval, 1),
+                               ("--eval-iters", args.eval_iters, 0)):
+        if value < least:
+            raise ArgumentError(flag, f"{flag} must be >= {least}, got {value}", f"pass {flag} {least}")
+    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ArgumentError("--tensorboard-dir", "the tensorboard package is not installed",
+                            "pip install tensorboard or drop the flag")
+
+
+def validate_recover(args: argparse.Namespace) -> None:
+    if args.recover_timeout <= 0:
+        raise ArgumentError("--recover-timeout", "--recover-timeout must be > 0 seconds",
+                            "pass --recover-timeout 10")
+    if not 0 < args.recover_heartbeat_interval < args.recover_timeout:
+        raise ArgumentError("--recover-heartbeat-interval", "the heartbeat interval must be > 0 and "
+                            f"shorter than --recover-timeout {args.recover_timeout}",
+                            "pass --recover-heartbeat-interval 0.5")
+    dp = args.data_parallel_size
+    if not 1 <= args.recover_min_replicas <= dp:
+        raise ArgumentError("--recover-min-replicas", f"--recover-min-replicas "
+                            f"{args.recover_min_replicas} must be between 1 and the {dp} "
+                            "data-parallel replicas of this job", f"pass a value in 1..{dp}")
+    if args.coordinator_addr is not None:
+        _check_host_port(args.coordinator_addr)
+
+
+def _check_host_port(addr: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ArgumentError("--coordinator-addr", f"{addr!r} is not HOST:PORT",
+                            "pass --coordinator-addr HOST:PORT (or set RECOVER_COORDINATOR)")

@@ -1,0 +1,159 @@
+"""Checks and derived values for model shape, parallel layout and the device-dependent flags."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+from megatron.training.arguments_errors import ArgumentError
+
+DEVICES = ("cpu", "cuda")
+
+
+def _require_positive(args: argparse.Namespace, dest: str, fix: str) -> None:
+    flag = "--" + dest.replace("_", "-")
+    value = getattr(args, dest)
+    if value is None:
+        raise ArgumentError(flag, f"{flag} is required", fix)
+    if value < 1:
+        raise ArgumentError(flag, f"{flag} must be >= 1, got {value}", fix)
+
+
+def validate_parallel(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require_positive(args, "tensor_model_parallel_size", "pass a positive --tensor-model-parallel-size")
+    _require_positive(args, "pipeline_model_parallel_size",
+                      "pass a positive --pipeline-model-parallel-size")
+    if world_size % (tp * pp) != 0:
+        raise ArgumentError(
+            "--tensor-model-parallel-size",
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} * "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} (one model replica)",
+            f"launch a multiple of {tp * pp} ranks or change the TP/PP sizes")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    args.rank = int(os.environ.get("RANK", "0"))
+    # Megatron-LM semantics: the launcher's LOCAL_RANK wins over the (legacy) flag.
+    env_local_rank = os.environ.get("LOCAL_RANK")
+    if env_local_rank is not None:
+        args.local_rank = int(env_local_rank)
+    elif args.local_rank is None:
+        args.local_rank = 0
+
+
+def validate_model_shape(args: argparse.Namespace) -> None:
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "max_position_embeddings"):
+        flag = "--" + dest.replace("_", "-")
+        _require_positive(args, dest, f"pass {flag} N (N >= 1)")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.num_attention_heads % tp != 0:
+        raise ArgumentError(
+            "--num-attention-heads",
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}", "use a head count that is a multiple of the TP size")
+    if args.num_layers % pp != 0:
+        raise ArgumentError(
+            "--num-layers", f"--num-layers {args.num_layers} is not divisible by "
+            f"--pipeline-model-parallel-size {pp}", "use a layer count that is a multiple of the PP size")
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(
+            "--max-position-embeddings",
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}", f"set --max-position-embeddings >= {args.seq_length}")
+    _derive_kv_channels(args)
+    _derive_ffn_hidden_size(args)
+    for flag, value in (("--hidden-dropout", args.hidden_dropout),
+                        ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ArgumentError(flag, f"{flag} must be in [0, 1), got {value}", f"pass {flag} 0.1")
+    if args.make_vocab_size_divisible_by < 1:
+        raise ArgumentError("--make-vocab-size-divisible-by", "--make-vocab-size-divisible-by must be "
+                            ">= 1", "pass --make-vocab-size-divisible-by 128")
+
+
+def _derive_kv_channels(args: argparse.Namespace) -> None:
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads != 0:
+            raise ArgumentError(
+                "--hidden-size", f"--hidden-size {args.hidden_size} is not divisible by "
+                f"--num-attention-heads {args.num_attention_heads} and --kv-channels is not given",
+                "make --hidden-size a multiple of --num-attention-heads, or pass --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    elif args.kv_channels < 1:
+        raise ArgumentError("--kv-channels", f"--kv-channels must be >= 1, got {args.kv_channels}",
+                            "drop --kv-channels (default hidden-size // num-attention-heads)")
+    # Rotary embeddings rotate channel pairs, so every head needs an even channel count.
+    if args.position_embedding_type == "rope" and args.kv_channels % 2 != 0:
+        raise ArgumentError("--kv-channels", f"rope needs an even per-head size, got kv-channels "
+                            f"{args.kv_channels}", "choose --hidden-size / --num-attention-heads "
+                            "(or --kv-channels) giving an even per-head size")
+
+
+def _derive_ffn_hidden_size(args: argparse.Namespace) -> None:
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Megatron-LM's rule: a gated MLP has two input projections, so shrink to 2/3 of 4*h
+            # (keeping the parameter count) and round down to a multiple of 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+        if args.ffn_hidden_size < 1:
+            raise ArgumentError("--ffn-hidden-size", f"--swiglu with --hidden-size {args.hidden_size} "
+                                "gives an empty MLP (2/3*4*hidden rounds down to 0 in steps of 64)",
+                                "pass --ffn-hidden-size explicitly")
+    elif args.ffn_hidden_size < 1:
+        raise ArgumentError("--ffn-hidden-size", f"--ffn-hidden-size must be >= 1, got "
+                            f"{args.ffn_hidden_size}", "drop --ffn-hidden-size (default 4*hidden)")
+    tp = args.tensor_model_parallel_size
+    if args.ffn_hidden_size % tp != 0:
+        raise ArgumentError("--ffn-hidden-size", f"--ffn-hidden-size {args.ffn_hidden_size} is not "
+                            f"divisible by --tensor-model-parallel-size {tp}",
+                            "use an MLP size that is a multiple of the TP size")
+
+
+def validate_device_flags(args: argparse.Namespace, device: str) -> None:
+    """Flags whose meaning depends on the device; CPU runs gloo, fp32 and torch SDPA attention."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    args.device = device
+    on_cpu = device == "cpu"
+    if args.sequence_parallel and on_cpu:
+        raise ArgumentError("--sequence-parallel", "sequence parallelism needs reduce-scatter, which "
+                            "gloo (the CPU backend) does not have", "drop --sequence-parallel on CPU")
+    if args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # as Megatron-LM: nothing to split without TP
+    if on_cpu and args.distributed_backend == "nccl":
+        args.distributed_backend = "gloo"  # documented meaning of the default on a CPU
+    if on_cpu and args.attention_backend in ("flash", "fused"):
+        raise ArgumentError("--attention-backend", f"--attention-backend {args.attention_backend} "
+                            "needs a GPU", "use --attention-backend auto on CPU")
+    _resolve_transformer_impl(args, on_cpu)
+    _resolve_precision(args, on_cpu)
+    if on_cpu:
+        args.use_cpu_initialization = True  # there is no GPU to initialise on
+
+
+def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
+    te_available = importlib.util.find_spec("transformer_engine") is not None
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if (not on_cpu and te_available) else "local"
+    elif args.transformer_impl == "transformer_engine":
+        if on_cpu:
+            raise ArgumentError("--transformer-impl", "transformer_engine needs a GPU",
+                                "use --transformer-impl local on CPU (or drop the flag)")
+        if not te_available:
+            raise ArgumentError("--transformer-impl", "transformer_engine is not installed",
+                                "pip install transformer-engine or use --transformer-impl local")
+
+
+def _resolve_precision(args: argparse.Namespace, on_cpu: bool) -> None:
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--bf16", "--fp16 and --bf16 are exclusive", "pass only one of them")
+    for flag, on in (("--fp16", args.fp16), ("--bf16", args.bf16)):
+        if on and on_cpu:
+            raise ArgumentError(flag, "CPU training runs in fp32", f"drop {flag}")
+    import torch  # late: importing torch costs seconds and parsing alone must stay cheap
+
+    args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float

@@ -1,0 +1,148 @@
+"""Checks and derived values for batch sizes, training length and the LR / weight-decay schedules.
+
+ReCoVer's batch arithmetic differs from Megatron-LM in one place: an iteration is M = global/micro
+microbatches for the whole job, not per data-parallel rank, because the microbatches are dealt out
+to whichever replicas are alive (a replica may get any number of them, even none).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.training.arguments_errors import ArgumentError
+
+
+def validate_batch(args: argparse.Namespace) -> None:
+    micro = args.micro_batch_size
+    if micro < 1:
+        raise ArgumentError("--micro-batch-size", f"--micro-batch-size must be >= 1, got {micro}",
+                            "pass a positive --micro-batch-size")
+    if args.global_batch_size is None:
+        args.global_batch_size = micro * args.data_parallel_size
+    if args.global_batch_size < 1:
+        raise ArgumentError("--global-batch-size", "--global-batch-size must be >= 1",
+                            "pass a positive --global-batch-size")
+    if args.global_batch_size % micro != 0:
+        raise ArgumentError(
+            "--global-batch-size", f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {micro}", "make the global batch a multiple of the micro batch")
+    args.num_microbatches_per_iteration = args.global_batch_size // micro
+    if args.rampup_batch_size is not None:
+        _validate_rampup(args)
+
+
+def _validate_rampup(args: argparse.Namespace) -> None:
+    start, incr, samples = args.rampup_batch_size
+    micro, final = args.micro_batch_size, args.global_batch_size
+    flag = "--rampup-batch-size"
+    if start < 1 or incr < 1 or samples < 0:
+        raise ArgumentError(flag, f"{flag} needs START >= 1, INCR >= 1, SAMPLES >= 0, got "
+                            f"{start} {incr} {samples}", f"pass {flag} START INCR SAMPLES")
+    if start % micro != 0 or incr % micro != 0:
+        raise ArgumentError(flag, f"START {start} and INCR {incr} must be multiples of "
+                            f"--micro-batch-size {micro}", "pick multiples of the micro batch")
+    if start > final or (final - start) % incr != 0:
+        raise ArgumentError(flag, f"ramping from {start} by {incr} does not reach "
+                            f"--global-batch-size {final} exactly",
+                            "pick START <= global batch with (global - START) a multiple of INCR")
+
+
+def global_batch_size_at(args: argparse.Namespace, consumed_samples: int) -> int:
+    """Global batch size of the iteration starting after `consumed_samples` samples (rampup aware).
+
+    The ramp goes from START up to --global-batch-size in equal steps of INCR, each step lasting an
+    equal share of SAMPLES; after SAMPLES consumed samples the full batch is used.
+    """
+    final = args.global_batch_size
+    if args.rampup_batch_size is None:
+        return final
+    start, incr, ramp_samples = args.rampup_batch_size
+    steps = (final - start) // incr
+    if steps == 0 or ramp_samples <= 0 or consumed_samples > ramp_samples:
+        return final
+    samples_per_step = ramp_samples / steps
+    return min(final, start + int(consumed_samples / samples_per_step) * incr)
+
+
+def _iterations_in_samples(args: argparse.Namespace, train_samples: int) -> int:
+    """Iterations whose whole global batch fits in `train_samples`, following the rampup."""
+    if args.rampup_batch_size is None:
+        return train_samples // args.global_batch_size
+    ramp_samples = args.rampup_batch_size[2]
+    consumed = iterations = 0
+    while consumed <= ramp_samples:
+        batch = global_batch_size_at(args, consumed)
+        if consumed + batch > train_samples:
+            return iterations
+        consumed += batch
+        iterations += 1
+    return iterations + (train_samples - consumed) // args.global_batch_size
+
+
+def validate_training_length(args: argparse.Namespace) -> None:
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ArgumentError("--train-samples", "--train-iters and --train-samples are exclusive",
+                            "pass only one of them")
+    if args.train_iters is None and args.train_samples is None:
+        raise ArgumentError("--train-iters", "the training length is missing",
+                            "pass --train-iters N or --train-samples N")
+    if args.train_iters is not None:
+        _check_not_mixed(args, sample_based=False)
+        if args.train_iters < 1:
+            raise ArgumentError("--train-iters", f"--train-iters must be >= 1, got {args.train_iters}",
+                                "pass a positive --train-iters")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        return
+    _check_not_mixed(args, sample_based=True)
+    args.train_iters = _iterations_in_samples(args, args.train_samples)
+    if args.train_iters < 1:
+        raise ArgumentError("--train-samples", f"--train-samples {args.train_samples} is less than "
+                            f"one global batch ({args.global_batch_size})", "train on more samples")
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+
+
+def _check_not_mixed(args: argparse.Namespace, sample_based: bool) -> None:
+    """Megatron-LM's rule: iteration-based and sample-based schedule flags must not be mixed."""
+    if sample_based:
+        mode, wrong = "--train-samples", (("--lr-decay-iters", args.lr_decay_iters is not None),
+                                          ("--lr-warmup-iters", args.lr_warmup_iters != 0))
+        counterpart = {"--lr-decay-iters": "--lr-decay-samples", "--lr-warmup-iters": "--lr-warmup-samples"}
+    else:
+        mode, wrong = "--train-iters", (("--lr-decay-samples", args.lr_decay_samples is not None),
+                                        ("--lr-warmup-samples", args.lr_warmup_samples != 0))
+        counterpart = {"--lr-decay-samples": "--lr-decay-iters", "--lr-warmup-samples": "--lr-warmup-iters"}
+    for flag, present in wrong:
+        if present:
+            raise ArgumentError(flag, f"{flag} cannot be mixed with {mode}",
+                                f"use {counterpart[flag]} instead")
+    warmup_flag = "--lr-warmup-samples" if sample_based else "--lr-warmup-iters"
+    warmup = args.lr_warmup_samples if sample_based else args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None and warmup != 0:
+        raise ArgumentError("--lr-warmup-fraction", f"--lr-warmup-fraction and {warmup_flag} are "
+                            "exclusive", "pass only one of them")
+
+
+def validate_lr_and_weight_decay(args: argparse.Namespace) -> None:
+    if args.lr is None:
+        raise ArgumentError("--lr", "--lr is required", "pass --lr, e.g. --lr 1.5e-4")
+    if args.min_lr > args.lr:
+        raise ArgumentError("--min-lr", f"--min-lr {args.min_lr} is above --lr {args.lr}",
+                            "pass --min-lr <= --lr")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        raise ArgumentError("--lr-warmup-fraction", "--lr-warmup-fraction must be in [0, 1]",
+                            "pass a fraction such as .01")
+    if args.weight_decay_incr_style == "constant":
+        for flag, value in (("--start-weight-decay", args.start_weight_decay),
+                            ("--end-weight-decay", args.end_weight_decay)):
+            if value is not None:
+                raise ArgumentError(flag, f"{flag} needs a non-constant --weight-decay-incr-style",
+                                    f"drop {flag} or pass --weight-decay-incr-style linear|cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    for flag, value in (("--start-weight-decay", args.start_weight_decay),
+                        ("--end-weight-decay", args.end_weight_decay)):
+        if value is None:
+            raise ArgumentError(flag, f"--weight-decay-incr-style {args.weight_decay_incr_style} "
+                                f"needs {flag}", f"pass {flag}")

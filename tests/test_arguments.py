@@ -1,0 +1,358 @@
+"""The Megatron-LM-compatible command line: published configs, defaults, derived values, user errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import (
+    ArgumentError, global_batch_size_at, parse_and_validate, parse_args, validate_args)
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "scripts" / "configs"
+ARRAY_NAMES = ("MODEL_ARGS", "PARALLEL_ARGS", "BATCH_ARGS", "OPT_ARGS", "DATA_ARGS", "CKPT_ARGS",
+               "LOG_ARGS", "PRECISION_ARGS")
+REMOVED = {"--data-impl": 1, "--activations-checkpoint-method": 1, "--checkpoint-activations": 0}
+
+# The published flag sets, verbatim (MEGATRON_FACTS.md), with placeholders for paths.
+_345M_COMMON = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+                "--max-position-embeddings 1024 --lr 0.00015 --lr-decay-iters 320000 "
+                "--lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 "
+                "--clip-grad 1.0 --data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE "
+                "--data-impl mmap --split 949,50,1 --save $CKPT_DIR --load $CKPT_DIR --save-interval 10000 "
+                "--log-interval 100 --eval-interval 1000 --eval-iters 10 --fp16")
+_GPT3_COMMON = ("--seq-length 2048 --max-position-embeddings 2048 --attention-backend auto "
+                "--train-iters 500000 --lr 6.0e-5 --min-lr 6.0e-6 --lr-decay-style cosine "
+                "--lr-warmup-fraction .001 --lr-decay-iters 430000 --weight-decay 0.1 --adam-beta1 0.9 "
+                "--adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --data-path $DATA_PATH "
+                "--vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1 --save $CKPT_DIR "
+                "--load $CKPT_DIR --save-interval 10000 --log-interval 100 --eval-interval 1000 "
+                "--eval-iters 10 --tensorboard-dir $TENSORBOARD_DIR --fp16")
+PUBLISHED = {  # name: (verbatim flags, world size of the published launch)
+    "gpt2_345m": (_345M_COMMON + " --micro-batch-size 4 --global-batch-size 8 --train-iters 500000", 1),
+    "gpt2_345m_with_mp": (_345M_COMMON + " --micro-batch-size 4 --global-batch-size 16 --train-iters "
+                          "500000 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                          "--sequence-parallel --activations-checkpoint-method uniform", 8),
+    "gpt3_857m": ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 "
+                  "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 1 --micro-batch-size 8 "
+                  "--global-batch-size 128 " + _GPT3_COMMON, 8),
+    "gpt3_175b": ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 "
+                  "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --micro-batch-size 1 "
+                  "--global-batch-size 1536 --rampup-batch-size 16 16 5859375 " + _GPT3_COMMON, 128),
+}
+# Megatron-LM's defaults (MEGATRON_FACTS.md), except --ckpt-format: ReCoVer writes torch files.
+MEGATRON_DEFAULTS = {
+    "global_batch_size": None, "split": None, "mock_data": False, "tokenizer_type": "GPT2BPETokenizer",
+    "save_interval": None, "log_interval": 100, "eval_interval": 1000, "eval_iters": 100, "seed": 1234,
+    "lr_decay_style": "linear", "min_lr": 0.0, "weight_decay": 0.01, "adam_beta1": 0.9,
+    "adam_beta2": 0.999, "adam_eps": 1e-8, "clip_grad": 1.0, "init_method_std": 0.02,
+    "hidden_dropout": 0.1, "attention_dropout": 0.1, "make_vocab_size_divisible_by": 128,
+    "distributed_backend": "nccl", "distributed_timeout_minutes": 10, "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1, "context_parallel_size": 1, "position_embedding_type":
+    "learned_absolute", "attention_backend": "auto", "transformer_impl": None, "optimizer": "adam",
+    "lr_warmup_iters": 0, "lr_warmup_samples": 0, "lr_warmup_init": 0.0, "lr_warmup_fraction": None,
+    "weight_decay_incr_style": "constant", "num_workers": 2, "normalization": "LayerNorm",
+    "add_bias_linear": True, "swiglu": False, "sequence_parallel": False, "fp16": False, "bf16": False,
+    "initial_loss_scale": 2.0**32, "ckpt_format": "torch", "recover": True,
+    "recover_policy": "redistribute", "recover_timeout": 10.0, "recover_min_replicas": 1,
+    "inject_fault": [], "recover_heartbeat_interval": 0.5, "coordinator_addr": None, "job_token": None,
+}
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --train-iters 10 "
+        "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128").split()
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "RECOVER_COORDINATOR", "RECOVER_JOB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def paths(tmp_path) -> dict[str, str]:
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / name).write_text("x")
+    return {"DATA_PATH": str(tmp_path / "corpus_text_document"), "VOCAB_FILE": str(tmp_path / "vocab.json"),
+            "MERGE_FILE": str(tmp_path / "merges.txt"), "CKPT_DIR": str(tmp_path / "ckpt"),
+            "TENSORBOARD_DIR": str(tmp_path / "tb")}
+
+
+def _fill(tokens: list[str], paths: dict[str, str]) -> list[str]:
+    return [re.sub(r"\$\{?(\w+)\}?", lambda m: paths[m.group(1)], t) for t in tokens]
+
+
+def read_config_arrays(name: str) -> dict[str, list[str]]:
+    """A small extractor for the `NAME=( ... )` bash arrays of scripts/configs/*.sh."""
+    text = (CONFIG_DIR / f"{name}.sh").read_text()
+    arrays = {m.group(1): shlex.split(m.group(2), comments=True)
+              for m in re.finditer(r"^(\w+)=\((.*?)\)[ \t]*$", text, re.M | re.S)}
+    assert set(arrays) == set(ARRAY_NAMES), f"{name}.sh defines {sorted(arrays)}"
+    return arrays
+
+
+def config_argv(name: str, paths: dict[str, str], skip: tuple[str, ...] = ()) -> list[str]:
+    arrays = read_config_arrays(name)
+    return _fill([t for n in ARRAY_NAMES if n not in skip for t in arrays[n]], paths)
+
+
+def drop_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in flags:
+            i += 1 + flags[argv[i]]
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def fake_find_spec(monkeypatch, installed: set[str]) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in installed else
+                        (None if name in ("tensorboard", "transformer_engine") else real(name, *a)))
+
+
+# --- published configs -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [*PUBLISHED, "tiny_cpu"])
+def test_config_file_parses(name, paths):
+    args = parse_args(config_argv(name, paths))
+    assert args.micro_batch_size >= 1 and args.num_layers >= 1
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_config_file_equals_published_set_minus_removed_flags(name, paths):
+    published = drop_flags(_fill(PUBLISHED[name][0].split(), paths), REMOVED)
+    assert vars(parse_args(config_argv(name, paths))) == vars(parse_args(published))
+
+
+@pytest.mark.parametrize("name", ["gpt2_345m", "gpt2_345m_with_mp"])
+def test_verbatim_published_set_with_removed_flag_names_the_replacement(name, paths):
+    with pytest.raises(ArgumentError) as err:
+        parse_args(_fill(PUBLISHED[name][0].split(), paths))
+    assert err.value.flag in REMOVED and "removed" in err.value.message
+
+
+@pytest.mark.parametrize("flag, value, replacement", [
+    ("--data-impl", ["mmap"], "always mmap"),
+    ("--checkpoint-activations", [], "--recompute-activations"),
+    ("--activations-checkpoint-method", ["uniform"], "--recompute-method"),
+])
+def test_removed_flag_says_what_replaced_it(flag, value, replacement):
+    with pytest.raises(ArgumentError) as err:
+        parse_args(TINY + [flag, *value])
+    assert err.value.flag == flag and replacement in str(err.value)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_config_validates_on_its_gpu_world(name, paths, monkeypatch):
+    fake_find_spec(monkeypatch, {"tensorboard"})
+    world = PUBLISHED[name][1]
+    args = validate_args(parse_args(config_argv(name, paths)), world, device="cuda")
+    dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    assert args.data_parallel_size == dp
+    assert args.num_microbatches_per_iteration == args.global_batch_size // args.micro_batch_size
+    assert (args.transformer_impl, args.distributed_backend, str(args.params_dtype)) == (
+        "local", "nccl", "torch.float16")
+
+
+@pytest.mark.parametrize("name", [*PUBLISHED, "tiny_cpu"])
+def test_config_with_cpu_sizes_validates_on_cpu(name, paths):
+    arrays = read_config_arrays(name)
+    tp = pp = 1
+    for flag, value in zip(arrays["PARALLEL_ARGS"], arrays["PARALLEL_ARGS"][1:]):
+        tp = int(value) if flag == "--tensor-model-parallel-size" else tp
+        pp = int(value) if flag == "--pipeline-model-parallel-size" else pp
+    argv = drop_flags(config_argv(name, paths, skip=("PRECISION_ARGS",)),
+                      {"--sequence-parallel": 0, "--tensorboard-dir": 1})
+    argv += ["--num-layers", str(2 * pp), "--hidden-size", str(8 * tp), "--num-attention-heads", str(tp),
+             "--seq-length", "32", "--max-position-embeddings", "32"]
+    args = validate_args(parse_args(argv), world_size=2 * tp * pp, device="cpu")
+    assert (args.data_parallel_size, args.distributed_backend, args.transformer_impl) == (2, "gloo", "local")
+    assert args.num_microbatches_per_iteration * args.micro_batch_size == args.global_batch_size
+
+
+# --- defaults and derived values ---------------------------------------------------------------
+
+def test_defaults_match_megatron():
+    args = parse_args(["--micro-batch-size", "1"])
+    assert {k: getattr(args, k) for k in MEGATRON_DEFAULTS} == MEGATRON_DEFAULTS
+
+
+def test_derived_values():
+    args = validate_args(parse_args([a for a in TINY if a not in ("--global-batch-size", "8")]), 4)
+    assert (args.data_parallel_size, args.global_batch_size) == (4, 8)  # micro 2 * DP 4
+    assert (args.ffn_hidden_size, args.kv_channels, args.lr_decay_iters) == (256, 16, 10)
+    assert args.start_weight_decay == args.end_weight_decay == args.weight_decay
+    assert args.use_cpu_initialization is True and args.local_rank == 0
+
+
+def test_microbatches_per_iteration_is_not_divided_by_data_parallel_size():
+    args = validate_args(parse_args(TINY + ["--global-batch-size", "6"]), world_size=4)
+    assert (args.data_parallel_size, args.num_microbatches_per_iteration) == (4, 3)
+
+
+def test_swiglu_ffn_default_follows_megatron_rounding():
+    args = validate_args(parse_args(TINY + ["--hidden-size", "96", "--swiglu"]), 1)
+    assert args.ffn_hidden_size == 256  # int(4*96*2/3 / 64) * 64
+
+
+def test_train_samples_sets_train_iters_and_sample_based_lr_schedule():
+    argv = [a for a in TINY if a not in ("--train-iters", "10")] + [
+        "--train-samples", "100", "--lr-warmup-samples", "16", "--lr-decay-samples", "80"]
+    args = validate_args(parse_args(argv), 1)
+    assert (args.train_iters, args.lr_decay_iters, args.lr_decay_samples) == (12, None, 80)
+
+
+def test_rampup_schedule_and_sample_based_iteration_count():
+    argv = [a for a in TINY if a not in ("--train-iters", "10")] + [
+        "--train-samples", "40", "--rampup-batch-size", "4", "2", "16"]
+    args = validate_args(parse_args(argv), 1)
+    # ramp 4 -> 6 -> 8 in two steps of 8 samples each: batches 4, 4, 6, 6 at consumed 0, 4, 8, 14;
+    # past the 16 ramp samples (consumed 20) full batches of 8 while they fit in 40: 2 more
+    assert [global_batch_size_at(args, c) for c in (0, 4, 8, 14, 16, 20)] == [4, 4, 6, 6, 8, 8]
+    assert args.train_iters == 6
+
+
+def test_rampup_is_allowed_with_train_iters():
+    args = validate_args(parse_args(TINY + ["--rampup-batch-size", "2", "2", "100"]), 1)
+    assert global_batch_size_at(args, 0) == 2 and global_batch_size_at(args, 1000) == 8
+
+
+def test_split_default_warns_once_with_data_path(paths, capsys):
+    argv = drop_flags(TINY, {"--mock-data": 0, "--tokenizer-type": 1, "--vocab-size": 1}) + [
+        "--data-path", paths["DATA_PATH"], "--vocab-file", paths["VOCAB_FILE"],
+        "--merge-file", paths["MERGE_FILE"]]
+    assert validate_args(parse_args(argv), 1).split == "969, 30, 1"
+    assert capsys.readouterr().err.count("WARNING: --split") == 1
+    validate_args(parse_args(argv + ["--split", "98,2,0"]), 1)
+    assert validate_args(parse_args(TINY), 1).split == "1,1,1"  # megatron-core's mock split
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def test_backend_and_impl_resolution_by_device(monkeypatch):
+    assert validate_args(parse_args(TINY), 1, "cpu").distributed_backend == "gloo"
+    assert validate_args(parse_args(TINY), 1, "cuda").distributed_backend == "nccl"
+    fake_find_spec(monkeypatch, {"transformer_engine"})
+    assert validate_args(parse_args(TINY), 1, "cuda").transformer_impl == "transformer_engine"
+    assert validate_args(parse_args(TINY), 1, "cpu").transformer_impl == "local"
+
+
+def test_recover_flags_and_env_defaults(monkeypatch):
+    monkeypatch.setenv("RECOVER_COORDINATOR", "node0:29400")
+    monkeypatch.setenv("RECOVER_JOB_TOKEN", "s3cret")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    args = validate_args(parse_args(TINY + ["--recover", "off", "--local-rank", "1", "--inject-fault",
+                                            "kill:rank=1", "--inject-fault", "hang:rank=2"]), 4)
+    assert (args.coordinator_addr, args.job_token, args.local_rank) == ("node0:29400", "s3cret", 3)
+    assert args.recover is False and args.inject_fault == ["kill:rank=1", "hang:rank=2"]
+    assert parse_args(TINY + ["--coordinator-addr", "h:1"]).coordinator_addr == "h:1"
+
+
+# --- user errors ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", [
+    "--num-layers-per-virtual-pipeline-stage 2", "--expert-model-parallel-size 2", "--num-experts 8",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--async-save",
+    "--recompute-activations", "--recompute-granularity full", "--recompute-method uniform",
+    "--recompute-num-layers 1", "--fp8-format hybrid", "--use-flash-attn",
+    "--context-parallel-size 2", "--optimizer sgd", "--ckpt-format torch_dist"])
+def test_unsupported_megatron_flag(flag):
+    with pytest.raises(ArgumentError) as err:
+        parse_args(TINY + flag.split())
+    assert err.value.flag == flag.split()[0] and "not supported by ReCoVer yet" in err.value.message
+
+
+def test_unknown_flag_is_argparse_error():
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(TINY + ["--no-such-flag"])
+    assert exit_info.value.code == 2
+
+
+def _replace(argv: list[str], flag: str, value: str | None) -> list[str]:
+    out = drop_flags(argv, {flag: 0 if flag in ("--mock-data",) else 1})
+    return out if value is None else out + [flag, *value.split()]
+
+
+ERRORS = [  # (extra argv / replacements, world size, device, flag named, text in message)
+    ({"--tensor-model-parallel-size": "2"}, 3, "cpu", "--tensor-model-parallel-size",
+     "--pipeline-model-parallel-size"),
+    ({"--tensor-model-parallel-size": "8"}, 8, "cpu", "--num-attention-heads", "not divisible"),
+    ({"--pipeline-model-parallel-size": "4"}, 4, "cpu", "--num-layers", "not divisible"),
+    ({"--global-batch-size": "7"}, 1, "cpu", "--global-batch-size", "--micro-batch-size"),
+    ({"--hidden-size": "66"}, 1, "cpu", "--hidden-size", "--kv-channels"),
+    ({"--ffn-hidden-size": "129", "--tensor-model-parallel-size": "2"}, 2, "cpu", "--ffn-hidden-size",
+     "divisible"),
+    ({"--kv-channels": "0"}, 1, "cpu", "--kv-channels", ">= 1"),
+    ({"--hidden-size": "20", "--swiglu": ""}, 1, "cpu", "--ffn-hidden-size", "--swiglu"),
+    ({"--position-embedding-type": "rope", "--kv-channels": "15"}, 1, "cpu", "--kv-channels", "even"),
+    ({"--seq-length": "64"}, 1, "cpu", "--max-position-embeddings", "--seq-length"),
+    ({"--num-attention-heads": None}, 1, "cpu", "--num-attention-heads", "required"),
+    ({"--train-iters": None}, 1, "cpu", "--train-iters", "--train-samples"),
+    ({"--train-samples": "80"}, 1, "cpu", "--train-samples", "exclusive"),
+    ({"--lr-decay-samples": "100"}, 1, "cpu", "--lr-decay-samples", "--train-iters"),
+    ({"--lr-warmup-fraction": ".1", "--lr-warmup-iters": "2"}, 1, "cpu", "--lr-warmup-fraction",
+     "--lr-warmup-iters"),
+    ({"--lr": None}, 1, "cpu", "--lr", "required"),
+    ({"--start-weight-decay": "0.1"}, 1, "cpu", "--start-weight-decay", "--weight-decay-incr-style"),
+    ({"--rampup-batch-size": "4 3 100"}, 1, "cpu", "--rampup-batch-size", "--micro-batch-size"),
+    ({"--rampup-batch-size": "2 4 100"}, 1, "cpu", "--rampup-batch-size", "--global-batch-size"),
+    ({"--save": "/tmp/ckpt"}, 1, "cpu", "--save-interval", "--save"),
+    ({"--save": "/tmp/ckpt", "--save-interval": "0"}, 1, "cpu", "--save-interval", "positive"),
+    ({"--data-path": "/data/corpus"}, 1, "cpu", "--mock-data", "--data-path"),
+    ({"--mock-data": None}, 1, "cpu", "--data-path", "--mock-data"),
+    ({"--mock-data": None, "--data-path": "0.3 a b c"}, 1, "cpu", "--data-path", "weighted"),
+    ({"--tokenizer-type": "GPT2BPETokenizer"}, 1, "cpu", "--vocab-file", "GPT2BPETokenizer"),
+    ({"--tokenizer-type": "GPT2BPETokenizer", "--vocab-file": "/nonexistent/vocab.json",
+      "--merge-file": "/nonexistent/merges.txt"}, 1, "cpu", "--vocab-file", "/nonexistent/vocab.json"),
+    ({"--vocab-size": None}, 1, "cpu", "--vocab-size", "NullTokenizer"),
+    ({"--sequence-parallel": "", "--tensor-model-parallel-size": "2"}, 2, "cpu", "--sequence-parallel",
+     "gloo"),
+    ({"--fp16": ""}, 1, "cpu", "--fp16", "fp32"),
+    ({"--bf16": ""}, 1, "cpu", "--bf16", "fp32"),
+    ({"--attention-backend": "flash"}, 1, "cpu", "--attention-backend", "GPU"),
+    ({"--transformer-impl": "transformer_engine"}, 1, "cpu", "--transformer-impl", "GPU"),
+    ({"--transformer-impl": "transformer_engine"}, 1, "cuda", "--transformer-impl", "not installed"),
+    ({"--tensorboard-dir": "/tmp/tb"}, 1, "cpu", "--tensorboard-dir", "tensorboard"),
+    ({"--recover-min-replicas": "3"}, 2, "cpu", "--recover-min-replicas", "2"),
+    ({"--coordinator-addr": "nohostport"}, 1, "cpu", "--coordinator-addr", "HOST:PORT"),
+    ({"--recover-heartbeat-interval": "20"}, 1, "cpu", "--recover-heartbeat-interval", "shorter"),
+]
+
+
+@pytest.mark.parametrize("changes, world, device, flag, text", ERRORS,
+                         ids=[f"{e[3]}-{i}" for i, e in enumerate(ERRORS)])
+def test_validation_error_names_the_flag(changes, world, device, flag, text, monkeypatch):
+    fake_find_spec(monkeypatch, set())  # neither tensorboard nor transformer_engine installed
+    argv = list(TINY)
+    for changed, value in changes.items():
+        argv = _replace(argv, changed, value if value != "" else None) + ([changed] if value == "" else [])
+    with pytest.raises(ArgumentError) as err:
+        validate_args(parse_args(argv), world, device)
+    assert err.value.flag == flag
+    assert flag in str(err.value) and text in str(err.value) and err.value.fix
+
+
+def test_parse_and_validate_exits_2_with_one_stderr_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate(TINY + ["--pipeline-model-parallel-size", "4"], world_size=4)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert re.fullmatch(r"pretrain_gpt_recover\.py: error: --num-layers: .+\. Fix: .+\n", err)
+
+
+def test_parse_and_validate_reports_refused_flags_the_same_way(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate(TINY + ["--data-impl", "mmap"], world_size=1)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("pretrain_gpt_recover.py: error: --data-impl: ")
+
+
+def test_parse_and_validate_returns_validated_args():
+    args = parse_and_validate(TINY, world_size=2)
+    assert (args.data_parallel_size, args.num_microbatches_per_iteration) == (2, 4)
