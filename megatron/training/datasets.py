@@ -1,0 +1,339 @@
+"""Train/valid/test datasets: megatron-core GPTDataset (one prefix or a weighted blend) or MockGPTDataset.
+
+Two departures from stock Megatron, both for running inside a job whose ranks may die:
+* No collectives. Stock building is "rank 0 first, barrier, then the others read rank 0's cache".
+  Here every rank builds its own copy in memory (same args -> same numpy seed -> same order), so
+  dataset building never waits on a peer that may be gone.
+* No cache races. megatron-core writes its index cache non-atomically (under `<prefix>/cache` when
+  --data-cache-path is unset). We build in memory; with --data-cache-path each rank reuses a finished
+  cache entry or builds and publishes its own with an atomic directory rename.
+`validate_data` runs first so bad files and empty splits fail with a clear message instead of an
+assertion deep inside megatron-core, or a hang (GPTDataset loops forever on a split with 0 tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import DType
+from megatron.core.datasets.utils import Split
+from torch.utils.data import Dataset
+
+# .idx layout (megatron-core IndexedDataset): magic(9) version<Q> dtype<B> sequences<Q> documents<Q>,
+# then int32 lengths[sequences], int64 byte pointers[sequences], int64 document starts[documents].
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEAD = struct.Struct("<QBQQ")
+_IDX_HEAD_BYTES = len(_IDX_MAGIC) + _IDX_HEAD.size
+_DEFAULT_SPLIT = "969, 30, 1"
+_SPLIT_PART = re.compile(r"\d+(\.\d*)?|\.\d+")
+_MAKE_DATA = (
+    "run scripts/preprocess_data.py (it writes PREFIX_text_document.bin/.idx) and pass "
+    "--data-path PREFIX_text_document"
+)
+
+
+class DataError(Exception):
+    """A user error in the data flags: which flag, what is wrong, how to fix it."""
+
+    def __init__(self, flag: str, message: str, fix: str) -> None:
+        super().__init__(f"{flag}: {message}. Fix: {fix}")
+        self.flag = flag
+        self.message = message
+        self.fix = fix
+
+
+def dataset_sizes(args) -> tuple[int, int, int]:
+    """Samples requested per split, as Megatron computes them."""
+    gbs = args.global_batch_size
+    train_samples = getattr(args, "train_samples", None)
+    train_iters = args.train_iters if args.train_iters is not None else train_samples // gbs
+    train = train_samples if train_samples else train_iters * gbs
+    valid = (train_iters // args.eval_interval + 1) * args.eval_iters * gbs
+    test = args.eval_iters * gbs
+    return train, valid, test
+
+
+def parse_blend(data_path: list[str]) -> tuple[list[str], Optional[list[float]]]:
+    """--data-path as Megatron reads it: `P1 [P2 ...]` or `W1 P1 W2 P2 ...` (weights > 0)."""
+    entries = [entry.strip() for entry in data_path or [] if entry.strip()]
+    if not entries:
+        raise DataError("--data-path", "no training data given", f"{_MAKE_DATA}, or use --mock-data")
+    if len(entries) % 2 == 0 and _number(entries[0]) is not None:
+        weights = [_blend_weight(raw) for raw in entries[0::2]]
+        return entries[1::2], weights
+    stray = [e for e in entries if _number(e) is not None and not os.path.exists(e + ".idx")]
+    if stray:
+        raise DataError(
+            "--data-path",
+            f"{stray[0]!r} looks like a blend weight but the entries do not form WEIGHT PREFIX pairs",
+            "give either prefixes only or WEIGHT PREFIX pairs, e.g. --data-path 0.3 A 0.7 B",
+        )
+    return entries, None
+
+
+def split_matrix(split: Optional[str]) -> list[Optional[tuple[float, float]]]:
+    """Parse --split strictly (megatron-core's parser silently ignores junk), then defer to it."""
+    text = _DEFAULT_SPLIT if split is None else str(split)
+    parts = [part for part in re.split(r"[,/\s]+", text.strip()) if part]
+    if not 1 <= len(parts) <= 3 or not all(_SPLIT_PART.fullmatch(p) for p in parts):
+        raise DataError(
+            "--split", f"{text!r} is not up to three non-negative numbers", "use e.g. --split 969,30,1"
+        )
+    if sum(float(p) for p in parts) <= 0:
+        raise DataError("--split", f"{text!r} gives every split weight 0", "use e.g. --split 969,30,1")
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(parts)))
+
+
+def validate_data(args) -> None:
+    """Check every data file and the split before building; raise DataError on the first problem."""
+    if getattr(args, "mock_data", False):
+        return
+    prefixes, _ = parse_blend(args.data_path)
+    matrix = split_matrix(args.split)
+    sizes = dataset_sizes(args)
+    _check_cache_dir(getattr(args, "data_cache_path", None))
+    for prefix in prefixes:
+        lengths = _read_sequence_lengths(prefix)
+        _check_splits(prefix, lengths, matrix, sizes, args.split or _DEFAULT_SPLIT)
+
+
+def build_datasets(args, tokenizer) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
+    """(train, valid, test); a split with share 0 in --split is None, as in Megatron."""
+    sizes = list(dataset_sizes(args))
+    if getattr(args, "mock_data", False):
+        cls, blend, split = MockGPTDataset, None, None
+    else:
+        validate_data(args)
+        cls, blend, split = _CachedGPTDataset, parse_blend(args.data_path), args.split
+    config = _IndexCacheConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        split=split or _DEFAULT_SPLIT,
+        # "" rather than None: with None megatron-core caches under <prefix>/cache, racing ranks.
+        path_to_cache="",
+        index_cache_dir=getattr(args, "data_cache_path", None),
+        tokenizer=tokenizer,
+        reset_position_ids=bool(args.reset_position_ids),
+        reset_attention_mask=bool(args.reset_attention_mask),
+        eod_mask_loss=bool(args.eod_mask_loss),
+        create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", True),
+        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
+    )
+    train, valid, test = _LocalBuilder(cls, sizes, lambda: True, config).build()
+    return train, valid, test
+
+
+# --- validation helpers ------------------------------------------------------------------------
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _blend_weight(raw: str) -> float:
+    weight = _number(raw)
+    if weight is None or not math.isfinite(weight) or weight <= 0:
+        raise DataError(
+            "--data-path",
+            f"blend weight {raw!r} is not a positive number",
+            "give WEIGHT PREFIX pairs with weights > 0, e.g. --data-path 0.3 A 0.7 B",
+        )
+    return weight
+
+
+def _check_cache_dir(path: Optional[str]) -> None:
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise DataError("--data-cache-path", f"cannot create {path}: {error}", "pass a writable dir")
+    if not os.access(path, os.W_OK):
+        raise DataError("--data-cache-path", f"{path} is not writable", "pass a writable directory")
+
+
+def _missing_file_fix(prefix: str) -> str:
+    stem, suffix = os.path.splitext(prefix)
+    if suffix in (".bin", ".idx") and os.path.exists(stem + ".idx"):
+        return f"pass the prefix without the {suffix} suffix: {stem}"
+    return _MAKE_DATA
+
+
+def _read_sequence_lengths(prefix: str) -> numpy.ndarray:
+    """Validate PREFIX.idx/.bin against each other; return the per-sequence token counts."""
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (bin_path, idx_path):
+        if not os.path.isfile(path):
+            raise DataError("--data-path", f"{path} does not exist", _missing_file_fix(prefix))
+    corrupt_fix = f"re-run scripts/preprocess_data.py to rewrite {prefix}.bin/.idx"
+
+    def corrupt(why: str) -> DataError:
+        return DataError("--data-path", f"{idx_path} is corrupt: {why}", corrupt_fix)
+
+    with open(idx_path, "rb") as stream:
+        head = stream.read(_IDX_HEAD_BYTES)
+    if len(head) < _IDX_HEAD_BYTES or not head.startswith(_IDX_MAGIC):
+        raise corrupt("not a megatron-core index (bad header)")
+    version, code, sequences, documents = _IDX_HEAD.unpack(head[len(_IDX_MAGIC) :])
+    if version != 1:
+        raise corrupt(f"unsupported version {version}")
+    try:
+        itemsize = DType.size(code)
+    except ValueError:
+        raise corrupt(f"unknown token dtype code {code}") from None
+    expected = _IDX_HEAD_BYTES + sequences * (4 + 8) + documents * 8
+    actual = os.path.getsize(idx_path)
+    if actual not in (expected, expected + sequences):  # + sequences: multimodal mode bytes
+        raise corrupt(f"{actual} bytes, but its header describes {expected}")
+    if sequences == 0:
+        raise DataError("--data-path", f"{prefix} holds no documents", _MAKE_DATA)
+    offset = _IDX_HEAD_BYTES
+    lengths = numpy.memmap(idx_path, numpy.int32, "r", offset, (sequences,))
+    pointers = numpy.memmap(idx_path, numpy.int64, "r", offset + 4 * sequences, (sequences,))
+    doc_starts = numpy.memmap(idx_path, numpy.int64, "r", offset + 12 * sequences, (documents,))
+    if documents < 2 or doc_starts[0] != 0 or doc_starts[-1] != sequences or pointers[0] != 0:
+        raise corrupt("document and sequence tables disagree")
+    if int(lengths.min()) < 0:
+        raise corrupt("negative sequence length")
+    data_bytes = int(pointers[-1]) + int(lengths[-1]) * itemsize
+    bin_bytes = os.path.getsize(bin_path)
+    if bin_bytes != data_bytes:
+        raise DataError(
+            "--data-path",
+            f"{bin_path} is {bin_bytes} bytes but {idx_path} describes {data_bytes} "
+            "(truncated, or .bin and .idx come from different runs)",
+            corrupt_fix,
+        )
+    return lengths
+
+
+def _check_splits(prefix, lengths, matrix, sizes, split_text: str) -> None:
+    """Every split megatron-core will build must hold >= 1 token, else it loops forever."""
+    count = len(lengths)
+    for split, bounds, requested in zip(Split, matrix, sizes):
+        if bounds is None:
+            continue  # share 0: megatron-core builds no dataset for it
+        # The same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
+        begin, end = int(round(bounds[0] * float(count))), int(round(bounds[1] * float(count)))
+        if int(lengths[begin:end].sum(dtype=numpy.int64)) == 0:
+            raise DataError(
+                "--split",
+                f"--split {split_text!r} gives the {split.name} split {end - begin} of the {count} "
+                f"documents of {prefix} and no tokens, but {requested} {split.name} samples are "
+                "needed (megatron-core would wait forever building it)",
+                f"give the {split.name} split a larger share, set its share to 0 to skip it "
+                "(e.g. --split 100,0,0), or use more data",
+            )
+
+
+# --- building without collectives, with an atomic index cache --------------------------------
+
+
+@dataclass
+class _IndexCacheConfig(GPTDatasetConfig):
+    index_cache_dir: Optional[str] = None
+    """--data-cache-path: where finished GPT index arrays are shared between ranks and runs."""
+
+
+class _LocalBuilder(BlendedMegatronDatasetBuilder):
+    """Builds every split in this process; unlike the stock builder, calls no barrier."""
+
+    @staticmethod
+    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+        return cls(*args)
+
+    def _build_megatron_datasets_parallel(self, prefixes, split, sizes_per_dataset):
+        per_split: list[list] = [[] for _ in Split]
+        for prefix, sizes in zip(prefixes, sizes_per_dataset):
+            built = self._build_megatron_dataset_splits(prefix, split, sizes, False)
+            for datasets, dataset in zip(per_split, built):
+                datasets.append(dataset)
+        return per_split
+
+
+_INDEX_FILES = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
+
+
+class _CachedGPTDataset(GPTDataset):
+    """GPTDataset whose index arrays are built in memory or taken from an atomic cache entry."""
+
+    def _build_document_sample_shuffle_indices(self):
+        cache_dir = self.config.index_cache_dir
+        if not cache_dir:
+            return super()._build_document_sample_shuffle_indices()
+        # The arrays depend on the document lengths too, which megatron-core's hash leaves out:
+        # a re-preprocessed file under the same prefix must not hit a stale entry.
+        key = hashlib.md5(
+            (self.unique_description_hash + _lengths_digest(self.dataset)).encode()
+        ).hexdigest()
+        entry = os.path.join(cache_dir, f"{key}-{self.index_split.name}")
+        cached = _load_entry(entry)
+        if cached is not None:
+            return cached
+        arrays = super()._build_document_sample_shuffle_indices()
+        _publish_entry(entry, arrays)
+        return arrays
+
+
+def _lengths_digest(indexed_dataset) -> str:
+    digest = getattr(indexed_dataset, "_recover_lengths_md5", None)
+    if digest is None:
+        lengths = numpy.ascontiguousarray(indexed_dataset.sequence_lengths)
+        digest = hashlib.md5(lengths.tobytes()).hexdigest()
+        indexed_dataset._recover_lengths_md5 = digest
+    return digest
+
+
+def _load_entry(entry: str):
+    if not os.path.isdir(entry):
+        return None
+    try:
+        return tuple(numpy.load(os.path.join(entry, name), mmap_mode="r") for name in _INDEX_FILES)
+    except (OSError, ValueError):
+        return None  # unreadable entry: rebuild in memory rather than fail the run
+
+
+def _publish_entry(entry: str, arrays) -> None:
+    """Write to a private temp dir, then rename: readers see a whole entry or none."""
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(entry))
+    try:
+        for name, array in zip(_INDEX_FILES, arrays):
+            numpy.save(os.path.join(staging, name), array, allow_pickle=False)
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; other users' runs may share the cache
+        os.rename(staging, entry)
+    except OSError:
+        pass  # another rank published the same entry first (or the disk is full): keep ours in RAM
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+class _DropInMemoryNotice(logging.Filter):
+    """megatron-core warns 'Unable to save ... path_to_cache is None' for our deliberate in-memory build."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (("Unable to save" in message or "Cannot save" in message) and "path_to_cache" in message)
+
+
+for _name in ("megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_dataset"):
+    logging.getLogger(_name).addFilter(_DropInMemoryNotice())
