@@ -1,0 +1,135 @@
+"""Deterministic fault injection (DESIGN §10). Off unless asked for.
+
+Spec (flag ``--inject-fault``, repeatable; or env RECOVER_INJECT_FAULT, ';'-separated):
+    kind:rank=R,iter=I,phase=P[,microbatch=K]
+    slow:rank=R,seconds=S[,iter=I][,phase=P][,microbatch=K]
+    exit:rank=R,iter=I,phase=P[,code=C]
+
+Kinds:
+  kill   SIGKILL this process (a crash: no cleanup, no exit handlers);
+  hang   SIGSTOP this process (a hang: every thread stops, heartbeats too; if someone sends
+         SIGCONT, training just continues);
+  exit   os._exit(C) (default C=1) after flushing stdout/stderr: a process that quits abruptly
+         with a status, e.g. a failing node-health check;
+  slow   sleep S seconds at every matching call from iteration I on (default I=0, phase forward),
+         i.e. a persistently slow replica for the workload policy.
+kill, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
+microbatch, if the spec gives one). Faults for other ranks are ignored.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+KINDS = ("kill", "hang", "exit", "slow")
+PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
+          "recovery")
+ENV_VAR = "RECOVER_INJECT_FAULT"
+FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K] (slow: seconds=S instead of iter) "
+          f"with kind in {'|'.join(KINDS)} and phase in {'|'.join(PHASES)}")
+
+
+class FaultSpecError(ValueError):
+    """A malformed --inject-fault spec; the message names the flag and the spec."""
+
+
+@dataclass
+class Fault:
+    kind: str
+    rank: int
+    iteration: int
+    phase: str
+    microbatch: int | None = None
+    seconds: float = 0.0
+    code: int = 1
+    fired: bool = False
+
+    def matches(self, phase: str, iteration: int, microbatch: int | None) -> bool:
+        if self.fired or phase != self.phase:
+            return False
+        if self.microbatch is not None and microbatch != self.microbatch:
+            return False
+        return iteration >= self.iteration if self.kind == "slow" else iteration == self.iteration
+
+
+def parse_spec(spec: str) -> Fault:
+    def bad(reason: str) -> FaultSpecError:
+        return FaultSpecError(f"--inject-fault {spec!r}: {reason}; {FORMAT}")
+
+    kind, sep, rest = spec.strip().partition(":")
+    if not sep or kind not in KINDS:
+        raise bad(f"unknown kind {kind!r}" if sep else "missing 'kind:'")
+    fields: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() in fields:
+            raise bad(f"bad or repeated field {item!r}")
+        fields[key.strip()] = value.strip()
+    allowed = {"rank", "iter", "phase", "microbatch"} | {"slow": {"seconds"}, "exit": {"code"}}.get(kind, set())
+    unknown = set(fields) - allowed
+    if unknown:
+        raise bad(f"unknown field(s) {sorted(unknown)} for {kind}")
+    required = {"rank", "seconds"} if kind == "slow" else {"rank", "iter", "phase"}
+    if required - set(fields):
+        raise bad(f"missing {sorted(required - set(fields))}")
+    try:
+        fault = Fault(kind=kind, rank=int(fields["rank"]), iteration=int(fields.get("iter", 0)),
+                      phase=fields.get("phase", "forward"),
+                      microbatch=int(fields["microbatch"]) if "microbatch" in fields else None,
+                      seconds=float(fields.get("seconds", 0.0)), code=int(fields.get("code", 1)))
+    except ValueError:
+        raise bad("rank, iter, microbatch and code must be integers, seconds a number") from None
+    if fault.phase not in PHASES:
+        raise bad(f"unknown phase {fault.phase!r}")
+    if min(fault.rank, fault.iteration) < 0 or (fault.microbatch or 0) < 0 or fault.seconds < 0:
+        raise bad("values must not be negative")
+    return fault
+
+
+class FaultInjector:
+    """This rank's faults. Call `at(phase, iteration, microbatch)` at each injection point."""
+
+    def __init__(self, faults: list[Fault], rank: int, *, kill: Callable[[int, int], None] = os.kill,
+                 exit: Callable[[int], None] = os._exit, sleep: Callable[[float], None] = time.sleep):
+        self.rank = rank
+        self.faults = [f for f in faults if f.rank == rank]
+        self._kill, self._exit, self._sleep = kill, exit, sleep
+
+    @classmethod
+    def from_specs(cls, specs: list[str] | None, rank: int, **actions) -> "FaultInjector":
+        """Faults from the flag values plus env RECOVER_INJECT_FAULT. Raises FaultSpecError."""
+        all_specs = list(specs or []) + [s for s in os.environ.get(ENV_VAR, "").split(";") if s.strip()]
+        return cls([parse_spec(s) for s in all_specs], rank, **actions)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def at(self, phase: str, iteration: int, microbatch: int | None = None) -> None:
+        if not self.faults:
+            return
+        if phase not in PHASES:
+            raise ValueError(f"unknown fault-injection phase {phase!r}; known: {PHASES}")
+        for fault in self.faults:
+            if fault.matches(phase, iteration, microbatch):
+                self._fire(fault, iteration, microbatch)
+
+    def _fire(self, fault: Fault, iteration: int, microbatch: int | None) -> None:
+        if fault.kind == "slow":
+            self._sleep(fault.seconds)
+            return
+        fault.fired = True
+        where = f"iter {iteration} phase {fault.phase}" + (
+            f" microbatch {microbatch}" if microbatch is not None else "")
+        print(f"[recover.faults] rank {self.rank}: injecting {fault.kind} at {where}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if fault.kind == "kill":
+            self._kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            self._kill(os.getpid(), signal.SIGSTOP)
+        else:
+            self._exit(fault.code)

@@ -1,0 +1,105 @@
+"""Fault-injection specs and firing rules (actions replaced by recorders: nothing is killed)."""
+import signal
+
+import pytest
+
+from recover_patches.faults import ENV_VAR, FaultInjector, FaultSpecError, parse_spec
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def actions(self):
+        return dict(kill=lambda pid, sig: self.calls.append(("kill", sig)),
+                    exit=lambda code: self.calls.append(("exit", code)),
+                    sleep=lambda s: self.calls.append(("sleep", s)))
+
+
+def injector(specs, rank, rec, monkeypatch, env=None):
+    if env is None:
+        monkeypatch.delenv(ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(ENV_VAR, env)
+    return FaultInjector.from_specs(specs, rank, **rec.actions())
+
+
+def test_parse_full_spec():
+    f = parse_spec("kill:rank=3,iter=5,phase=backward,microbatch=2")
+    assert (f.kind, f.rank, f.iteration, f.phase, f.microbatch) == ("kill", 3, 5, "backward", 2)
+    s = parse_spec("slow:rank=1,seconds=0.25")
+    assert (s.kind, s.iteration, s.phase, s.seconds) == ("slow", 0, "forward", 0.25)
+    assert parse_spec("exit:rank=0,iter=1,phase=optimizer,code=7").code == 7
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("explode:rank=1,iter=1,phase=forward", "unknown kind"),
+    ("kill rank=1", "missing 'kind:'"),
+    ("kill:rank=1,iter=1", "missing ['phase']"),
+    ("kill:rank=1,iter=1,phase=sideways", "unknown phase"),
+    ("kill:rank=x,iter=1,phase=forward", "integers"),
+    ("kill:rank=1,iter=1,phase=forward,seconds=2", "unknown field"),
+    ("kill:rank=1,rank=2,iter=1,phase=forward", "repeated"),
+    ("slow:rank=1", "missing ['seconds']"),
+])
+def test_bad_specs_name_the_flag(spec, needle):
+    with pytest.raises(FaultSpecError) as e:
+        parse_spec(spec)
+    assert "--inject-fault" in str(e.value) and repr(spec) in str(e.value) and needle in str(e.value)
+
+
+def test_one_shot_faults_fire_once_at_their_point_only(monkeypatch):
+    rec = Recorder()
+    inj = injector(["kill:rank=1,iter=2,phase=backward,microbatch=3",
+                    "hang:rank=1,iter=4,phase=p2p", "exit:rank=1,iter=5,phase=optimizer,code=9"],
+                   1, rec, monkeypatch)
+    inj.at("backward", 2, 2)          # wrong microbatch
+    inj.at("forward", 2, 3)           # wrong phase
+    inj.at("backward", 1, 3)          # wrong iteration
+    assert rec.calls == []
+    inj.at("backward", 2, 3)
+    inj.at("backward", 2, 3)          # already fired
+    inj.at("p2p", 4, 0)               # no microbatch in spec: any microbatch matches
+    inj.at("p2p", 4, 1)
+    inj.at("optimizer", 5)
+    assert rec.calls == [("kill", signal.SIGKILL), ("kill", signal.SIGSTOP), ("exit", 9)]
+
+
+def test_slow_applies_at_every_call_from_its_iteration(monkeypatch):
+    rec = Recorder()
+    inj = injector(["slow:rank=0,iter=3,seconds=0.5"], 0, rec, monkeypatch)
+    for it in range(6):
+        for mb in range(2):
+            inj.at("forward", it, mb)
+        inj.at("backward", it, 0)
+    assert rec.calls == [("sleep", 0.5)] * 6  # iterations 3, 4, 5 x 2 microbatches, forward only
+
+
+def test_other_ranks_faults_and_env_specs(monkeypatch):
+    rec = Recorder()
+    inj = injector(["kill:rank=2,iter=0,phase=forward"], 0, rec, monkeypatch,
+                   env="exit:rank=0,iter=1,phase=dp_reduce; kill:rank=3,iter=0,phase=forward")
+    assert len(inj.faults) == 1  # only rank 0's fault, from the env
+    inj.at("forward", 0)
+    inj.at("dp_reduce", 1)
+    assert rec.calls == [("exit", 1)]
+
+
+def test_off_by_default(monkeypatch):
+    rec = Recorder()
+    inj = injector([], 0, rec, monkeypatch)
+    assert not inj
+    inj.at("forward", 0, 0)
+    assert rec.calls == []
+
+
+def test_env_spec_errors_are_reported_too(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "kill:rank=0")
+    with pytest.raises(FaultSpecError, match="--inject-fault"):
+        FaultInjector.from_specs([], 0)
+
+
+def test_unknown_phase_at_call_site_is_a_bug(monkeypatch):
+    inj = injector(["kill:rank=0,iter=0,phase=forward"], 0, Recorder(), monkeypatch)
+    with pytest.raises(ValueError, match="phase"):
+        inj.at("fwd", 0)
