@@ -1,0 +1,80 @@
+"""Process-group set-up: the default group for bootstrap, then one group object per role.
+
+Groups are made by a `GroupFactory` passed in (plain torch groups here; layer 1 supplies resilient
+ones), called only on member ranks, in one global order (tp, pp, replica, embedding, dp, self) so
+creation never deadlocks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from recover_patches.topology import Coord, Topology
+
+GroupFactory = Callable[[str, Sequence[int]], dist.ProcessGroup]
+
+
+def init_default_group(backend: str, timeout_minutes: float) -> tuple[int, int]:
+    """Bootstrap group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def torch_group_factory(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
+    return dist.new_group(list(ranks), use_local_synchronization=True, group_desc=name)
+
+
+@dataclass
+class ParallelGroups:
+    topology: Topology
+    rank: int
+    coord: Coord
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    replica: dist.ProcessGroup  # all TP x PP ranks of this replica: grad norm
+    embedding: dist.ProcessGroup | None  # first + last stage (tied embeddings), None if PP == 1
+    dp: dist.ProcessGroup  # one rank per replica with this (tp, pp): gradient reduction
+    self_group: dist.ProcessGroup  # size 1: megatron-core's context-parallel group
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.topology.pp - 1
+
+    def pg_collection(self) -> ProcessGroupCollection:
+        pgs = ProcessGroupCollection()
+        pgs.tp = self.tp
+        pgs.pp = self.pp
+        pgs.cp = self.self_group
+        pgs.tp_cp = self.tp
+        pgs.embd = self.embedding
+        pgs.pos_embd = None
+        pgs.dp = self.dp
+        return pgs
+
+
+def build_groups(topology: Topology, rank: int, make_group: GroupFactory) -> ParallelGroups:
+    c = topology.coord(rank)
+    tp = make_group(f"tp.replica{c.replica}.stage{c.pp}", topology.tp_ranks(c.replica, c.pp))
+    pp = make_group(f"pp.replica{c.replica}.tp{c.tp}", topology.pp_ranks(c.tp, c.replica))
+    replica = make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
+    embedding = None
+    if topology.pp > 1 and c.pp in (0, topology.pp - 1):
+        embedding = make_group(f"embd.replica{c.replica}.tp{c.tp}",
+                               topology.embedding_ranks(c.tp, c.replica))
+    dp = make_group(f"dp.tp{c.tp}.stage{c.pp}", topology.dp_ranks(c.tp, c.pp))
+    self_group = make_group(f"self.rank{rank}", [rank])
+    return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group)
+
+
+def env_rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

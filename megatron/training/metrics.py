@@ -1,0 +1,46 @@
+"""Megatron-style iteration log lines and a JSONL metrics file (one record per iteration)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import IO
+
+
+def log_line(rec: dict, train_iters: int) -> str:
+    parts = [
+        f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {rec['iteration']:8d}/{train_iters:8d}",
+        f"consumed samples: {rec['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {rec['ms_per_iteration']:.1f}",
+        f"learning rate: {rec['lr']:.6E}",
+        f"global batch size: {rec['global_batch_size']:5d}",
+        f"lm loss: {rec['lm_loss']:.6E}",
+        f"grad norm: {rec['grad_norm']:.3f}",
+        f"tokens/s: {rec['tokens_per_second']:.0f}",
+    ]
+    return " | ".join(parts) + " |"
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; flushed every record so a killed job keeps its history."""
+
+    def __init__(self, path: str | None):
+        self._file: IO[str] | None = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def print_rank_line(text: str) -> None:
+    print(text, file=sys.stdout, flush=True)

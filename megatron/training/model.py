@@ -1,0 +1,165 @@
+"""megatron-core's GPTModel built for ReCoVer: CPU-capable attention plugged in through the layer
+spec, pipeline stages through pre/post_process, and parameters initialised by *global* name so every
+TP x PP x DP layout starts from the same weights as a single-process run.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+
+from recover_patches.rng import derive_seed
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention with `torch.nn.functional.scaled_dot_product_attention`.
+
+    megatron-core's DotProductAttention allocates its score buffer on CUDA; this module takes the
+    same constructor arguments (it is plugged in as the spec's `core_attention`) and runs anywhere.
+    Attention dropout draws from the model-parallel RNG stream: heads are sharded across TP ranks.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("attention bias / packed sequences need transformer_engine")
+        # megatron: [seq, batch, heads, head_dim]; sdpa: [batch, heads, seq, head_dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked out
+        dropout = self.dropout if self.training else 0.0
+        rng = get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+class RecoverGPTModel(GPTModel):
+    """GPTModel whose tied-embedding set-up does not call `.cuda()`.
+
+    With PP > 1 the stock set-up zeroes the last stage's copy of the word embeddings and all-reduces
+    it on CUDA. Here both copies get identical values from `init_parameters_by_name`, and the
+    trainer all-reduces their gradients over the embedding group each step.
+    """
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if not self.share_embeddings_and_output_weights:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if self.config.pipeline_model_parallel_size > 1:
+            weight.tied_embedding_copy = True  # grads summed over the embedding group
+            weight.tied_embedding_is_duplicate = not self.pre_process  # count it once in norms
+
+
+def transformer_config(args) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        kv_channels=args.kv_channels,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        # Fused kernels are CUDA-only; these switch megatron-core to plain torch code.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+
+
+def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
+                tp_rank: int, padded_vocab_size: int) -> RecoverGPTModel:
+    config = transformer_config(args)
+    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    model = RecoverGPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pp_stage == 0,
+        post_process=pp_stage == args.pipeline_model_parallel_size - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        pg_collection=pg_collection,
+    )
+    init_parameters_by_name(model, seed=args.seed, std=args.init_method_std,
+                            num_layers=args.num_layers, tp_size=args.tensor_model_parallel_size,
+                            tp_rank=tp_rank)
+    return model
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_SCALED_INIT = ("linear_proj.weight", "linear_fc2.weight")  # Megatron's output_layer_init_method
+
+
+def global_parameter_name(model: GPTModel, local_name: str) -> str:
+    """The parameter's name in the unsplit model: global layer index, tied copies share a name."""
+    match = _LAYER.match(local_name)
+    if match:
+        layer = model.decoder.layers[int(match.group(1))]
+        return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+    if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return local_name
+
+
+@torch.no_grad()
+def init_parameters_by_name(model: GPTModel, *, seed: int, std: float, num_layers: int,
+                            tp_size: int, tp_rank: int) -> None:
+    """Draw each parameter's *full* tensor from a generator keyed by (seed, global name), then keep
+    this TP rank's shard. Constant-initialised parameters (norm weights, biases) keep megatron's
+    values. The result does not depend on TP, PP or DP -- the basis of parallel equivalence."""
+    for local_name, param in model.named_parameters():
+        if param.numel() == 0 or bool((param == param.reshape(-1)[0]).all()):
+            continue
+        name = global_parameter_name(model, local_name)
+        scaled = name.endswith(_SCALED_INIT)
+        sigma = std / math.sqrt(2.0 * num_layers) if scaled else std
+        full_shape = list(param.shape)
+        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        if split:
+            full_shape[param.partition_dim] *= tp_size
+        generator = torch.Generator().manual_seed(derive_seed(seed, *name.encode()))
+        full = torch.empty(full_shape, dtype=param.dtype).normal_(0.0, sigma, generator=generator)
+        if split:
+            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        param.copy_(full)

@@ -1,0 +1,82 @@
+"""Randomness that does not depend on which replica runs a microbatch (DESIGN §7).
+
+Dropout for global microbatch g is drawn from generators seeded by (seed, g, pp stage) and, for the
+model-parallel stream, also the TP rank. A microbatch recomputed on another replica after a failure
+therefore draws exactly the masks the failure-free run drew.
+
+megatron-core's RNG tracker keeps CUDA generator states; on a CPU build it cannot work, so
+`install_cpu_tracker()` puts a tracker of CPU generator states in its place.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+from megatron.core.tensor_parallel import random as mcore_random
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"  # megatron-core's name for the TP-distinct stream
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers; stable across processes and Python versions."""
+    digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class CpuRNGStatesTracker:
+    """Named CPU generator states, swapped into torch's default generator inside `fork()`.
+
+    Same methods as megatron-core's CudaRNGStatesTracker, so megatron-core layers that call
+    `get_cuda_rng_tracker().fork()` (sequence parallel dropout) use it unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_ = {}
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} was never added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def install_cpu_tracker() -> CpuRNGStatesTracker:
+    """Make megatron-core's `get_cuda_rng_tracker()` return a CPU tracker (once per process)."""
+    tracker = CpuRNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return tracker
+
+
+def seed_microbatch(tracker: CpuRNGStatesTracker, seed: int, microbatch_id: int,
+                    pp_stage: int, tp_rank: int) -> None:
+    """Seed every stream a forward pass of `microbatch_id` on this stage draws from.
+
+    The default generator (hidden dropout, identical on all TP ranks because activations are
+    replicated there) ignores the TP rank; the model-parallel stream (attention dropout on a TP
+    shard of heads) includes it.
+    """
+    torch.manual_seed(derive_seed(seed, microbatch_id, pp_stage))
+    tracker.add(MODEL_PARALLEL_RNG, derive_seed(seed, microbatch_id, pp_stage, tp_rank, 1))

@@ -1,0 +1,104 @@
+"""1F1B pipeline schedule over an arbitrary list of global microbatch ids.
+
+The list may be empty or shorter than the pipeline (a replica's quota after re-planning can be
+anything); gradients accumulate into `.grad` and stay local -- reduction is the caller's business.
+What one forward/backward *means* lives in `recover_patches.stage`; this module only orders them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from recover_patches.p2p import StageLink
+
+PhaseHook = Callable[[str, int], None]  # (phase, microbatch id): fault injection, timing
+
+
+def _no_hook(phase: str, microbatch: int) -> None:
+    pass
+
+
+class Stage(Protocol):
+    def forward(self, microbatch_id: int, input_tensor: torch.Tensor | None) -> torch.Tensor: ...
+
+    def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,
+                 output_grad: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def tokens(self, microbatch_id: int) -> int: ...
+
+
+@dataclass
+class ScheduleResult:
+    """What this rank computed: ids done, their summed loss (last stage only) and token count."""
+    ids: list[int] = field(default_factory=list)
+    loss_sum: float = 0.0
+    tokens: int = 0
+
+
+def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink,
+             hook: PhaseHook = _no_hook) -> ScheduleResult:
+    ids = list(ids)
+    n = len(ids)
+    warmup = min(link.num_stages - link.stage - 1, n)
+    steady = n - warmup
+    in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
+    result = ScheduleResult()
+
+    def forward(k: int, x: torch.Tensor | None) -> torch.Tensor:
+        hook("forward", ids[k])
+        y = stage.forward(ids[k], x)
+        in_flight.append((ids[k], x, y))
+        return y
+
+    def backward(dy: torch.Tensor | None) -> torch.Tensor | None:
+        g, x, y = in_flight.pop(0)
+        hook("backward", g)
+        dx = stage.backward(x, y, dy)
+        if link.is_last:
+            result.loss_sum += float(y.detach())
+        result.ids.append(g)
+        result.tokens += stage.tokens(g)
+        return dx
+
+    for k in range(warmup):
+        hook("p2p", ids[k])
+        x = link.recv_forward()
+        y = forward(k, x)
+        hook("p2p", ids[k])
+        link.send_forward(y)
+
+    if steady:
+        hook("p2p", ids[warmup])
+        x = link.recv_forward()
+    for k in range(warmup, n):
+        y = forward(k, x)
+        hook("p2p", ids[k])
+        dy = link.send_forward_recv_backward(y)
+        dx = backward(dy)
+        hook("p2p", ids[k])
+        if k == n - 1:
+            link.send_backward(dx)
+        else:
+            x = link.send_backward_recv_forward(dx)
+
+    for _ in range(warmup):
+        hook("p2p", in_flight[0][0])
+        dy = link.recv_backward()
+        dx = backward(dy)
+        link.send_backward(dx)
+    return result
+
+
+def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink) -> ScheduleResult:
+    """Evaluation: forward passes only, activations handed straight down the pipeline."""
+    result = ScheduleResult()
+    for g in ids:
+        y = stage.forward(g, link.recv_forward())
+        link.send_forward(y)
+        if link.is_last:
+            result.loss_sum += float(y.detach())
+        result.ids.append(g)
+        result.tokens += stage.tokens(g)
+    return result
