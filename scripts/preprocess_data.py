@@ -21,9 +21,12 @@ import json
 import multiprocessing
 import os
 import sys
+import warnings
 from typing import Iterable, Iterator, Optional, Sequence
 
 from megatron.training.tokenizer import TokenizerError, build_tokenizer
+# megatron-core warns on import that it found no GPU-only libraries: irrelevant for data work.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 JSON_SUFFIXES = (".json", ".jsonl")
 CHUNK_DOCUMENTS = 64  # documents per tokenization task: large enough to amortise IPC
