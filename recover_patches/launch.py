@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the coordinator on the master address; 0 = free port (single node)")
     p.add_argument("--job-token", default=None,
                    help="shared secret of this job (default: env RECOVER_JOB_TOKEN or generated)")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5)
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -100,10 +100,13 @@ def validate(args: argparse.Namespace) -> None:
         raise LaunchUsageError("--term-grace must be >= 0")
     if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
         raise LaunchUsageError("need 0 < --heartbeat-interval < --heartbeat-timeout")
-    if (not args.no_coordinator and args.nnodes > 1 and args.coordinator_port == 0
-            and "RECOVER_COORDINATOR" not in os.environ):
-        raise LaunchUsageError("with --nnodes > 1 give every node the same --coordinator-port "
-                               "(or set RECOVER_COORDINATOR=host:port)")
+    if not args.no_coordinator and args.nnodes > 1:
+        if args.coordinator_port == 0 and not os.environ.get("RECOVER_COORDINATOR"):
+            raise LaunchUsageError("with --nnodes > 1 give every node the same --coordinator-port "
+                                   "(or set RECOVER_COORDINATOR=host:port)")
+        if not (args.job_token or os.environ.get("RECOVER_JOB_TOKEN")):
+            raise LaunchUsageError("with --nnodes > 1 give every node the same --job-token "
+                                   "(or set RECOVER_JOB_TOKEN)")
 
 
 def free_port(host: str) -> int:
@@ -133,6 +136,14 @@ def exit_code_of(code: object) -> int:
     return 1
 
 
+def print_script_traceback(error: BaseException) -> None:
+    """The traceback as `python script.py` would print it: without the launcher's frames."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != sys.argv[0]:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb or error.__traceback__)
+
+
 def run_rank(script: str, script_args: list[str], env: dict[str, str]) -> NoReturn:
     """Body of a forked child: become a fresh `python script.py args` process, never return."""
     code = 1
@@ -150,11 +161,11 @@ def run_rank(script: str, script_args: list[str], env: dict[str, str]) -> NoRetu
             code = 0
         except SystemExit as e:
             code = exit_code_of(e.code)
-        except KeyboardInterrupt:
-            traceback.print_exc()
+        except KeyboardInterrupt as e:
+            print_script_traceback(e)
             code = 128 + signal.SIGINT
-        except BaseException:
-            traceback.print_exc()
+        except BaseException as e:
+            print_script_traceback(e)
             code = 1
         atexit._run_exitfuncs()  # the script's (and preloaded modules') exit hooks, as at exit
     finally:
@@ -246,18 +257,22 @@ class Supervisor:
         old_wakeup = signal.set_wakeup_fd(wake_w)
         poller = select.poll()
         poller.register(wake_r, select.POLLIN)
-        pidfds = []
+        pidfds: dict[int, int] = {}  # pid -> fd; an exited child's fd stays readable: unregister it
         try:
             for r in self.live():
-                fd = os.pidfd_open(r.pid)
-                pidfds.append(fd)
-                poller.register(fd, select.POLLIN)
+                pidfds[r.pid] = os.pidfd_open(r.pid)
+                poller.register(pidfds[r.pid], select.POLLIN)
         except (OSError, AttributeError):  # no pidfd (kernel < 5.3): poll waitpid instead
             pass
         polling = len(pidfds) < len(self.live())
         try:
             while True:
                 self._reap()
+                for r in self.ranks.values():
+                    if r.status is not None and r.pid in pidfds:
+                        fd = pidfds.pop(r.pid)
+                        poller.unregister(fd)
+                        os.close(fd)
                 if not self.live():
                     return
                 if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
@@ -276,7 +291,7 @@ class Supervisor:
                     pass
         finally:
             signal.set_wakeup_fd(old_wakeup)
-            for fd in (*pidfds, wake_r, wake_w):
+            for fd in (*pidfds.values(), wake_r, wake_w):
                 os.close(fd)
 
     def _reap(self) -> None:
@@ -330,13 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = None
     extra_env: dict[str, str] = {}
     if not args.no_coordinator:
-        try:  # TEMPORARY until the coordinator lands (next commits)
-            from recover_patches.collectives.launcher_link import start_or_join_coordinator
-        except ImportError:
-            start_or_join_coordinator = None
-        if start_or_join_coordinator is not None:
-            coordinator, extra_env = start_or_join_coordinator(
-                args, token=args.job_token or os.environ.get("RECOVER_JOB_TOKEN") or secrets.token_hex(16))
+        from recover_patches.collectives.errors import CoordinatorError
+        from recover_patches.collectives.launcher_link import start_or_join_coordinator
+        token = args.job_token or os.environ.get("RECOVER_JOB_TOKEN") or secrets.token_hex(16)
+        try:
+            coordinator = start_or_join_coordinator(args, token)
+        except CoordinatorError as e:
+            print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
+            return 2
+        extra_env = coordinator.env()
+        if coordinator.pid is not None:
+            log(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
     # Block termination signals while forking: a child must not run the launcher's handler in
     # the instant before it installs its own, and the launcher must not die between two forks.
     stop_signals = {signal.SIGINT, signal.SIGTERM}
@@ -344,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [Rank(rank=args.node_rank * args.nproc_per_node + i,
                   pid=fork_rank(args.script, args.script_args, rank_env(args, i, extra_env)))
              for i in range(args.nproc_per_node)]
-    link = coordinator.connect() if coordinator is not None else None
+    link = None
+    if coordinator is not None:
+        try:
+            link = coordinator.connect()
+        except RuntimeError as e:  # includes CoordinatorError: supervise without it
+            log(f"cannot reach the coordinator ({e}); supervising without it")
     sup = Supervisor(ranks, args.term_grace, link)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
@@ -354,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         sup.run()
     finally:
         if coordinator is not None:
-            completion = coordinator.finish(link)
+            completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
     status = summarize(ranks, completion)
     if sup.stop_signal is not None:
         return 128 + sup.stop_signal

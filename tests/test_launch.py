@@ -34,6 +34,8 @@ RANK_SCRIPT = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action == "nap":
+        time.sleep(1.5)
     if action in ("sleep", "ignore_term"):
         open(os.path.join(out, f"sleeping.{rank}"), "w").close()
         time.sleep(60)
@@ -125,6 +127,18 @@ def test_failing_ranks_do_not_kill_the_others(tmp_path):
     assert "3 of 4 rank(s) failed" in err
     assert "rank 0 (pid" not in err
     assert not any(alive(pid) for pid in rank_pids(tmp_path))
+
+
+def test_launcher_idles_while_ranks_run(tmp_path):
+    """An exited rank must not leave the launcher spinning (it would starve the survivors)."""
+    proc = start_launcher(tmp_path, 2, {"0": "exit3", "1": "nap"})
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        finish(proc, tmp_path, timeout=5)
+    assert os.waitstatus_to_exitcode(status) == 1
+    assert (tmp_path / "done.1").exists()
+    assert usage.ru_utime + usage.ru_stime < 0.8, usage  # launcher + tiny ranks, over ~2 s
 
 
 def test_sigterm_is_forwarded_then_sigkill_after_grace(tmp_path):

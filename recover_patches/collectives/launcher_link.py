@@ -1,0 +1,165 @@
+"""The launcher's side of the coordinator: start it (node 0) or join it, report exits, fence.
+
+Kept out of `launch.py` so that the launcher imports torch only when a coordinator is used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+from argparse import Namespace
+
+import torch.distributed as dist
+
+from recover_patches.collectives import protocol as P
+from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
+
+START_TIMEOUT = 30.0
+
+
+class LauncherLink:
+    """A launcher's connection. If the coordinator disappears, it says so once and goes quiet:
+    the launcher must keep supervising its ranks either way."""
+
+    def __init__(self, host: str, port: int, token: str, node_rank: int):
+        raw = P.connect(host, port, START_TIMEOUT, "the launcher")
+        P.handshake(raw, token, "launcher", node_rank, START_TIMEOUT)
+        self.store = dist.PrefixStore(P.job_prefix(token), raw)
+        self.broken = False
+        self._epoch = -1
+        self._dead: frozenset[int] = frozenset()
+
+    def _guard(self, action, default):
+        if self.broken:
+            return default
+        try:
+            return action()
+        except RuntimeError as e:
+            self.broken = True
+            print(f"[recover.launch] lost the coordinator ({e}); supervising without it",
+                  file=sys.stderr, flush=True)
+            return default
+
+    def report_exit(self, rank: int, code: int) -> None:
+        self._guard(lambda: P.post_report(self.store, P.Report.make("exit", rank=rank, code=code)),
+                    None)
+
+    def dead_ranks(self) -> frozenset[int]:
+        def read():
+            epoch = int(self.store.get(P.EPOCH))
+            if epoch != self._epoch:
+                self._dead = frozenset(json.loads(self.store.get(P.epoch_key(epoch)))["dead"])
+                self._epoch = epoch
+            return self._dead
+        return self._guard(read, self._dead)
+
+    def completion(self) -> tuple[int, frozenset[int]] | None:
+        def read():
+            if not self.store.check([P.COMPLETE]):
+                return None
+            record = json.loads(self.store.get(P.COMPLETE))
+            return record["epoch"], frozenset(record["dead"])
+        return self._guard(read, None)
+
+    def finished(self) -> bool:
+        return self._guard(lambda: self.store.check([P.FINISHED]), True)
+
+
+class CoordinatorHandle:
+    """Where the coordinator is, and its process if this launcher started it."""
+
+    def __init__(self, host: str, port: int, token: str, node_rank: int, nnodes: int,
+                 pid: int | None):
+        self.host, self.port, self.token = host, port, token
+        self.node_rank, self.nnodes, self.pid = node_rank, nnodes, pid
+
+    def env(self) -> dict[str, str]:
+        return {"RECOVER_COORDINATOR": f"{self.host}:{self.port}", "RECOVER_JOB_TOKEN": self.token}
+
+    def connect(self) -> LauncherLink:
+        return LauncherLink(self.host, self.port, self.token, self.node_rank)
+
+    def finish(self, link: LauncherLink | None, should_stop=lambda: False
+               ) -> tuple[int, frozenset[int]] | None:
+        """After this node's ranks are done: read the completion record; if we own the
+        coordinator, keep it up until every node's ranks are done (multi-node), then stop it."""
+        if self.pid is not None and self.nnodes > 1 and link is not None:
+            while not link.finished() and not should_stop():
+                time.sleep(0.5)
+        completion = link.completion() if link is not None else None
+        if self.pid is not None:
+            stop_process(self.pid, grace=5.0)
+        return completion
+
+
+def stop_process(pid: int, grace: float) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0] != 0:
+            return
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def fork_coordinator(port: int, token: str, world_size: int, interval: float,
+                     timeout: float) -> tuple[int, int]:
+    """Fork the coordinator process; return (pid, port it listens on)."""
+    from recover_patches.collectives.coordinator import CoordinatorConfig, run, start_server
+
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the coordinator process: never returns
+        code = 0
+        try:
+            os.close(read_fd)
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            server = start_server("0.0.0.0", port)
+            os.write(write_fd, f"{server.port}\n".encode())
+            os.close(write_fd)
+            run(server, CoordinatorConfig(world_size, token, interval, timeout), linger=None,
+                stop_on_sigint=False)
+        except BaseException as e:
+            traceback.print_exc()
+            try:
+                os.write(write_fd, f"error {e}\n".encode())
+            except OSError:
+                pass
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    try:
+        ready, _, _ = select.select([read_fd], [], [], START_TIMEOUT)
+        line = os.read(read_fd, 4096).decode().strip() if ready else "error: no answer"
+    finally:
+        os.close(read_fd)
+    if not line.isdigit():
+        stop_process(pid, grace=1.0)
+        raise CoordinatorConfigError(f"the coordinator could not listen on --coordinator-port {port} "
+                                     f"({line}); pick a free port or 0")
+    return pid, int(line)
+
+
+def start_or_join_coordinator(args: Namespace, token: str) -> CoordinatorHandle:
+    """Node 0 starts the coordinator unless RECOVER_COORDINATOR points to one already."""
+    world_size = args.nnodes * args.nproc_per_node
+    if os.environ.get("RECOVER_COORDINATOR"):
+        host, port = P.parse_address(os.environ["RECOVER_COORDINATOR"], "RECOVER_COORDINATOR")
+        return CoordinatorHandle(host, port, token, args.node_rank, args.nnodes, None)
+    if args.node_rank != 0:
+        return CoordinatorHandle(args.master_addr, args.coordinator_port, token, args.node_rank,
+                                 args.nnodes, None)
+    pid, port = fork_coordinator(args.coordinator_port, token, world_size,
+                                 args.heartbeat_interval, args.heartbeat_timeout)
+    return CoordinatorHandle(args.master_addr, port, token, 0, args.nnodes, pid)

@@ -1,0 +1,185 @@
+"""A rank's view of the job's membership, kept current by two small background threads.
+
+* the watcher blocks on this rank's notification queue (``notify/<rank>``), where the coordinator
+  pushes every new epoch, so a new epoch is seen at once; it then calls the listeners (the process
+  groups), which abort their pending operations;
+* the heartbeat thread adds to ``hb/<rank>`` every `heartbeat_interval`.
+Each has its own store connection: a TCPStore client serializes its requests, so a blocked pop
+would otherwise stall everyone. (A blocking pop rather than timed waits: every timed-out store
+wait prints two C++ warnings.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from recover_patches.collectives import protocol as P
+from recover_patches.collectives.errors import CoordinatorConfigError, MembershipTimeout
+
+EpochListener = Callable[[int, frozenset[int]], None]
+
+
+class MembershipClient:
+    """One per rank. `store` is the coordinator's store under this job's prefix."""
+
+    def __init__(self, host: str, port: int, token: str, rank: int, world_size: int, *,
+                 connect_timeout: float = 30.0, source: str = "RECOVER_COORDINATOR"):
+        self.rank = rank
+        self.world_size = world_size
+        raw = P.connect(host, port, connect_timeout, source)
+        P.handshake(raw, token, "rank", rank, connect_timeout)
+        self.store: dist.Store = dist.PrefixStore(P.job_prefix(token), raw)
+        config = json.loads(self.store.get(P.CONFIG))
+        if config["world_size"] != world_size:
+            raise CoordinatorConfigError(f"WORLD_SIZE={world_size} but the coordinator serves a job "
+                                         f"of {config['world_size']} ranks")
+        self.heartbeat_interval: float = config["heartbeat_interval"]
+        self.heartbeat_timeout: float = config["heartbeat_timeout"]
+        self._watch_store = self._connection(host, port, token, connect_timeout, source,
+                                             blocking=timedelta(days=30))  # pops until news/close
+        self._beat_store = self._connection(host, port, token, connect_timeout, source)
+        self._changed = threading.Condition()
+        self._listeners: list[EpochListener] = []
+        self._epoch, self._dead = self._read_latest(self.store)
+        self._stop = threading.Event()
+        self._beat_store.add(P.heartbeat_key(rank), 1)
+        self._threads = [threading.Thread(target=target, name=f"recover-{what}-{rank}", daemon=True)
+                         for target, what in ((self._watch, "membership"), (self._beat, "heartbeat"))]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _connection(host, port, token, timeout, source, blocking=None) -> dist.Store:
+        raw = P.connect(host, port, timeout, source)
+        if blocking is not None:
+            raw.set_timeout(blocking)
+        return dist.PrefixStore(P.job_prefix(token), raw)
+
+    @classmethod
+    def from_env(cls, **kwargs) -> "MembershipClient":
+        """RECOVER_COORDINATOR=host:port, RECOVER_JOB_TOKEN, RANK, WORLD_SIZE (set by the launcher)."""
+        env = os.environ
+        missing = [k for k in ("RECOVER_COORDINATOR", "RECOVER_JOB_TOKEN", "RANK", "WORLD_SIZE")
+                   if not env.get(k)]
+        if missing:
+            raise CoordinatorConfigError(
+                f"{', '.join(missing)} not set: start the job with `python -m recover_patches.launch` "
+                "(which starts the coordinator) or export them")
+        host, port = P.parse_address(env["RECOVER_COORDINATOR"], "RECOVER_COORDINATOR")
+        return cls(host, port, env["RECOVER_JOB_TOKEN"], int(env["RANK"]), int(env["WORLD_SIZE"]),
+                   **kwargs)
+
+    # --- the current view -------------------------------------------------------------------
+    def epoch(self) -> int:
+        return self._epoch
+
+    def dead_ranks(self) -> frozenset[int]:
+        return self._dead
+
+    def view(self) -> tuple[int, frozenset[int]]:
+        """Epoch and its dead set, read together."""
+        with self._changed:
+            return self._epoch, self._dead
+
+    def add_listener(self, listener: EpochListener) -> None:
+        with self._changed:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: EpochListener) -> None:
+        with self._changed:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def wait_for_epoch_after(self, epoch: int, timeout: float) -> int:
+        """Block until an epoch newer than `epoch` is known; return it or raise MembershipTimeout."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._epoch > epoch, timeout):
+                raise MembershipTimeout(f"rank {self.rank}: no membership epoch after {epoch} "
+                                        f"within {timeout:g}s")
+            return self._epoch
+
+    # --- telling the coordinator ------------------------------------------------------------
+    def report_failure(self, suspects: Iterable[int], where: str) -> None:
+        P.post_report(self.store, P.Report.make("suspect", rank=self.rank,
+                                                suspects=sorted(set(suspects)), where=where))
+
+    def leave(self) -> None:
+        """This rank quits cleanly (e.g. a survivor of a broken replica): no new epoch for it."""
+        P.post_report(self.store, P.Report.make("leave", rank=self.rank))
+
+    def declare_complete(self, timeout: float = 30.0) -> tuple[int, frozenset[int]]:
+        """The job finished its work (call after the final commit/save). Returns the epoch and dead
+        set the coordinator stamped; failed ranks dead by then no longer fail the launch."""
+        P.post_report(self.store, P.Report.make("complete", rank=self.rank))
+        self.store.wait([P.COMPLETE], timedelta(seconds=timeout))
+        record = json.loads(self.store.get(P.COMPLETE))
+        return record["epoch"], frozenset(record["dead"])
+
+    def close(self, leave: bool = True) -> None:
+        """Stop both background threads (returns within about one heartbeat interval). With
+        `leave` (the default) the coordinator is told first, so the silence that follows is not
+        taken for a hang; leave=False just goes silent, as a vanished process would."""
+        if self._stop.is_set():
+            return
+        if leave:
+            try:
+                self.leave()
+            except RuntimeError:
+                pass  # coordinator already gone: nothing to tell
+        self._stop.set()
+        try:
+            self.store.queue_push(P.notify_key(self.rank), P.STOP)
+        except RuntimeError:
+            pass  # coordinator gone: the watcher has already ended on the broken connection
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(self.heartbeat_interval + 5.0)
+
+    # --- the background threads -------------------------------------------------------------
+    @staticmethod
+    def _read_latest(store: dist.Store) -> tuple[int, frozenset[int]]:
+        epoch = int(store.get(P.EPOCH))
+        record = json.loads(store.get(P.epoch_key(epoch)))
+        return epoch, frozenset(record["dead"])
+
+    def _beat(self) -> None:
+        try:
+            while not self._stop.wait(self.heartbeat_interval):
+                self._beat_store.add(P.heartbeat_key(self.rank), 1)
+        except RuntimeError as e:
+            self._lost(e)
+
+    def _watch(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._watch_store.queue_pop(P.notify_key(self.rank), True) == P.STOP.encode():
+                    return
+                self._adopt(*self._read_latest(self._watch_store))
+        except RuntimeError as e:
+            self._lost(e)
+
+    def _lost(self, error: Exception) -> None:
+        if not self._stop.is_set():
+            print(f"[recover.membership] rank {self.rank}: lost the coordinator: {error}",
+                  file=sys.stderr, flush=True)
+
+    def _adopt(self, epoch: int, dead: frozenset[int]) -> None:
+        with self._changed:
+            if epoch <= self._epoch:
+                return
+            self._epoch, self._dead = epoch, dead
+            listeners = list(self._listeners)
+            self._changed.notify_all()
+        for listener in listeners:
+            listener(epoch, dead)
+        if self.rank in dead:
+            # Fenced: the job moved on without us. Going on could only corrupt its state.
+            print(f"[recover.membership] rank {self.rank} was declared dead in epoch {epoch}: exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(1)

@@ -1,0 +1,115 @@
+"""The coordinator's TCPStore layout and handshake, shared by the coordinator, ranks and launchers.
+
+Public keys (anyone can reach them): ``recover/hello/*`` for the handshake. Everything else lives
+under ``recover/job/<digest of the job token>/``, so a process holding another job's token can
+neither read nor disturb this job's state even before it is refused.
+
+Under the job prefix:
+  config           JSON {world_size, heartbeat_interval, heartbeat_timeout}
+  epoch            the latest epoch number e (written after epoch/<e>)
+  epoch/<e>        JSON {epoch, dead: [global ranks], reason}
+  hb/<rank>        heartbeat counter (a rank adds 1 every interval)
+  notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
+                   its own queue to end its watcher
+  reports/count    number of reports; reports/<n> is the n-th report (JSON, see `Report`)
+  complete         JSON {epoch, dead} stamped by the coordinator when the job declares completion
+  finished         set once every rank of the world has exited or been declared dead
+  pg/<name>/...    process-group rendezvous keys (one fresh sub-prefix per build)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
+                                                JobTokenRefused)
+
+HELLO_COUNT = "recover/hello/count"
+OK = "ok"
+STOP = "stop"
+CONFIG, EPOCH, REPORTS_COUNT, COMPLETE, FINISHED = "config", "epoch", "reports/count", "complete", "finished"
+
+
+def hello_key(n: int) -> str:
+    return f"recover/hello/{n}"
+
+
+def reply_key(n: int) -> str:
+    return f"recover/hello/{n}/reply"
+
+
+def epoch_key(epoch: int) -> str:
+    return f"epoch/{epoch}"
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
+def notify_key(rank: int) -> str:
+    return f"notify/{rank}"
+
+
+def report_key(n: int) -> str:
+    return f"reports/{n}"
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def job_prefix(token: str) -> str:
+    return f"recover/job/{token_digest(token)[:16]}/"
+
+
+def parse_address(text: str, source: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise CoordinatorConfigError(f"{source}={text!r} is not host:port; set it to the coordinator's "
+                                     "address, e.g. 127.0.0.1:29400")
+    return host, int(port)
+
+
+def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
+    """A client connection to the coordinator's store, or a clear error naming `source`."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as e:
+        raise CoordinatorUnreachable(
+            f"no coordinator reachable at {host}:{port} within {timeout:g}s (from {source}); start it "
+            "with `python -m recover_patches.collectives.coordinator` or let the launcher start it"
+        ) from e
+
+
+def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float) -> None:
+    """Present the job token; raise JobTokenRefused with the coordinator's reason if refused."""
+    n = store.add(HELLO_COUNT, 1)
+    store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank}))
+    try:
+        store.wait([reply_key(n)], timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise CoordinatorUnreachable(f"the coordinator did not answer the handshake of {role} "
+                                     f"{rank} within {timeout:g}s") from e
+    reply = store.get(reply_key(n)).decode()
+    if reply != OK:
+        raise JobTokenRefused(f"coordinator refused {role} {rank}: {reply}")
+
+
+class Report(dict):
+    """One report to the coordinator. kinds: exit (by a launcher: rank, code), suspect (by a rank:
+    suspects, where), leave (a rank quitting cleanly), complete (the job finished its work)."""
+
+    @classmethod
+    def make(cls, kind: str, **fields) -> "Report":
+        return cls(kind=kind, time=time.time(), **fields)
+
+
+def post_report(store: dist.Store, report: Report) -> int:
+    n = store.add(REPORTS_COUNT, 1)
+    store.set(report_key(n), json.dumps(report))
+    return n

@@ -1,0 +1,125 @@
+"""The coordinator's rules (pure), and the coordinator with real clients over a real TCPStore.
+
+The in-process coordinator runs on a thread here only to keep the tests cheap; in a job it is
+always its own process.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from recover_patches.collectives.coordinator import (Coordinator, CoordinatorConfig,
+                                                     MembershipState, start_server)
+from recover_patches.collectives.errors import (CoordinatorConfigError, JobTokenRefused,
+                                                MembershipTimeout)
+from recover_patches.collectives.launcher_link import LauncherLink
+from recover_patches.collectives.membership import MembershipClient
+
+TOKEN = "secret-of-this-job"
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_state_exits_start_epochs_until_completion():
+    s = MembershipState(world_size=4)
+    assert s.next_epoch() is None
+    s.on_exit(2, -9)
+    s.on_exit(3, 1)
+    assert s.next_epoch() == (1, "rank 2: process exited (signal 9); rank 3: process exited (code 1)")
+    assert s.dead == {2, 3} and s.next_epoch() is None
+    s.on_leave(1)        # a survivor of a broken replica leaving cleanly: no epoch
+    s.on_exit(1, 0)
+    assert s.next_epoch() is None and not s.finished()
+    s.completed_at = s.epoch
+    s.on_exit(0, 0)      # exiting after completion: no epoch either
+    assert s.next_epoch() is None and s.finished()
+
+
+def test_state_refuses_outsiders_and_the_dead():
+    s = MembershipState(world_size=2)
+    s.mark_dead(1, "no heartbeat")
+    assert "outside" in s.refuse_reason(5)
+    assert "declared dead" in s.refuse_reason(1)
+    assert s.refuse_reason(0) is None
+
+
+@pytest.fixture
+def coordinator():
+    server = start_server("127.0.0.1", 0)
+    coord = Coordinator(server, CoordinatorConfig(world_size=3, token=TOKEN,
+                                                  heartbeat_interval=0.1, heartbeat_timeout=0.6))
+    thread = threading.Thread(target=coord.serve, daemon=True)
+    thread.start()
+    clients: list[MembershipClient] = []
+    yield server.port, clients
+    for c in clients:
+        c.close()
+    coord.stopping = True
+    thread.join(5)
+    assert not thread.is_alive()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("recover-")] == []
+
+
+def client(port, clients, rank, token=TOKEN):
+    c = MembershipClient("127.0.0.1", port, token, rank, 3, connect_timeout=5)
+    clients.append(c)
+    return c
+
+
+def test_wrong_token_is_refused_with_a_clear_message(coordinator):
+    port, clients = coordinator
+    with pytest.raises(JobTokenRefused) as e:
+        client(port, clients, 0, token="another-job")
+    assert "wrong job token" in str(e.value) and "RECOVER_JOB_TOKEN" in str(e.value)
+    assert "rank 0" in str(e.value)
+
+
+def test_launcher_exit_report_starts_an_epoch_at_once(coordinator):
+    port, clients = coordinator
+    watcher = client(port, clients, 0)
+    link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    t0 = time.monotonic()
+    link.report_exit(2, -9)
+    assert watcher.wait_for_epoch_after(0, 2) == 1
+    assert time.monotonic() - t0 < 0.5
+    assert watcher.dead_ranks() == {2} and link.dead_ranks() == {2}
+    with pytest.raises(JobTokenRefused, match="declared dead"):  # a dead rank cannot come back
+        client(port, clients, 2)
+    assert watcher.declare_complete() == (1, frozenset({2}))
+    assert link.completion() == (1, frozenset({2}))
+
+
+def test_silent_heartbeat_declares_a_rank_dead(coordinator):
+    port, clients = coordinator
+    watcher, silent = client(port, clients, 0), client(port, clients, 1)
+    seen = []
+    watcher.add_listener(lambda epoch, dead: seen.append((epoch, dead)))
+    with pytest.raises(MembershipTimeout):  # heartbeats flowing: nothing happens
+        watcher.wait_for_epoch_after(0, 1.0)
+    silent.close(leave=False)  # its heartbeat stops, like a SIGSTOPped or lost rank
+    t0 = time.monotonic()
+    assert watcher.wait_for_epoch_after(0, 3) == 1
+    assert 0.4 < time.monotonic() - t0 < 1.5
+    assert watcher.dead_ranks() == {1} and seen == [(1, frozenset({1}))]
+
+
+def test_a_closed_client_leaves_without_starting_an_epoch(coordinator):
+    port, clients = coordinator
+    watcher, leaving = client(port, clients, 0), client(port, clients, 1)
+    leaving.close()
+    with pytest.raises(MembershipTimeout):  # longer than the heartbeat timeout
+        watcher.wait_for_epoch_after(0, 1.2)
+
+
+def test_from_env_names_what_is_missing(monkeypatch):
+    for var in ("RECOVER_COORDINATOR", "RECOVER_JOB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(CoordinatorConfigError, match="RECOVER_COORDINATOR, RECOVER_JOB_TOKEN"):
+        MembershipClient.from_env()
+    monkeypatch.setenv("RECOVER_COORDINATOR", "nohostport")
+    monkeypatch.setenv("RECOVER_JOB_TOKEN", TOKEN)
+    with pytest.raises(CoordinatorConfigError, match="host:port"):
+        MembershipClient.from_env()

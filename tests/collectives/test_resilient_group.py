@@ -1,0 +1,89 @@
+"""ResilientProcessGroup over real gloo groups, in ranks started by our launcher with a coordinator.
+
+See rank_scenarios.py for what each rank does. Two jobs: five SIGKILLs (one per operation kind)
+in one 7-rank job, and one SIGSTOP hang in a 3-rank job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("rank_scenarios.py")
+OP_TIMEOUT = 2.0
+HEARTBEAT = ("0.2", "1.0")  # interval, timeout: a hang is declared well inside OP_TIMEOUT
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run_job(tmp_path: Path, nproc: int, mode: str) -> tuple[int, str, dict[int, dict]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(nproc),
+           "--preload", "torch", "--master-port", "0", "--heartbeat-interval", HEARTBEAT[0],
+           "--heartbeat-timeout", HEARTBEAT[1], str(SCRIPT), str(tmp_path), mode, str(OP_TIMEOUT)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    err = ""
+    try:
+        _, err = proc.communicate(timeout=45)
+    finally:  # whatever happened: kill the launcher, its ranks and its coordinator, by PID
+        pids = [proc.pid] + [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+        pids += [int(m) for m in re.findall(r"coordinator pid (\d+)", err)]
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    leftovers = [pid for pid in pids if alive(pid)]
+    assert not leftovers, f"processes left running: {leftovers}"
+    assert re.search(r"coordinator pid \d+", err), err
+    results = {int(p.name.split(".")[1]): json.loads(p.read_text())
+               for p in tmp_path.glob("result.*.json")}
+    return proc.returncode, err, results
+
+
+def check_survivors(results: dict[int, dict], err: str, expected: list[tuple[str, int]],
+                    max_latency: float) -> None:
+    assert sorted(results) == [0, 1], f"survivor results missing:\n{err}"
+    for rank, result in results.items():
+        got = [(r["op"], r["victim"]) for r in result["records"]]
+        assert got == expected, (rank, got)
+        for epoch, record in enumerate(result["records"]):
+            failure = record["failure"]
+            assert failure is not None, f"rank {rank}: {record['op']} did not fail"
+            assert failure["suspects"] == [record["victim"]] and failure["confirmed"], failure
+            assert failure["epoch"] == epoch
+            assert failure["latency"] < max_latency, failure
+            assert record["rebuilt_members"] == [0, 1] and record["rebuilt_epoch"] == epoch + 1
+            assert record["rebuilt_sum"] == 3.0  # 1 + 2 over the rebuilt group of survivors
+        assert result["threads"] == ["MainThread"], result["threads"]
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_during_each_operation(tmp_path):
+    code, err, results = run_job(tmp_path, 7, "kills")
+    ops = ["allreduce", "allgather", "broadcast", "send", "recv"]
+    check_survivors(results, err, [(op, k + 2) for k, op in enumerate(ops)], max_latency=1.0)
+    for victim in range(2, 7):
+        assert re.search(rf"rank {victim} \(pid \d+\) failed: killed by signal SIGKILL", err), err
+    # The survivors declared completion after the five deaths: the launch counts as a success.
+    assert code == 0, err
+    assert "job declared completion at epoch 5" in err
+
+
+@pytest.mark.timeout(60)
+def test_sigstop_hang_is_detected_fenced_and_survived(tmp_path):
+    code, err, results = run_job(tmp_path, 3, "hang")
+    check_survivors(results, err, [("allreduce", 2)], max_latency=OP_TIMEOUT + 1.0)
+    assert "rank 2 declared dead by the coordinator: SIGKILL" in err  # the launcher fenced it
+    assert code == 0, err
