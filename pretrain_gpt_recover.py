@@ -21,12 +21,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.training.datasets import DataError, build_datasets, validate_data
     from megatron.training.tokenizer import TokenizerError, build_tokenizer, padded_vocab_size
+    from recover_patches.faults import FaultInjector, FaultSpecError
+    from megatron.training.checkpointing import CheckpointError, Checkpointer
     try:  # user errors first, before any process group exists or anything is written
         tokenizer = build_tokenizer(args)
         validate_data(args)
-    except (DataError, TokenizerError) as err:
+        faults = FaultInjector.from_specs(args.inject_fault, rank)
+        checkpointer = Checkpointer(args, rank, world)  # validates --load before anything runs
+    except (DataError, TokenizerError, CheckpointError) as err:
         print(f"pretrain_gpt_recover.py: error: {err.flag}: {err.message}. Fix: {err.fix}",
               file=sys.stderr)
+        return 2
+    except FaultSpecError as err:
+        print(f"pretrain_gpt_recover.py: error: {err}", file=sys.stderr)
         return 2
 
     from megatron.training.initialize import build_groups, init_default_group, torch_group_factory
@@ -56,9 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         args=args, groups=groups, model=model, optimizer=optimizer, scheduler=scheduler,
         train_stage=build_stage(args, groups, model, train_ds, tracker),
         valid_stage=None if valid_ds is None else build_stage(args, groups, model, valid_ds, tracker),
-        link=link, hook=lambda phase, microbatch: None,
+        link=link, faults=faults, checkpointer=checkpointer,
         metrics=MetricsWriter(args.metrics_file if rank == 0 else None))
-    trainer.train()
+    try:
+        trainer.train()
+    except CheckpointError as err:  # found only when reading the files (e.g. a damaged archive)
+        print(f"pretrain_gpt_recover.py: error: {err}", file=sys.stderr)
+        return 2
     trainer.metrics.close()
     torch.distributed.destroy_process_group()
     return 0

@@ -13,10 +13,10 @@ import torch
 
 from recover_patches.p2p import StageLink
 
-PhaseHook = Callable[[str, int], None]  # (phase, microbatch id): fault injection, timing
+PhaseHook = Callable[[str, int | None], None]  # (phase, microbatch id): fault injection
 
 
-def _no_hook(phase: str, microbatch: int) -> None:
+def _no_hook(phase: str, microbatch: int | None) -> None:
     pass
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron.training.arguments import global_batch_size_at
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, log_line, print_rank_line
 from megatron.training.optimizer import clip_grads, sync_tied_embedding_grads
@@ -17,7 +18,7 @@ from recover_patches.p2p import StageLink
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction
 from recover_patches.recovery.reduce import ReducedGradients, Totals, reduce_gradients
 from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
-from recover_patches.schedule import PhaseHook, run_1f1b, run_forward_only
+from recover_patches.schedule import run_1f1b, run_forward_only
 from recover_patches.stage import GPTStage
 from recover_patches.workload.policy import even_plan
 
@@ -38,8 +39,9 @@ class Trainer:
     train_stage: GPTStage
     valid_stage: GPTStage | None
     link: StageLink
-    hook: PhaseHook
+    faults: object  # recover_patches.faults.FaultInjector: `.at(phase, iteration, microbatch)`
     metrics: MetricsWriter
+    checkpointer: object | None = None  # `.load(trainer)`, `.after_iteration(trainer)`
     state: TrainState = field(default_factory=TrainState)
     history: list[dict] = field(default_factory=list)
 
@@ -48,13 +50,17 @@ class Trainer:
         self.live_replicas = list(range(self.groups.topology.dp))
         self.is_logging_rank = self.groups.rank == 0
 
+    def hook(self, phase: str, microbatch: int | None = None) -> None:
+        """Injection/observation point; iterations are numbered from 1 as in the logs."""
+        self.faults.at(phase, self.state.iteration + 1, microbatch)
+
     # -- the pieces of the transaction -------------------------------------------------------
     def execute(self, ids: list[int]):
         self.model.train()
         return run_1f1b(ids, self.train_stage, self.link, self.hook)
 
     def reduce(self, local: Totals) -> ReducedGradients:
-        self.hook("dp_reduce", -1)
+        self.hook("dp_reduce")
         return reduce_gradients(self.params, local, self.groups.dp)
 
     def step(self, reduced: ReducedGradients) -> dict:
@@ -65,9 +71,9 @@ class Trainer:
             p.grad.div_(tokens)  # the global token mean: DESIGN §7
         grad_norm = clip_grads(self.params, self.args.clip_grad, self.groups.replica,
                                self.groups.coord.tp)
-        self.hook("optimizer", -1)
+        self.hook("optimizer")
         self.optimizer.step()
-        self.scheduler.step(increment=self.args.global_batch_size)
+        self.scheduler.step(increment=reduced.totals.microbatches * self.args.micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._stage_sum(reduced.totals.loss_sum) / tokens
         return {"lm_loss": loss, "grad_norm": grad_norm,
@@ -82,20 +88,26 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def microbatch_ids(self) -> list[int]:
-        first = first_microbatch_id(self.state.consumed_samples, self.args.micro_batch_size)
-        return list(range(first, first + self.args.num_microbatches_per_iteration))
+        """The M global ids of the next iteration; M follows --rampup-batch-size if given."""
+        mbs = self.args.micro_batch_size
+        first = first_microbatch_id(self.state.consumed_samples, mbs)
+        return list(range(first, first + global_batch_size_at(self.args, self.state.consumed_samples) // mbs))
 
     def train(self) -> list[dict]:
         args = self.args
         transaction = IterationTransaction(
             replica=self.groups.coord.replica, live_replicas=self.live_replicas,
             plan=even_plan, execute=self.execute, reduce=self.reduce, step=self.step)
+        if self.checkpointer is not None:
+            self.checkpointer.load(self)
         while self.state.iteration < args.train_iters:
             start = time.perf_counter()
             outcome = transaction.run(self.state.iteration, self.microbatch_ids())
             self.state.iteration += 1
             self.state.consumed_samples += len(outcome.ids) * args.micro_batch_size
             self.record(outcome, time.perf_counter() - start)
+            if self.checkpointer is not None:
+                self.checkpointer.after_iteration(self)
             if args.eval_interval and self.valid_stage is not None \
                     and self.state.iteration % args.eval_interval == 0:
                 self.evaluate()

@@ -1,0 +1,86 @@
+"""The seam ReCoVer needs: however the M microbatch ids are split across replicas, the reduced
+gradient is the same -- including with dropout on, because masks are seeded by microbatch id."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import parse_and_validate
+from megatron.training.datasets import build_datasets
+from megatron.training.initialize import build_groups, torch_group_factory
+from megatron.training.model import build_model
+from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.training.training import build_stage
+from recover_patches.p2p import StageLink
+from recover_patches.recovery.reduce import Totals, check_commit, reduce_gradients
+from recover_patches.rng import install_cpu_tracker
+from recover_patches.schedule import run_1f1b
+from recover_patches.topology import Topology
+from tests._launch_util import TINY_GPT
+
+M = 8
+IDS = list(range(16, 16 + M))  # iteration 2's microbatches
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    args = parse_and_validate([*TINY_GPT, "--train-iters", "4", "--hidden-dropout", "0.1",
+                               "--attention-dropout", "0.1"], world_size=1)
+    groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
+    tokenizer = build_tokenizer(args)
+    train, _, _ = build_datasets(args, tokenizer)
+    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
+    return args, groups, train, vocab, install_cpu_tracker()
+
+
+def reduced_gradient(world, assignment: list[list[int]]) -> tuple[torch.Tensor, Totals]:
+    """Each list is one replica's quota, computed on its own fresh model copy; the 'DP reduction'
+    is the sum of the replicas' out-of-place gradient buffers."""
+    args, groups, train, vocab, tracker = world
+    flat, totals = None, Totals.of_ids([])
+    for quota in assignment:
+        model = build_model(args, groups.pg_collection(), 0, 0, vocab)
+        model.train()
+        link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size))
+        done = run_1f1b(quota, build_stage(args, groups, model, train, tracker), link)
+        part = reduce_gradients(list(model.parameters()), Totals.of_ids(done.ids, done.tokens), None)
+        flat = part.flat if flat is None else flat + part.flat
+        totals = totals + part.totals
+    check_commit(totals, IDS)
+    return flat / totals.tokens, totals
+
+
+def split(sizes: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(IDS[start:start + n])
+        start += n
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sizes", [[4, 4], [5, 3], [0, 8], [1, 2, 5], [3, 0, 3, 2]])
+def test_any_split_gives_the_same_gradient(world, sizes):
+    reference, ref_totals = reduced_gradient(world, split([M]))
+    grad, totals = reduced_gradient(world, split(sizes))
+    assert totals == ref_totals
+    rel = (grad - reference).norm() / reference.norm()
+    assert rel <= 1e-6, f"split {sizes}: relative gradient difference {rel:.2e}"
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_microbatch_changes_the_gradient(world):
+    """The comparison above is sharp enough to see one microbatch missing."""
+    reference, _ = reduced_gradient(world, split([M]))
+    args, groups, train, vocab, tracker = world
+    model = build_model(args, groups.pg_collection(), 0, 0, vocab)
+    link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size))
+    done = run_1f1b(IDS[:-1], build_stage(args, groups, model, train, tracker), link)
+    part = reduce_gradients(list(model.parameters()), Totals.of_ids(done.ids, done.tokens), None)
+    with pytest.raises(Exception, match="microbatches"):
+        check_commit(part.totals, IDS)
+    rel = (part.flat / part.totals.tokens - reference).norm() / reference.norm()
+    assert rel > 1e-3

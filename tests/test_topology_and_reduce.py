@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recover_patches.loss import masked_loss_sum, vocab_parallel_cross_entropy
+from recover_patches.recovery.reduce import CommitError, Totals, check_commit, reduce_gradients
+from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
+from recover_patches.topology import Topology
+
+
+def test_megatron_rank_order_and_groups():
+    t = Topology(tp=2, pp=2, dp=2)
+    assert [t.coord(r) for r in (0, 1, 2, 5)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1)]
+    assert all(t.rank(*t.coord(r)) == r for r in range(8))
+    assert t.replica_ranks(1) == [2, 3, 6, 7]
+    assert t.tp_ranks(0, 1) == [4, 5] and t.pp_ranks(1, 0) == [1, 5]
+    assert t.dp_ranks(0, 0) == [0, 2] and t.dp_ranks(1, 1, replicas=[1]) == [7]
+    assert t.embedding_ranks(0, 1) == [2, 6]
+    # every rank is in exactly one replica; DP groups take one rank per replica
+    assert sorted(r for k in range(2) for r in t.replica_ranks(k)) == list(range(8))
+    with pytest.raises(ValueError):
+        Topology.from_world(6, 2, 2)
+
+
+def test_sampler_addresses_samples_by_global_id():
+    data = [{"tokens": [i, i], "labels": [i, i], "loss_mask": [1.0, 0.0], "position_ids": [0, 1]}
+            for i in range(10)]
+    sampler = MicrobatchSampler(data, micro_batch_size=3)
+    assert sampler(2)["tokens"][:, 0].tolist() == [6, 7, 8]
+    with pytest.raises(IndexError):
+        sampler(3)
+    assert first_microbatch_id(12, 3) == 4
+
+
+def test_commit_check_needs_exactly_the_planned_ids():
+    ids = list(range(8, 16))
+    check_commit(Totals.of_ids(ids[:3]) + Totals.of_ids(ids[3:]), ids)
+    for wrong in (ids[:-1], ids + [16], ids[:-1] + [7], ids[:4] + ids[:4]):
+        with pytest.raises(CommitError):
+            check_commit(Totals.of_ids(wrong), ids)
+
+
+def test_reduction_is_out_of_place():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([1.0, 2.0, 3.0])
+    reduced = reduce_gradients([p], Totals.of_ids([4], tokens=7), None)
+    reduced.flat.mul_(0)  # whatever happens to the buffer, the local gradient is untouched
+    assert p.grad.tolist() == [1.0, 2.0, 3.0]
+    assert reduced.totals.tokens == 7
+
+
+def test_cross_entropy_matches_torch_on_one_shard():
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    target = torch.randint(0, 11, (2, 5))
+    mask = torch.ones(2, 5)
+    mask[0, 0] = 0
+    ours, count = masked_loss_sum(vocab_parallel_cross_entropy(logits, target, None), mask)
+    ref = (F.cross_entropy(logits.detach().requires_grad_().view(-1, 11), target.view(-1),
+                           reduction="none") * mask.view(-1)).sum()
+    assert count == 9
+    assert float(ours) == pytest.approx(float(ref), rel=1e-6)
+    (grad,) = torch.autograd.grad(ours, logits)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = (F.cross_entropy(ref_logits.view(-1, 11), target.view(-1), reduction="none")
+           * mask.view(-1)).sum()
+    ref.backward()
+    assert torch.allclose(grad, ref_logits.grad, atol=1e-6)
