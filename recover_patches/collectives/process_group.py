@@ -9,9 +9,9 @@ Rules, and why:
   * An operation that errors (a peer's socket closed) or times out is reported to the coordinator;
     the group waits up to `verdict_timeout` for the coordinator's verdict (a new epoch naming the
     dead) so that PeerFailure names the right rank even when gloo cannot.
-  * Collectives are watched through their future; gloo p2p works have none, and a timed wait on
-    them closes the connection (measured), so each pending send/recv gets a small waiter thread
-    that ends with the operation (at the latest at the group timeout).
+  * Collectives are watched through their future. gloo p2p works (and reduce_scatter) have none,
+    and a timed wait on them closes the connection (measured), so each such pending operation gets
+    a small waiter thread that ends with it (at the latest at the group timeout).
   * Buffers of an aborted operation may still be written by the old backend until it times out:
     after a PeerFailure, do not reuse them.
   * Works returned for async ops only implement wait() (is_completed() stays False).
@@ -232,8 +232,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return PythonCallbackWork(lambda _timeout: self._await(pending))
 
     def _watch(self, pending: _Pending, work) -> None:
+        future = None
         if pending.peer is None:
-            work.get_future().add_done_callback(lambda fut: self._finished(pending, fut))
+            try:
+                future = work.get_future()
+            except RuntimeError:  # e.g. gloo's reduce_scatter: no future, use a waiter thread
+                pass
+        if future is not None:
+            future.add_done_callback(lambda fut: self._finished(pending, fut))
             return
 
         def wait_p2p(work=work):

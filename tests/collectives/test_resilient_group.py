@@ -17,7 +17,7 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("rank_scenarios.py")
 OP_TIMEOUT = 2.0
-HEARTBEAT = ("0.2", "1.0")  # interval, timeout: a hang is declared well inside OP_TIMEOUT
+HEARTBEAT = ("0.2", "1.0")  # interval, timeout: a hang is declared well inside any op timeout
 
 
 def alive(pid: int) -> bool:
@@ -28,11 +28,12 @@ def alive(pid: int) -> bool:
     return True
 
 
-def run_job(tmp_path: Path, nproc: int, mode: str) -> tuple[int, str, dict[int, dict]]:
+def run_job(tmp_path: Path, nproc: int, mode: str, op_timeout: float
+            ) -> tuple[int, str, dict[int, dict]]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(nproc),
            "--preload", "torch", "--master-port", "0", "--heartbeat-interval", HEARTBEAT[0],
-           "--heartbeat-timeout", HEARTBEAT[1], str(SCRIPT), str(tmp_path), mode, str(OP_TIMEOUT)]
+           "--heartbeat-timeout", HEARTBEAT[1], str(SCRIPT), str(tmp_path), mode, str(op_timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     err = ""
     try:
@@ -71,7 +72,7 @@ def check_survivors(results: dict[int, dict], err: str, expected: list[tuple[str
 
 @pytest.mark.timeout(60)
 def test_sigkill_during_each_operation(tmp_path):
-    code, err, results = run_job(tmp_path, 7, "kills")
+    code, err, results = run_job(tmp_path, 7, "kills", OP_TIMEOUT)
     ops = ["allreduce", "allgather", "broadcast", "send", "recv"]
     check_survivors(results, err, [(op, k + 2) for k, op in enumerate(ops)], max_latency=1.0)
     for victim in range(2, 7):
@@ -83,7 +84,11 @@ def test_sigkill_during_each_operation(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_sigstop_hang_is_detected_fenced_and_survived(tmp_path):
-    code, err, results = run_job(tmp_path, 3, "hang")
-    check_survivors(results, err, [("allreduce", 2)], max_latency=OP_TIMEOUT + 1.0)
+    # A long op timeout: the survivors' pending allreduce must be aborted by the coordinator's new
+    # epoch (heartbeat loss after 1 s), not by the timeout; the bound of the spec (timeout + 1 s)
+    # is then met with a wide margin.
+    op_timeout = 8.0
+    code, err, results = run_job(tmp_path, 3, "hang", op_timeout)
+    check_survivors(results, err, [("allreduce", 2)], max_latency=float(HEARTBEAT[1]) + 1.0)
     assert "rank 2 declared dead by the coordinator: SIGKILL" in err  # the launcher fenced it
     assert code == 0, err
