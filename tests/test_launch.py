@@ -168,3 +168,19 @@ def test_usage_errors_exit_2_and_start_nothing(tmp_path, flags, needle):
     code, err = finish(proc, tmp_path)
     assert code == 2 and needle in err
     assert not list(tmp_path.glob("start.*"))
+
+
+def test_exit_rule_with_declared_completion(capsys):
+    from recover_patches.launch import Rank, summarize
+
+    def ranks(*codes):  # raw wait statuses: exit code c, or killed by signal -c
+        return [Rank(rank=i, pid=100 + i, status=(c << 8) if c >= 0 else -c)
+                for i, c in enumerate(codes)]
+    assert summarize(ranks(0, 0), None) == 0
+    assert summarize(ranks(0, -9), None) == 1                     # no coordinator verdict
+    assert summarize(ranks(0, -9, 1), (2, frozenset({1, 2}))) == 0  # the job survived both
+    assert summarize(ranks(0, -9, 1), (1, frozenset({1}))) == 1     # rank 2 failed outside it
+    err = capsys.readouterr().err
+    assert "rank 1 (pid 101) failed: killed by signal SIGKILL" in err
+    assert "rank 2 (pid 102) failed: exit code 1" in err
+    assert "but rank(s) [2] failed outside it" in err
