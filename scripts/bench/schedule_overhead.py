@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     phases = recover.phase_seconds[bench.warmup:]
     print("recover phases (median ms): " + ", ".join(
         f"{name} {statistics.median(p[name] for p in phases) * 1000:.1f}" for name in phases[0]))
+    pairs = [a / b for a, b in zip(times["recover"], times["plain"])]  # neighbours share the load
+    print(f"median of per-iteration ratios {statistics.median(pairs):.2f}; "
+          f"ratio of minima {min(times['recover']) / min(times['plain']):.2f}")
     ratio = statistics.median(times["recover"]) / statistics.median(times["plain"])
     low, high = bootstrap_band(times["recover"], times["plain"])
     print(f"ratio recover/plain: {ratio:.2f}  (ratio of medians; bootstrap 95% band [{low:.2f}, {high:.2f}])")
