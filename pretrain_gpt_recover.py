@@ -1,13 +1,29 @@
 """ReCoVer's drop-in for Megatron-LM's `pretrain_gpt.py`: same flags, plus `--recover-*`.
 
     python -m recover_patches.launch --nproc-per-node 4 pretrain_gpt_recover.py <Megatron flags>
+
+Exit status: 0 done (also: a survivor of a broken replica that left cleanly), 2 user error,
+3 the job stopped because too few complete replicas remain (or a rank died with --recover off):
+restart from the checkpoint named in the message.
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
+
+EXIT_USER_ERROR, EXIT_RESTART = 2, 3
+
+
+def _user_error(text: str) -> int:
+    print(f"pretrain_gpt_recover.py: error: {text}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
+
+
+def _say(rank: int, text: str) -> None:
+    print(f"[recover] rank {rank}: {text}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,10 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.initialize import env_rank_world
 
     rank, world = env_rank_world()
-    args = parse_and_validate(argv, world_size=world, device="cuda" if torch.cuda.is_available() else "cpu")
+    args = parse_and_validate(argv, world_size=world,
+                              device="cuda" if torch.cuda.is_available() else "cpu")
 
     from megatron.training.datasets import DataError, build_datasets, validate_data
     from megatron.training.tokenizer import TokenizerError, build_tokenizer, padded_vocab_size
+    from recover_patches.collectives.errors import CoordinatorError, PeerFailure
     from recover_patches.faults import FaultInjector, FaultSpecError
     from megatron.training.checkpointing import CheckpointError, Checkpointer
     try:  # user errors first, before any process group exists or anything is written
@@ -29,19 +47,34 @@ def main(argv: list[str] | None = None) -> int:
         faults = FaultInjector.from_specs(args.inject_fault, rank)
         checkpointer = Checkpointer(args, rank, world)  # validates --load before anything runs
     except (DataError, TokenizerError, CheckpointError) as err:
-        print(f"pretrain_gpt_recover.py: error: {err.flag}: {err.message}. Fix: {err.fix}",
-              file=sys.stderr)
-        return 2
+        return _user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")
     except FaultSpecError as err:
-        print(f"pretrain_gpt_recover.py: error: {err}", file=sys.stderr)
-        return 2
+        return _user_error(str(err))
 
-    from megatron.training.initialize import build_groups, init_default_group, torch_group_factory
+    membership = None
+    if args.coordinator_addr:  # the flags win over the launcher's env
+        os.environ["RECOVER_COORDINATOR"] = args.coordinator_addr
+    if args.job_token:
+        os.environ["RECOVER_JOB_TOKEN"] = args.job_token
+    if os.environ.get("RECOVER_COORDINATOR"):
+        from recover_patches.collectives.membership import MembershipClient
+        try:
+            membership = MembershipClient.from_env()
+        except CoordinatorError as err:
+            return _user_error(f"--coordinator-addr / RECOVER_COORDINATOR: {err}")
+    elif args.recover:
+        _say(rank, "no coordinator (RECOVER_COORDINATOR unset, e.g. under torchrun): in-job "
+                   "recovery is off; start with `python -m recover_patches.launch` to enable it")
+
+    from megatron.training.initialize import (build_groups, init_default_group,
+                                              resilient_group_factory, torch_group_factory)
     from megatron.training.metrics import MetricsWriter
     from megatron.training.model import build_model
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.training import Trainer, build_stage
     from recover_patches.p2p import StageLink
+    from recover_patches.recovery.agreement import StoreAgreement
+    from recover_patches.recovery.iteration import ReplicaLost, TooFewReplicas
     from recover_patches.rng import install_cpu_tracker
     from recover_patches.topology import Topology
 
@@ -49,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = init_default_group(args.distributed_backend, args.distributed_timeout_minutes)
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size)
-    groups = build_groups(topology, rank, torch_group_factory)
+    make_group = (torch_group_factory if membership is None
+                  else resilient_group_factory(membership, args.recover_timeout))
+    groups = build_groups(topology, rank, make_group)
     tracker = install_cpu_tracker()
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
@@ -59,19 +94,41 @@ def main(argv: list[str] | None = None) -> int:
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     link = StageLink(groups.pp, groups.coord.pp, topology.pp,
                      (args.seq_length, args.micro_batch_size, args.hidden_size))
+    recovering = membership is not None and args.recover
     trainer = Trainer(
         args=args, groups=groups, model=model, optimizer=optimizer, scheduler=scheduler,
         train_stage=build_stage(args, groups, model, train_ds, tracker),
         valid_stage=None if valid_ds is None else build_stage(args, groups, model, valid_ds, tracker),
-        link=link, faults=faults, checkpointer=checkpointer,
-        metrics=MetricsWriter(args.metrics_file if rank == 0 else None))
+        link=link, faults=faults, checkpointer=checkpointer, metrics=MetricsWriter(args.metrics_file),
+        agreement=StoreAgreement(membership, timeout=args.recover_timeout) if recovering else None,
+        log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"))
+    if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):
+        groups.tp.before_op = lambda op: trainer.hook("tp_allreduce")
+    restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
     try:
         trainer.train()
     except CheckpointError as err:  # found only when reading the files (e.g. a damaged archive)
-        print(f"pretrain_gpt_recover.py: error: {err}", file=sys.stderr)
-        return 2
-    trainer.metrics.close()
-    torch.distributed.destroy_process_group()
+        return _user_error(str(err))
+    except ReplicaLost as err:
+        _say(rank, f"{err}; this replica is broken, leaving cleanly (the others go on)")
+        membership.close(leave=True)
+        os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
+    except TooFewReplicas as err:
+        _say(rank, f"stopping: {err}. Restart with --load {restart_from}")
+        membership.close(leave=True)
+        os._exit(EXIT_RESTART)
+    except PeerFailure as err:
+        _say(rank, f"stopping: {err} (in-job recovery is off). Restart with --load {restart_from}")
+        if membership is not None:
+            membership.close(leave=True)
+        os._exit(EXIT_RESTART)
+    finally:
+        trainer.metrics.close()
+    if membership is not None:
+        membership.declare_complete()
+        membership.close()
+    else:
+        torch.distributed.destroy_process_group()
     return 0
 
 

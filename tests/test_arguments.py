@@ -58,7 +58,7 @@ MEGATRON_DEFAULTS = {
     "add_bias_linear": True, "swiglu": False, "sequence_parallel": False, "fp16": False, "bf16": False,
     "initial_loss_scale": 2.0**32, "ckpt_format": "torch", "recover": True,
     "recover_policy": "redistribute", "recover_timeout": 10.0, "recover_min_replicas": 1,
-    "inject_fault": [], "recover_heartbeat_interval": 0.5, "coordinator_addr": None, "job_token": None,
+    "inject_fault": [], "recover_balance": "throughput", "coordinator_addr": None, "job_token": None,
 }
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --train-iters 10 "
@@ -320,7 +320,6 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--tensorboard-dir": "/tmp/tb"}, 1, "cpu", "--tensorboard-dir", "tensorboard"),
     ({"--recover-min-replicas": "3"}, 2, "cpu", "--recover-min-replicas", "2"),
     ({"--coordinator-addr": "nohostport"}, 1, "cpu", "--coordinator-addr", "HOST:PORT"),
-    ({"--recover-heartbeat-interval": "20"}, 1, "cpu", "--recover-heartbeat-interval", "shorter"),
 ]
 
 

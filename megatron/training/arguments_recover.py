@@ -17,14 +17,18 @@ def add_recover_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recover-policy", default="redistribute", choices=["redistribute", "drop"],
                    help="redistribute: re-run a failed replica's microbatches on survivors (same global "
                         "batch). drop: skip them (the replica-dropping baseline).")
+    g.add_argument("--recover-balance", default="throughput", choices=["throughput", "even"],
+                   help="throughput: give slower replicas fewer microbatches when the measured "
+                        "imbalance makes that >= 10%% faster. even: always split evenly (bitwise "
+                        "reproducible reduction order, e.g. for exact resume comparisons).")
     g.add_argument("--recover-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="A collective that makes no progress for this long declares its peers failed.")
     g.add_argument("--recover-min-replicas", type=int, default=1,
                    help="Stop cleanly (for checkpoint-restart) when fewer replicas than this survive.")
     g.add_argument("--inject-fault", action="append", default=[], metavar="SPEC",
-                   help="Inject a deterministic fault (repeatable); see recover_patches fault injection.")
-    g.add_argument("--recover-heartbeat-interval", type=float, default=0.5, metavar="SECONDS",
-                   help="Seconds between heartbeats to the coordinator.")
+                   help="Inject a deterministic fault (repeatable): kind:rank=R,iter=I,phase=P[,microbatch=K] "
+                        "with kind kill|hang|exit|slow; iterations are numbered from 1 as in the log "
+                        "(see recover_patches/faults.py).")
     g.add_argument("--coordinator-addr", default=None, metavar="HOST:PORT",
                    help=f"Membership coordinator address. Default: env {COORDINATOR_ENV}.")
     g.add_argument("--job-token", default=None,

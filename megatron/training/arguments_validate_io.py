@@ -92,10 +92,6 @@ def validate_recover(args: argparse.Namespace) -> None:
     if args.recover_timeout <= 0:
         raise ArgumentError("--recover-timeout", "--recover-timeout must be > 0 seconds",
                             "pass --recover-timeout 10")
-    if not 0 < args.recover_heartbeat_interval < args.recover_timeout:
-        raise ArgumentError("--recover-heartbeat-interval", "the heartbeat interval must be > 0 and "
-                            f"shorter than --recover-timeout {args.recover_timeout}",
-                            "pass --recover-heartbeat-interval 0.5")
     dp = args.data_parallel_size
     if not 1 <= args.recover_min_replicas <= dp:
         raise ArgumentError("--recover-min-replicas", f"--recover-min-replicas "

@@ -61,6 +61,12 @@ def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) 
     return topology.rank(tp, min(live_replicas), pp)
 
 
+def live_replicas_of(trainer) -> list[int]:
+    """The replicas alive now (the Trainer keeps them in `live`, older versions in `live_replicas`)."""
+    live = getattr(trainer, "live", None)
+    return list(live.live_replicas if live is not None else trainer.live_replicas)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -261,7 +267,7 @@ class Checkpointer:
             return
         save_dir = Path(self.args.save)
         tmp, final = save_dir / f".tmp_{iter_dir_name(iteration)}", save_dir / iter_dir_name(iteration)
-        coord, live = trainer.groups.coord, trainer.live_replicas
+        coord, live = trainer.groups.coord, live_replicas_of(trainer)
         is_writer = self.rank == writer_rank(self.topology, live, coord.tp, coord.pp)
         is_leader = self.rank == writer_rank(self.topology, live, 0, 0)
         if is_leader:
@@ -295,8 +301,8 @@ class Checkpointer:
             "format": FORMAT, "iteration": trainer.state.iteration,
             "consumed_samples": trainer.state.consumed_samples,
             "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
-            "live_replicas": sorted(trainer.live_replicas),
-            "writers": {rank_dir_name(t, p, topo.pp): writer_rank(topo, trainer.live_replicas, t, p)
+            "live_replicas": sorted(live_replicas_of(trainer)),
+            "writers": {rank_dir_name(t, p, topo.pp): writer_rank(topo, live_replicas_of(trainer), t, p)
                         for t in range(topo.tp) for p in range(topo.pp)},
             "has_optimizer": not self.args.no_save_optim, "has_rng": not self.args.no_save_rng,
         }, indent=1, sort_keys=True)

@@ -50,6 +50,25 @@ class ParallelGroups:
     def is_last_stage(self) -> bool:
         return self.coord.pp == self.topology.pp - 1
 
+    def all_groups(self) -> list[dist.ProcessGroup]:
+        """This rank's groups in creation order (the order every member rebuilds them in)."""
+        groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group]
+        return [g for g in groups if g is not None]
+
+    def abandon(self) -> None:
+        """Recovery starts: stop using every backend, so peers blocked on us fail fast."""
+        for g in self.all_groups():
+            g.abandon("recovery started")
+
+    def rebuild(self, live_replicas: Sequence[int], epoch: int) -> None:
+        """New backends for the agreed epoch: the DP group keeps one rank per live replica; the
+        groups inside this replica keep their members (all alive) but get fresh backends, so no
+        message of an abandoned round can ever be matched in the next one."""
+        c, topo = self.coord, self.topology
+        for g in self.all_groups():
+            members = topo.dp_ranks(c.tp, c.pp, live_replicas) if g is self.dp else g.members
+            g.rebuild(epoch, members)
+
     def pg_collection(self) -> ProcessGroupCollection:
         pgs = ProcessGroupCollection()
         pgs.tp = self.tp
@@ -78,3 +97,15 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory) -> Par
 
 def env_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resilient_group_factory(membership, timeout: float) -> GroupFactory:
+    """Layer 1 groups: every operation completes or raises PeerFailure within `timeout`."""
+    from recover_patches.collectives.process_group import ResilientProcessGroup
+
+    def make(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
+        # A short verdict wait: recovery agrees on the membership epoch itself, so an operation
+        # need not wait long for the coordinator to name the dead rank.
+        return ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
+                                     verdict_timeout=1.0)
+    return make

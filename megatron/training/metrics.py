@@ -26,12 +26,15 @@ class MetricsWriter:
     """Appends one JSON object per line; flushed every record so a killed job keeps its history."""
 
     def __init__(self, path: str | None):
+        self.path = path
         self._file: IO[str] | None = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
+        """Opened on first use: only the logging rank (the lowest live one) ever writes, and
+        after a failure another rank may take over appending to the same file."""
+        if self.path and self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()

@@ -1,6 +1,7 @@
 """The training loop: build the iteration transaction from its parts, run it, log, evaluate.
 
-Reads top to bottom: `Trainer.train()` is the loop, `Trainer.step()` is DESIGN §4 step 5.
+Reads top to bottom: `Trainer.train()` is the loop; `execute`, `reduce` and `step` are the parts
+the transaction in `recover_patches/recovery/iteration.py` calls in order.
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, log_line, print_rank_line
 from megatron.training.optimizer import clip_grads, sync_tied_embedding_grads
 from recover_patches.p2p import StageLink
-from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction
-from recover_patches.recovery.reduce import ReducedGradients, Totals, reduce_gradients
+from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
+from recover_patches.recovery.reduce import ReducedGradients, Totals, flatten_grads, reduce_gradients
 from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
 from recover_patches.schedule import run_1f1b, run_forward_only
 from recover_patches.stage import GPTStage
-from recover_patches.workload.policy import even_plan
+from recover_patches.workload.policy import even_plan, stable_plan
+from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
 
 
 @dataclass
@@ -42,26 +44,63 @@ class Trainer:
     faults: object  # recover_patches.faults.FaultInjector: `.at(phase, iteration, microbatch)`
     metrics: MetricsWriter
     checkpointer: object | None = None  # `.load(trainer)`, `.after_iteration(trainer)`
+    agreement: object | None = None  # recovery on: recover_patches.recovery.agreement
+    log_failure: object | None = None  # (PeerFailure, phase) -> None, printed by every rank
     state: TrainState = field(default_factory=TrainState)
     history: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
+        topo, c = self.groups.topology, self.groups.coord
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.live_replicas = list(range(self.groups.topology.dp))
-        self.is_logging_rank = self.groups.rank == 0
+        self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
+                                 replica_ranks=topo.replica_ranks,
+                                 min_replicas=getattr(self.args, "recover_min_replicas", 1))
+        self.timer = MicrobatchTimer(pipeline_depth=topo.pp)
+        self.timings: dict[int, float | None] = {}
+        self._execute_seconds = 0.0
+        self._executed = 0
 
     def hook(self, phase: str, microbatch: int | None = None) -> None:
-        """Injection/observation point; iterations are numbered from 1 as in the logs."""
+        """Injection point; iterations are numbered from 1 as in the logs."""
         self.faults.at(phase, self.state.iteration + 1, microbatch)
 
-    # -- the pieces of the transaction -------------------------------------------------------
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.groups.rank == min(self.live.members())
+
+    # -- the parts of the transaction --------------------------------------------------------
+    def plan(self, ids, replicas):
+        if getattr(self.args, "recover_policy", "redistribute") == "drop":
+            # the replica-dropping baseline: each replica keeps its failure-free share, the
+            # shares of dead replicas are simply not computed
+            return even_plan(ids, range(self.groups.topology.dp))
+        if getattr(self.args, "recover_balance", "throughput") == "even":
+            return even_plan(ids, replicas)
+        return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10)
+
     def execute(self, ids: list[int]):
         self.model.train()
-        return run_1f1b(ids, self.train_stage, self.link, self.hook)
+        start = time.perf_counter()
+        done = run_1f1b(ids, self.train_stage, self.link, self.hook)
+        self._execute_seconds += time.perf_counter() - start
+        self._executed += len(ids)
+        return done
 
     def reduce(self, local: Totals) -> ReducedGradients:
         self.hook("dp_reduce")
-        return reduce_gradients(self.params, local, self.groups.dp)
+        reduced = reduce_gradients(self.params, local, self.groups.dp)
+        # each replica's microbatch time, one slot per replica, published with the gradients
+        self._times = torch.zeros(self.groups.topology.dp, dtype=torch.float64)
+        self._times[self.groups.coord.replica] = self._measured_time()
+        if self.groups.dp.size() > 1:
+            dist.all_reduce(self._times, group=self.groups.dp)
+        return reduced
+
+    def _measured_time(self) -> float:
+        if self._executed:
+            self.timer.update(self._execute_seconds, self._executed)
+        self._execute_seconds, self._executed = 0.0, 0
+        return self.timer.to_wire()
 
     def step(self, reduced: ReducedGradients) -> dict:
         reduced.write_to(self.params)
@@ -75,36 +114,47 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step(increment=reduced.totals.microbatches * self.args.micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._stage_sum(reduced.totals.loss_sum) / tokens
-        return {"lm_loss": loss, "grad_norm": grad_norm,
+        loss_and_times = torch.cat([torch.tensor([reduced.totals.loss_sum], dtype=torch.float64),
+                                    self._times])
+        if self.groups.replica.size() > 1:  # loss lives on the last stage; times: slowest stage
+            dist.all_reduce(loss_and_times, op=dist.ReduceOp.MAX, group=self.groups.replica)
+        self.timings = timings_from_wire({r: float(v) for r, v in enumerate(loss_and_times[1:])})
+        return {"lm_loss": float(loss_and_times[0]) / tokens, "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
-    def _stage_sum(self, value: float) -> float:
-        """Only the last stage holds the loss; sum over the pipeline so every rank knows it."""
-        t = torch.tensor([value], dtype=torch.float64)
-        if self.groups.pp.size() > 1:
-            dist.all_reduce(t, group=self.groups.pp)
-        return float(t)
+    def snapshot(self) -> torch.Tensor:
+        return flatten_grads(self.params)
+
+    def restore(self, flat: torch.Tensor) -> None:
+        ReducedGradients(flat, Totals.of_ids([])).write_to(self.params)
+
+    def transaction(self) -> IterationTransaction:
+        return IterationTransaction(
+            live=self.live, plan=self.plan, execute=self.execute, reduce=self.reduce,
+            step=self.step, agreement=self.agreement, abandon=self.groups.abandon,
+            rebuild=self.groups.rebuild, snapshot=self.snapshot, restore=self.restore,
+            drop_lost=getattr(self.args, "recover_policy", "redistribute") == "drop",
+            on_failure=self.log_failure, hook=self.hook)
 
     # -- the loop --------------------------------------------------------------------------
     def microbatch_ids(self) -> list[int]:
         """The M global ids of the next iteration; M follows --rampup-batch-size if given."""
         mbs = self.args.micro_batch_size
         first = first_microbatch_id(self.state.consumed_samples, mbs)
-        return list(range(first, first + global_batch_size_at(self.args, self.state.consumed_samples) // mbs))
+        m = global_batch_size_at(self.args, self.state.consumed_samples) // mbs
+        return list(range(first, first + m))
 
     def train(self) -> list[dict]:
         args = self.args
-        transaction = IterationTransaction(
-            replica=self.groups.coord.replica, live_replicas=self.live_replicas,
-            plan=even_plan, execute=self.execute, reduce=self.reduce, step=self.step)
         if self.checkpointer is not None:
             self.checkpointer.load(self)
+        transaction = self.transaction()
         while self.state.iteration < args.train_iters:
             start = time.perf_counter()
-            outcome = transaction.run(self.state.iteration, self.microbatch_ids())
+            ids = self.microbatch_ids()
+            outcome = transaction.run(self.state.iteration + 1, ids)
             self.state.iteration += 1
-            self.state.consumed_samples += len(outcome.ids) * args.micro_batch_size
+            self.state.consumed_samples += len(ids) * args.micro_batch_size
             self.record(outcome, time.perf_counter() - start)
             if self.checkpointer is not None:
                 self.checkpointer.after_iteration(self)
@@ -120,37 +170,52 @@ class Trainer:
             "consumed_samples": self.state.consumed_samples,
             "global_batch_size": len(outcome.ids) * args.micro_batch_size,
             "microbatches": outcome.totals.microbatches,
+            "id_sum": outcome.totals.id_sum,
             "tokens": outcome.totals.tokens,
             "ms_per_iteration": seconds * 1000.0,
             "tokens_per_second": outcome.totals.tokens / max(seconds, 1e-9),
+            "live_replicas": list(self.live.live_replicas),
             "quotas": {str(r): len(q) for r, q in outcome.assignment.items()},
             "phase_seconds": outcome.seconds,
+            "recoveries": [vars(r) for r in outcome.recoveries],
             **outcome.step,
         }
         self.history.append(rec)
-        if self.is_logging_rank:
-            self.metrics.write(rec)
-            if self.state.iteration % args.log_interval == 0 or self.state.iteration == 1:
-                print_rank_line(log_line(rec, args.train_iters))
+        if not self.is_logging_rank:
+            return
+        self.metrics.write(rec)
+        for r in outcome.recoveries:
+            print_rank_line(
+                f" [recover] iteration {self.state.iteration} round {r.round}: {r.failure} "
+                f"(seen in {r.phase}) | epoch {r.epoch}, dead ranks {r.dead}, lost replicas "
+                f"{r.lost_replicas} | lost microbatches {r.lost_ids} -> "
+                + (", ".join(f"replica {k}: {v}" for k, v in r.replanned.items() if v) or "dropped")
+                + " | " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r.seconds.items()))
+        if self.state.iteration % args.log_interval == 0 or self.state.iteration == 1 \
+                or outcome.recoveries:
+            print_rank_line(log_line(rec, args.train_iters))
 
     def evaluate(self) -> float:
         """Forward-only loss over `--eval-iters` global batches of the validation set."""
         args = self.args
         self.model.eval()
-        m = args.num_microbatches_per_iteration
+        m = args.global_batch_size // args.micro_batch_size
         first = (self.state.iteration // args.eval_interval - 1) * args.eval_iters * m
         total = Totals.of_ids([])
         with torch.no_grad():
             for k in range(args.eval_iters):
                 ids = list(range(first + k * m, first + (k + 1) * m))
-                mine = even_plan(ids, self.live_replicas).get(self.groups.coord.replica, [])
+                mine = even_plan(ids, self.live.live_replicas).get(self.groups.coord.replica, [])
                 done = run_forward_only(mine, self.valid_stage, self.link)
                 total = total + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
         stats = total.as_tensor()
         if self.groups.dp.size() > 1:
             dist.all_reduce(stats, group=self.groups.dp)
         total = Totals.from_tensor(stats)
-        loss = self._stage_sum(total.loss_sum) / max(total.tokens, 1)
+        loss_sum = torch.tensor([total.loss_sum], dtype=torch.float64)
+        if self.groups.pp.size() > 1:  # the loss lives on the last stage
+            dist.all_reduce(loss_sum, group=self.groups.pp)
+        loss = float(loss_sum) / max(total.tokens, 1)
         if self.is_logging_rank:
             print_rank_line(f" validation loss at iteration {self.state.iteration} | "
                             f"lm loss value: {loss:.6E} |")

@@ -2,10 +2,14 @@
 PeerFailure within its bound, and whose inner backend can be replaced in place (DESIGN §5).
 
 Rules, and why:
-  * A group built in membership epoch e serves epoch e only. When a newer epoch is announced, its
-    inner backend is discarded at once (peers blocked on it then fail in milliseconds) and every
-    pending or later operation raises PeerFailure until `rebuild()`. Every rank learns of the
-    epoch within milliseconds, so all members stop using the old backend together.
+  * A newer membership epoch that declares one of this group's *members* dead discards the inner
+    backend at once (peers blocked on it then fail in milliseconds) and every pending or later
+    operation raises PeerFailure until `rebuild()`. Every member learns of the epoch within
+    milliseconds, so all of them stop using the old backend together. A group none of whose
+    members died simply adopts the new epoch and carries on: the TP/PP groups of a healthy replica
+    never see another replica's failure (DESIGN §3), so its in-flight microbatches are not torn.
+  * `rebuild(e, members)` is strict: if any epoch after e has started, it raises PeerFailure, so
+    all survivors abandon a recovery attempt together and retry with the newer epoch.
   * An operation that errors (a peer's socket closed) or times out is reported to the coordinator;
     the group waits up to `verdict_timeout` for the coordinator's verdict (a new epoch naming the
     dead) so that PeerFailure names the right rank even when gloo cannot.
@@ -161,7 +165,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if current < epoch:
             self.membership.wait_for_epoch_after(epoch - 1, self.verdict_timeout)
             current, dead = self.membership.view()
-        if current > epoch:
+        if current > epoch:  # strict: every survivor restarts recovery with the newer epoch
             raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.name}.rebuild",
                               f"epoch {current} already started")
         attempt = self._attempts.get(epoch, 0)
@@ -209,7 +213,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self.before_op(op)
         with self._cond:
             inner, failure = self._inner, self._failure
-            stale = self.membership.epoch() > self._epoch
+        stale = self._stale()
         if failure is not None:
             raise PeerFailure(failure.epoch, failure.suspects, f"{self.name}.{op}",
                               f"group broken by an earlier failure ({failure.op}); rebuild() it",
@@ -272,8 +276,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             return True
         deadline = pending.started + self.timeout + GRACE
         with self._cond:
-            while not pending.done and self._inner is not None \
-                    and self.membership.epoch() <= self._epoch:
+            while not pending.done and self._inner is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -288,8 +291,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
             detail = error
         elif broken_by is not None:
             detail = f"aborted: {broken_by.op} failed first"
-        elif self.membership.epoch() > self._epoch:
-            detail = "aborted: a newer membership epoch started"
+        elif self._stale():
+            detail = "aborted: a newer membership epoch declared a member dead"
         else:
             detail = f"no completion within {self.timeout:g}s"
         if broken_by is not None and not done:
@@ -300,8 +303,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         raise pending.outcome
 
     def _fail(self, op: str, detail: str, peer: int | None = None) -> PeerFailure:
-        """Name the culprit (waiting for the coordinator's verdict if needed), break the group."""
+        """Break the group at once (peers blocked on it then fail in milliseconds), then name the
+        culprit, waiting up to `verdict_timeout` for the coordinator's verdict."""
         epoch = self._epoch
+        self._discard()
         others = {m for m in self.members if m != self.membership.rank}
         guess = {peer} if peer is not None else others
         if self.membership.epoch() <= epoch:
@@ -316,8 +321,15 @@ class ResilientProcessGroup(dist.ProcessGroup):
                                   f"{self.name}.{op}", detail)
         else:
             failure = PeerFailure(epoch, guess, f"{self.name}.{op}", detail, confirmed=False)
-        self._discard(failure)
+        with self._cond:
+            if self._failure is None and self._inner is None:
+                self._failure = failure
         return failure
+
+    def abandon(self, reason: str) -> None:
+        """Layer 2 stops using this backend (recovery starts): peers blocked on it fail fast and
+        any later operation raises PeerFailure until `rebuild()`."""
+        self._discard(PeerFailure(self._epoch, (), f"{self.name}.abandon", reason, confirmed=False))
 
     def _discard(self, failure: PeerFailure | None = None) -> None:
         with self._cond:
@@ -332,7 +344,27 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if inner is not None:
             backends.discard(inner, works)
 
-    def _on_epoch(self, epoch: int, _dead: frozenset[int]) -> None:
-        """Membership listener (watcher thread): a newer epoch ends this group's backend now."""
-        if epoch > self._epoch:
+    def _stale(self) -> bool:
+        """A newer epoch declared a member dead (adopting harmless epochs on the way)."""
+        epoch, dead = self.membership.view()
+        if epoch <= self._epoch:
+            return False
+        if dead & set(self.members):
+            return True
+        self._adopt(epoch, dead)
+        return False
+
+    def _adopt(self, epoch: int, dead: frozenset[int]) -> None:
+        with self._cond:
+            if self._inner is not None and epoch > self._epoch:
+                self._epoch, self._dead_at_build = epoch, dead
+
+    def _on_epoch(self, epoch: int, dead: frozenset[int]) -> None:
+        """Membership listener (watcher thread): an epoch that kills a member ends the backend
+        now; any other epoch is adopted and the group carries on."""
+        if epoch <= self._epoch:
+            return
+        if dead & set(self.members):
             self._discard()
+        else:
+            self._adopt(epoch, dead)

@@ -1,19 +1,25 @@
-"""One training iteration as a transaction (DESIGN §4):
+"""One training iteration as a transaction, and its recovery loop (DESIGN §4):
 
     1. plan     layer 3 maps the M global microbatch ids to the live replicas
     2. execute  this replica runs its pipeline schedule over its quota; grads accumulate locally
     3. reduce   out-of-place DP reduction of grads + microbatch count, tokens, id checksums, loss
-    4. commit   exactly the planned ids were reduced, else stop loudly (a bug, not a failure)
+    4. commit   all members agree the reduction completed everywhere; exactly the planned ids
+                were reduced, else stop loudly (a bug, not a failure)
     5. step     tied-embedding sync, divide by the global token count, clip, optimizer, LR schedule
 
-Every piece is passed in, so this file shows the whole order and nothing else.
+On PeerFailure in 2-4 every survivor enters recovery: agree on the new membership epoch, drop the
+broken replicas, rebuild the DP groups among the survivors, re-plan *only the ids the broken
+replicas owned*, compute them on top of the gradients already accumulated, and reduce again.
+Nothing is rolled back, no survivor recomputes its own microbatches, and a failure during recovery
+simply starts the next round. Every piece is passed in, so this file shows the whole order.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
+from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.reduce import ReducedGradients, Totals, check_commit
 from recover_patches.schedule import ScheduleResult
 
@@ -23,42 +29,171 @@ Reducer = Callable[[Totals], ReducedGradients]
 Stepper = Callable[[ReducedGradients], dict]
 
 
+class ReplicaLost(Exception):
+    """This rank's replica lost a member: the rank has nothing left to contribute and leaves."""
+
+
+class TooFewReplicas(Exception):
+    """Fewer complete replicas remain than required: the job stops (checkpoint-restart)."""
+
+
+class Agreement(Protocol):
+    def commit_vote(self, key: str, members, reduced_ok: bool) -> bool: ...
+
+    def agree_on_epoch(self, key: str, since_epoch: int, breaks_live) -> tuple[int, frozenset[int]]: ...
+
+
+@dataclass
+class LiveReplicas:
+    """What the transaction knows of the job: who is live, as last agreed by all survivors."""
+    replica: int  # this rank's replica
+    live_replicas: list[int]
+    epoch: int  # the last agreed membership epoch
+    replica_ranks: Callable[[int], list[int]]
+    min_replicas: int = 1
+
+    def members(self) -> list[int]:
+        return [rank for r in self.live_replicas for rank in self.replica_ranks(r)]
+
+    def broken(self, dead: frozenset[int]) -> set[int]:
+        return {r for r in self.live_replicas if dead & set(self.replica_ranks(r))}
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery round, for logs and metrics."""
+    round: int
+    failure: str  # the PeerFailure (group.op, suspects) that started it
+    phase: str  # where this rank saw it: execute / reduce / commit
+    epoch: int
+    dead: list[int]
+    lost_replicas: list[int]
+    lost_ids: list[int]
+    replanned: dict[int, list[int]]
+    seconds: dict[str, float] = field(default_factory=dict)  # detection / rebuild / recompute
+
+
 @dataclass
 class IterationOutcome:
     iteration: int
-    ids: list[int]
-    assignment: dict[int, list[int]]
+    ids: list[int]  # the ids committed
+    assignment: dict[int, list[int]]  # final owner of every id, by replica
     totals: Totals
     step: dict  # what the step reports: loss, grad_norm, lr, ...
     seconds: dict[str, float] = field(default_factory=dict)  # execute / reduce / step
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
 
 
 @dataclass
 class IterationTransaction:
-    replica: int
-    live_replicas: list[int]
+    live: LiveReplicas
     plan: Planner
     execute: Executor
     reduce: Reducer
     step: Stepper
+    agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
+    abandon: Callable[[], None] = lambda: None  # drop every group's backend: peers fail fast
+    rebuild: Callable[[list[int], int], None] | None = None  # (live replicas, epoch): all groups
+    snapshot: Callable[[], object] = lambda: None  # local gradients, to undo an aborted round
+    restore: Callable[[object], None] = lambda state: None
+    drop_lost: bool = False  # the replica-dropping baseline: skip lost ids instead of recomputing
+    on_failure: Callable[[PeerFailure, str], None] | None = None  # per-rank report, at once
+    hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "recovery"
+    max_attempts: int = 64
 
     def run(self, iteration: int, ids: Sequence[int]) -> IterationOutcome:
-        ids = list(ids)
-        clock = time.perf_counter()
-        seconds: dict[str, float] = {}
+        ids, m = list(ids), self.live
+        seconds: dict[str, float] = {"execute": 0.0, "reduce": 0.0}
+        first_plan = {r: list(q) for r, q in self.plan(ids, m.live_replicas).items()}
+        owner = {g: r for r, q in first_plan.items() for g in q}  # round-0 owners, never changed
+        replanned: dict[int, list[int]] = {}  # the current recovery round's plan of lost ids
+        todo, kept, recoveries = first_plan.get(m.replica, []), Totals.of_ids([]), []
+        saved = None  # gradients as of `kept`, taken before each recovery round
+        for round_ in range(self.max_attempts):
+            phase, clock = "execute", time.perf_counter()
+            try:
+                done = self.execute(todo)  # 2: accumulates on top of `kept`
+                local = kept + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
+                seconds["execute"] += time.perf_counter() - clock
+                if recoveries:
+                    recoveries[-1].seconds["recompute"] = time.perf_counter() - clock
+                phase, clock = "reduce", time.perf_counter()
+                reduced = self.reduce(local)  # 3: out of place
+                seconds["reduce"] += time.perf_counter() - clock
+                phase = "commit"
+                if self.agreement is None or self.agreement.commit_vote(
+                        f"{iteration}/{round_}", m.members(), reduced_ok=True):  # 4
+                    final = {g: (r if r in m.live_replicas else None) for g, r in owner.items()}
+                    final.update({g: r for r, q in replanned.items() for g in q})
+                    committed = [g for g in ids if final[g] is not None]
+                    check_commit(reduced.totals, committed)
+                    clock = time.perf_counter()
+                    report = self.step(reduced)  # 5
+                    seconds["step"] = time.perf_counter() - clock
+                    assignment = {r: [g for g in committed if final[g] == r] for r in m.live_replicas}
+                    return IterationOutcome(iteration, committed, assignment, reduced.totals,
+                                            report, seconds, recoveries)
+                failure = PeerFailure(m.epoch, (), "commit.vote", "another member's reduction failed")
+            except PeerFailure as err:
+                if self.agreement is None:
+                    raise
+                failure = err
+                if self.on_failure is not None:
+                    self.on_failure(err, phase)
+                if phase != "commit":  # tell the others no commit is possible this round
+                    self.agreement.commit_vote(f"{iteration}/{round_}", m.members(), False)
+            if round_ > 0:  # recovery rounds are atomic: undo this one's partial work
+                self.restore(saved)
+            elif phase != "execute":  # round 0 finished on every stage of a live replica
+                kept = local
+            record = self._recover(iteration, round_, failure, phase, ids, owner)
+            if round_ == 0 and phase == "execute":
+                # only a failure inside this replica can stop round 0 mid-way, and that breaks
+                # the replica; a live replica with a torn round 0 would commit a wrong gradient
+                raise RuntimeError(f"iteration {iteration}: round 0 was cut short ({failure}) "
+                                   f"but replica {m.replica} stays live")
+            replanned = record.replanned
+            saved = self.snapshot()
+            todo = replanned.get(m.replica, [])
+            recoveries.append(record)
+        raise RuntimeError(f"iteration {iteration}: no commit after {self.max_attempts} rounds")
 
-        def lap(name: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            seconds[name] = now - clock
-            clock = now
-
-        assignment = {r: list(q) for r, q in self.plan(ids, self.live_replicas).items()}
-        done = self.execute(assignment.get(self.replica, []))
-        lap("execute")
-        reduced = self.reduce(Totals.of_ids(done.ids, done.tokens, done.loss_sum))
-        lap("reduce")
-        check_commit(reduced.totals, ids)
-        report = self.step(reduced)
-        lap("step")
-        return IterationOutcome(iteration, ids, assignment, reduced.totals, report, seconds)
+    def _recover(self, iteration: int, round_: int, failure: PeerFailure, phase: str,
+                 ids: list[int], owner: dict[int, int]) -> RecoveryRecord:
+        """Abandon every group, agree on the epoch, meet all survivors, rebuild, re-plan. A
+        failure on the way (a newer epoch) just starts the next attempt."""
+        m, clock = self.live, time.perf_counter()
+        self.abandon()
+        timing = {"detection": 0.0, "rebuild": 0.0}
+        for attempt in range(self.max_attempts):
+            key = f"{iteration}/{round_}/{attempt}"
+            try:
+                epoch, dead = self.agreement.agree_on_epoch(key, m.epoch)
+                timing["detection"] += time.perf_counter() - clock
+                clock = time.perf_counter()
+                lost_replicas = sorted(m.broken(dead))
+                m.live_replicas = [r for r in m.live_replicas if r not in lost_replicas]
+                m.epoch = epoch
+                if m.replica in lost_replicas:
+                    mine = sorted(dead & set(m.replica_ranks(m.replica)))
+                    raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
+                if len(m.live_replicas) < max(1, m.min_replicas):
+                    raise TooFewReplicas(f"{len(m.live_replicas)} complete replica(s) left, "
+                                         f"{max(1, m.min_replicas)} required")
+                self.hook("recovery")
+                self.agreement.barrier(key, m.members(), epoch)
+                self.rebuild(m.live_replicas, epoch)
+                timing["rebuild"] += time.perf_counter() - clock
+                break
+            except PeerFailure as err:  # someone else died during recovery: next attempt
+                failure = err
+                self.abandon()
+                clock = time.perf_counter()
+        else:
+            raise RuntimeError(f"iteration {iteration}: recovery did not converge")
+        lost = [g for g in ids if owner[g] not in m.live_replicas]
+        replanned = {} if self.drop_lost or not lost else {
+            r: list(q) for r, q in self.plan(lost, m.live_replicas).items()}
+        return RecoveryRecord(round_ + 1, str(failure), phase, m.epoch, sorted(dead),
+                              sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
+                              timing)

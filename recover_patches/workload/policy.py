@@ -145,3 +145,19 @@ def predicted_time(quotas: Mapping[int, int], time_per_microbatch: Mapping[int, 
 def quotas_of(plan_: Mapping[int, Sequence[int]]) -> dict[int, int]:
     """Quota per replica of a plan (convenience for predicted_time)."""
     return {replica: len(block) for replica, block in plan_.items()}
+
+
+def stable_plan(ids: Sequence[int], replicas: Sequence[int],
+                time_per_microbatch: Mapping[int, float | None], pipeline_depth: int,
+                min_gain: float = 0.05) -> dict[int, list[int]]:
+    """The even plan unless the throughput-aware plan is predicted to be at least `min_gain`
+    faster. Equal replicas thus keep the failure-free assignment (and its reduction order, so a
+    resumed run stays bitwise identical); only a real imbalance moves work."""
+    even = even_plan(ids, replicas)
+    times = {r: _known_time(time_per_microbatch, r) for r in _check_replicas(replicas, list(ids))}
+    if any(t is None for t in times.values()):
+        return even
+    best = plan(ids, replicas, time_per_microbatch, pipeline_depth)
+    t_even = predicted_time(quotas_of(even), time_per_microbatch, pipeline_depth)
+    t_best = predicted_time(quotas_of(best), time_per_microbatch, pipeline_depth)
+    return best if t_best < (1.0 - min_gain) * t_even else even

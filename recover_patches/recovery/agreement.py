@@ -1,0 +1,99 @@
+"""Decisions every survivor must take identically, made through the coordinator's store.
+
+Two questions need one answer across ranks even when failures strike between them:
+  * did round k of iteration i commit? A reduction can complete on one rank and fail on another
+    (a peer dies after sending its last message to some but not all), so each rank's local outcome
+    is not enough. Rule: commit iff every member reported its reduction done. The first rank to
+    know the answer writes it with compare_set; everyone follows the stored decision.
+  * which membership epoch does recovery attempt k use? Ranks may see a second failure at
+    different moments; planning from different dead sets would split the survivors. The first
+    proposal wins, and a barrier of all survivors closes the attempt (a newer epoch aborts it
+    everywhere, so all retry together).
+Both rely on the coordinator (outside the training ranks) and its TCPStore being alive.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterable
+
+from recover_patches.collectives import protocol
+from recover_patches.collectives.errors import PeerFailure
+
+COMMIT, ABORT = "commit", "abort"
+
+
+class StoreAgreement:
+    def __init__(self, membership, *, timeout: float, poll: float = 0.0005, max_poll: float = 0.005):
+        self.membership = membership
+        self.store = membership.store
+        self.rank = membership.rank
+        self.timeout = timeout
+        self.poll, self.max_poll = poll, max_poll
+
+    def _sleep(self, pause: float) -> float:
+        time.sleep(pause)
+        return min(pause * 2, self.max_poll)
+
+    def commit_vote(self, key: str, members: Iterable[int], reduced_ok: bool) -> bool:
+        """True iff every member's reduction for `key` completed (then all of them step)."""
+        members = frozenset(members)
+        prefix = f"recover/commit/{key}/"
+        decision_key = prefix + "decision"
+        if reduced_ok:
+            self.store.set(prefix + f"done/{self.rank}", "1")
+            if self.store.add(prefix + "count", 1) == len(members):
+                self.store.compare_set(decision_key, "", COMMIT)
+        else:  # our own reduction failed: nobody can have all members done
+            self.store.compare_set(decision_key, "", ABORT)
+        deadline, pause = time.monotonic() + self.timeout, self.poll
+        while True:
+            if self.store.check([decision_key]):
+                return self.store.get(decision_key).decode() == COMMIT
+            dead = self.membership.dead_ranks() & members
+            if any(not self.store.check([prefix + f"done/{d}"]) for d in dead):
+                self.store.compare_set(decision_key, "", ABORT)
+                continue
+            if time.monotonic() > deadline:
+                missing = [m for m in sorted(members) if not self.store.check([prefix + f"done/{m}"])]
+                raise PeerFailure(self.membership.epoch(), missing, "commit.vote",
+                                  f"members {missing} neither finished nor died in "
+                                  f"{self.timeout:g}s", confirmed=False)
+            pause = self._sleep(pause)
+
+    def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]:
+        """Wait until this rank sees an epoch after `since_epoch` (the last agreed one), propose
+        it, and return the epoch -- and its dead set -- that won the proposal."""
+        decision_key = f"recover/epoch/{key}"
+        deadline, pause = time.monotonic() + self.timeout, self.poll
+        while not self.store.check([decision_key]):
+            epoch = self.membership.epoch()
+            if epoch > since_epoch:
+                self.store.compare_set(decision_key, "", str(epoch))
+                break
+            if time.monotonic() > deadline:
+                raise PeerFailure(epoch, (), "recovery.agree",
+                                  f"no newer membership epoch was announced in "
+                                  f"{self.timeout:g}s", confirmed=False)
+            pause = self._sleep(pause)
+        agreed = int(self.store.get(decision_key).decode())
+        record = json.loads(self.store.get(protocol.epoch_key(agreed)).decode())
+        return agreed, frozenset(record["dead"])
+
+    def barrier(self, key: str, members: Iterable[int], epoch: int) -> None:
+        """All `members` reached recovery attempt `key` at `epoch`; a newer epoch (someone else
+        died meanwhile) abandons the attempt on every rank alike."""
+        members = frozenset(members)
+        prefix = f"recover/barrier/{key}/"
+        if self.store.add(prefix + "count", 1) == len(members):
+            self.store.set(prefix + "all", "1")
+        deadline, pause = time.monotonic() + self.timeout, self.poll
+        while not self.store.check([prefix + "all"]):
+            if self.membership.epoch() > epoch:
+                raise PeerFailure(epoch, self.membership.dead_ranks(), "recovery.barrier",
+                                  f"epoch {self.membership.epoch()} started during recovery")
+            if time.monotonic() > deadline:
+                raise PeerFailure(epoch, (), "recovery.barrier",
+                                  f"not all of {len(members)} survivors arrived in "
+                                  f"{self.timeout:g}s", confirmed=False)
+            pause = self._sleep(pause)

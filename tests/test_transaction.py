@@ -1,0 +1,158 @@
+"""The iteration transaction and its recovery loop, with fakes standing in for the pipeline,
+the DP reduction and the store agreement: which ids each round computes, what commits."""
+from __future__ import annotations
+
+import pytest
+
+from recover_patches.collectives.errors import PeerFailure
+from recover_patches.recovery.iteration import (IterationTransaction, LiveReplicas, ReplicaLost,
+                                                TooFewReplicas)
+from recover_patches.recovery.reduce import CommitError, ReducedGradients, Totals
+from recover_patches.schedule import ScheduleResult
+from recover_patches.workload.policy import even_plan
+import torch
+
+IDS = list(range(40, 48))  # M = 8
+RANKS = {r: [r, r + 4] for r in range(4)}  # 4 replicas of 2 stages (PP = 2)
+
+
+class FakeJob:
+    """Plays one rank of replica `me`; `script` says, per round, what goes wrong and who dies."""
+
+    def __init__(self, me: int, script: dict[int, tuple[str, set[int]]], replicas=4):
+        self.me = me
+        self.script = script  # round -> (phase that fails, ranks dead in the agreed epoch)
+        self.round = 0
+        self.executed: list[list[int]] = []
+        self.dead: set[int] = set()
+        self.rebuilt: list[tuple[list[int], int]] = []
+        self.barriers: list[tuple[str, list[int]]] = []
+        self.abandoned = 0
+        self.restored: list[int] = []
+        self.plans: list[dict[int, list[int]]] = []  # every plan made, round 0 first
+        self.extra: list[int] = []  # ids some replica reduced beyond the plans
+        self.live = LiveReplicas(replica=me, live_replicas=list(range(replicas)), epoch=0,
+                                 replica_ranks=lambda r: RANKS[r])
+
+    # transaction parts
+    def execute(self, ids):
+        self.executed.append(list(ids))
+        if self.script.get(self.round, ("", set()))[0] == "execute":
+            raise PeerFailure(self.live.epoch, self.script[self.round][1], "tp.allreduce")
+        return ScheduleResult(list(ids), loss_sum=float(len(ids)), tokens=10 * len(ids))
+
+    def reduce(self, local: Totals) -> ReducedGradients:
+        if self.script.get(self.round, ("", set()))[0] == "reduce":
+            raise PeerFailure(self.live.epoch, self.script[self.round][1], "dp.allreduce")
+        # the global sum: the live replicas' round-0 shares plus the current recovery plan
+        # (an aborted recovery round is undone everywhere)
+        rounds = self.plans[:1] + self.plans[1:][-1:]
+        all_ids = [g for plan in rounds for r in self.live.live_replicas for g in plan.get(r, [])]
+        all_ids += self.extra
+        return ReducedGradients(torch.zeros(1), Totals.of_ids(all_ids, 10 * len(all_ids)))
+
+    def step(self, reduced):
+        return {"loss": reduced.totals.loss_sum}
+
+    def plan(self, ids, replicas):
+        plan = even_plan(ids, replicas)
+        self.plans.append(plan)  # the fake "other replicas" compute their share too
+        return plan
+
+    # agreement
+    def commit_vote(self, key, members, reduced_ok):
+        fails = self.round in self.script
+        if not reduced_ok or fails:
+            return False
+        return True
+
+    def agree_on_epoch(self, key, since):
+        self.dead |= self.script[self.round][1]
+        self.round += 1
+        return since + 1, frozenset(self.dead)
+
+    def barrier(self, key, members, epoch):
+        self.barriers.append((key, sorted(members)))
+
+    def rebuild(self, live, epoch):
+        self.rebuilt.append((list(live), epoch))
+
+    def abandon(self):
+        self.abandoned += 1
+
+    def transaction(self, drop=False) -> IterationTransaction:
+        return IterationTransaction(live=self.live, plan=self.plan, execute=self.execute,
+                                    reduce=self.reduce, step=self.step, agreement=self,
+                                    abandon=self.abandon, rebuild=self.rebuild,
+                                    snapshot=lambda: len(self.executed),
+                                    restore=self.restored.append, drop_lost=drop)
+
+
+def test_failure_free_iteration_commits_its_share():
+    job = FakeJob(me=1, script={})
+    out = job.transaction().run(6, IDS)
+    assert job.executed == [[42, 43]]
+    assert out.ids == IDS and out.totals.microbatches == 8 and out.recoveries == []
+
+
+def test_lost_ids_only_are_recomputed_by_survivors():
+    job = FakeJob(me=0, script={0: ("reduce", {2})})  # replica 2's stage-0 rank died
+    out = job.transaction().run(6, IDS)
+    # round 0: own share; round 1: only replica 2's ids [44, 45], spread over replicas 0, 1, 3
+    assert job.executed == [[40, 41], [44]]
+    assert out.totals.microbatches == 8 and out.ids == IDS
+    rec = out.recoveries[0]
+    assert rec.lost_replicas == [2] and rec.lost_ids == [44, 45]
+    assert rec.replanned == {0: [44], 1: [45], 3: []}
+    assert job.rebuilt == [([0, 1, 3], 1)] and job.live.live_replicas == [0, 1, 3]
+    assert job.abandoned == 1 and job.barriers == [("6/0/0", [0, 1, 3, 4, 5, 7])]
+    assert job.restored == []  # round 0's work is kept
+    assert out.assignment == {0: [40, 41, 44], 1: [42, 43, 45], 3: [46, 47]}
+
+
+def test_failure_during_recovery_starts_another_round():
+    job = FakeJob(me=3, script={0: ("reduce", {1}), 1: ("reduce", {4})})  # then replica 0 dies
+    out = job.transaction().run(6, IDS)
+    assert [r.lost_replicas for r in out.recoveries] == [[1], [0, 1]]
+    # round 1 replans [42, 43] over 0, 2, 3 (replica 3 gets nothing) and fails; recovery rounds
+    # are atomic, so round 2 replans *all* ids of dead round-0 owners, [40..43], over 2 and 3
+    assert job.executed == [[46, 47], [], [42, 43]]
+    assert job.restored == [1]  # round 1's partial work undone (snapshot taken after round 0)
+    assert out.recoveries[1].replanned == {2: [40, 41], 3: [42, 43]}
+    assert out.totals.microbatches == 8 and job.live.live_replicas == [2, 3]
+    assert out.assignment == {2: [40, 41, 44, 45], 3: [42, 43, 46, 47]}
+
+
+def test_survivor_of_a_broken_replica_leaves():
+    job = FakeJob(me=2, script={0: ("execute", {6})})  # its own stage-1 peer died
+    with pytest.raises(ReplicaLost):
+        job.transaction().run(6, IDS)
+
+
+def test_too_few_replicas_stops():
+    job = FakeJob(me=0, script={0: ("reduce", {1, 2, 3})})
+    job.live.min_replicas = 2
+    with pytest.raises(TooFewReplicas):
+        job.transaction().run(6, IDS)
+
+
+def test_drop_policy_skips_lost_ids_and_commits_the_rest():
+    job = FakeJob(me=0, script={0: ("reduce", {5})})
+    out = job.transaction(drop=True).run(6, IDS)
+    assert job.executed == [[40, 41], []]
+    assert out.ids == [40, 41, 44, 45, 46, 47] and out.totals.microbatches == 6
+
+
+def test_a_reduction_missing_an_id_is_a_bug_not_a_failure():
+    job = FakeJob(me=0, script={})
+    job.extra = [43]  # some replica reduced microbatch 43 twice
+    with pytest.raises(CommitError):
+        job.transaction().run(6, IDS)
+
+
+def test_without_agreement_a_failure_propagates():
+    job = FakeJob(me=0, script={0: ("reduce", {1})})
+    tx = job.transaction()
+    tx.agreement = None
+    with pytest.raises(PeerFailure):
+        tx.run(6, IDS)
