@@ -1,0 +1,335 @@
+"""Checkpoints: layout, exact resume, crash safety, bad --load, --exit-signal-handler.
+
+Unit tests drive the real Checkpointer in this process on a 1-rank gloo group with a small
+model; the multi-process tests launch the trainer (few on purpose: each costs ~10-15 s of CPU).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron.training.checkpointing import (
+    LATEST_FILE, CheckpointError, Checkpointer, find_resume_point, iter_dir_name, rank_dir_name,
+    read_latest, writer_rank)
+from megatron.training.training import TrainState
+from recover_patches.rng import install_cpu_tracker
+from recover_patches.topology import Coord, Topology
+from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
+
+
+# -- in-process fixtures --------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group(tmp_path_factory):
+    """Save/load coordinate with barriers on the default group: give them a 1-rank one."""
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Crash(Exception):
+    """Stands in for the process dying at the fault-injection point."""
+
+
+@dataclass
+class Faults:
+    crash_at: tuple[str, int] | None = None
+
+    def at(self, phase: str, iteration: int, microbatch: int | None = None) -> None:
+        if (phase, iteration) == self.crash_at:
+            raise Crash(f"{phase} {iteration}")
+
+
+@dataclass
+class Groups:
+    topology: Topology = field(default_factory=lambda: Topology(1, 1, 1))
+    rank: int = 0
+    coord: Coord = Coord(tp=0, replica=0, pp=0)
+
+
+class Metrics:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make_args(tmp: Path, **over) -> Namespace:
+    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, save=str(tmp / "ck"),
+                load=None, save_interval=2, train_iters=100, no_save_optim=None, no_save_rng=None,
+                no_load_optim=None, no_load_rng=None, finetune=False, exit_signal_handler=False)
+    return Namespace(**{**base, **over})
+
+
+class TinyTrainer:
+    """The Trainer attributes the Checkpointer touches, around a real model/optimizer/scheduler."""
+
+    def __init__(self, faults: Faults | None = None):
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
+            lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10, wd_incr_style="constant")
+        self.groups, self.live_replicas = Groups(), [0]
+        self.state, self.faults, self.metrics = TrainState(), faults or Faults(), Metrics()
+        self.tracker = install_cpu_tracker()
+        self.tracker.add("model-parallel-rng", 7)
+
+    def train_step(self) -> float:
+        """One iteration whose result depends on weights, Adam moments, LR and both RNG streams."""
+        x = torch.randn(4, 8)
+        with self.tracker.fork():
+            x = x + torch.rand(4, 8)
+        loss = self.model(x).pow(2).mean()
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.optimizer.zero_grad()
+        self.state.iteration += 1
+        self.state.consumed_samples += 4
+        return loss.item()
+
+
+def run(trainer: TinyTrainer, checkpointer: Checkpointer, iters: int) -> list[float]:
+    losses = []
+    for _ in range(iters):
+        losses.append(trainer.train_step())
+        checkpointer.after_iteration(trainer)
+    return losses
+
+
+# -- unit tests -----------------------------------------------------------------------------------
+def test_megatron_names():
+    assert iter_dir_name(6) == "iter_0000006"
+    assert rank_dir_name(1, 2, pp_size=4) == "mp_rank_01_002"
+    assert rank_dir_name(1, 0, pp_size=1) == "mp_rank_01"  # Megatron omits the stage when PP == 1
+
+
+def test_writer_is_the_lowest_live_replica():
+    topo = Topology(tp=2, pp=2, dp=3)
+    assert writer_rank(topo, [0, 1, 2], 1, 1) == topo.rank(1, 0, 1)
+    assert writer_rank(topo, [2, 1], 0, 1) == topo.rank(0, 1, 1)
+
+
+def test_resume_is_exact(tmp_path):
+    args = make_args(tmp_path)
+    first = TinyTrainer()
+    reference = run(first, Checkpointer(args, 0, 1), 4)  # saves at 2 and 4
+    assert read_latest(tmp_path / "ck") == 4
+    (tmp_path / "ck" / LATEST_FILE).write_text("2\n")  # resume from the middle of that run
+
+    resumed = TinyTrainer()
+    torch.manual_seed(123)  # a fresh process would not share the first one's RNG position
+    checkpointer = Checkpointer(make_args(tmp_path, load=str(tmp_path / "ck")), 0, 1)
+    checkpointer.load(resumed)
+    assert (resumed.state.iteration, resumed.state.consumed_samples) == (2, 8)
+    assert resumed.scheduler.num_steps == 2
+    assert run(resumed, checkpointer, 2) == reference[2:]  # bitwise
+    for a, b in zip(first.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_crash_during_save_leaves_the_last_good_checkpoint(tmp_path):
+    args = make_args(tmp_path)
+    trainer = TinyTrainer(Faults(crash_at=("checkpoint", 4)))
+    with pytest.raises(Crash):
+        run(trainer, Checkpointer(args, 0, 1), 4)
+    ck = tmp_path / "ck"
+    assert read_latest(ck) == 2 and not (ck / iter_dir_name(4)).exists()
+    assert (ck / ".tmp_iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").is_file()  # written, not committed
+
+    again = TinyTrainer()
+    Checkpointer(make_args(tmp_path, load=str(ck)), 0, 1).load(again)
+    assert again.state.iteration == 2
+    # the next save of iteration 4 replaces the leftover and commits
+    run(again, Checkpointer(make_args(tmp_path, load=str(ck)), 0, 1), 2)
+    assert read_latest(ck) == 4 and not (ck / ".tmp_iter_0000004").exists()
+
+
+def test_finetune_loads_weights_only(tmp_path):
+    run(TinyTrainer(), Checkpointer(make_args(tmp_path), 0, 1), 2)
+    tuned = TinyTrainer()
+    Checkpointer(make_args(tmp_path, load=str(tmp_path / "ck"), finetune=True), 0, 1).load(tuned)
+    assert tuned.state.iteration == 0 and not tuned.optimizer.state and tuned.scheduler.num_steps == 0
+    saved = torch.load(tmp_path / "ck" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+    assert torch.equal(tuned.model[0].weight, saved["model"]["0.weight"])
+
+
+def _saved_dir(tmp_path: Path, **over) -> Path:
+    run(TinyTrainer(), Checkpointer(make_args(tmp_path, **over), 0, 1), 2)
+    return tmp_path / "ck"
+
+
+def _error(args, topology=Topology(1, 1, 1)) -> str:
+    with pytest.raises(CheckpointError) as err:
+        find_resume_point(args, topology)
+    assert err.value.flag == "--load"
+    return str(err.value)
+
+
+def test_bad_load_dirs_are_clear_errors(tmp_path):
+    assert "does not exist" in _error(make_args(tmp_path, load=str(tmp_path / "nope")))
+    # --save C --load C on a job's first run starts from scratch, as in Megatron-LM
+    assert find_resume_point(make_args(tmp_path, load=str(tmp_path / "ck")), Topology(1, 1, 1)) is None
+    ck = _saved_dir(tmp_path)
+    (ck / LATEST_FILE).write_text("garbage")
+    assert "corrupt" in _error(make_args(tmp_path, load=str(ck)))
+    (ck / LATEST_FILE).write_text("8")
+    assert "missing or corrupt" in _error(make_args(tmp_path, load=str(ck)))
+    (ck / LATEST_FILE).unlink()
+    assert "has no latest" in _error(make_args(tmp_path, load=str(ck)))
+    (ck / LATEST_FILE).write_text("2")
+    rank_file = ck / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:-100])
+    assert "truncated" in _error(make_args(tmp_path, load=str(ck)))
+
+
+def test_other_tp_pp_is_refused_but_other_dp_is_fine(tmp_path):
+    ck = _saved_dir(tmp_path)
+    message = _error(make_args(tmp_path, load=str(ck), tensor_model_parallel_size=2), Topology(2, 1, 1))
+    assert "saved with TP=1, PP=1" in message and "this run has TP=2, PP=1" in message
+    assert "--tensor-model-parallel-size 1" in message
+    point = find_resume_point(make_args(tmp_path, load=str(ck)), Topology(1, 1, 4))
+    assert point is not None and point.iteration == 2
+
+
+def test_missing_optimizer_or_rng_needs_the_no_load_flag(tmp_path):
+    ck = _saved_dir(tmp_path, no_save_optim=True, no_save_rng=True)
+    assert "--no-load-optim" in _error(make_args(tmp_path, load=str(ck)))
+    assert "--no-load-rng" in _error(make_args(tmp_path, load=str(ck), no_load_optim=True))
+    args = make_args(tmp_path, load=str(ck), no_load_optim=True, no_load_rng=True)
+    trainer = TinyTrainer()
+    Checkpointer(args, 0, 1).load(trainer)
+    assert trainer.state.iteration == 2 and not trainer.optimizer.state
+
+
+def test_sigterm_saves_at_the_end_of_the_iteration_and_exits_0(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer = TinyTrainer()
+        checkpointer = Checkpointer(make_args(tmp_path, exit_signal_handler=True, save_interval=50), 0, 1)
+        run(trainer, checkpointer, 1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        trainer.train_step()
+        with pytest.raises(SystemExit) as stop:
+            checkpointer.after_iteration(trainer)
+        assert stop.value.code == 0 and trainer.metrics.closed
+        assert read_latest(tmp_path / "ck") == 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# -- multi-process: the real trainer --------------------------------------------------------------
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # resume must restore the masks
+BOUNDED = ["--distributed-timeout-minutes", "1"]  # survivors of a killed rank cannot wait 10 min
+
+
+def _layout(tp: int, pp: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def _ckpt_args(ck: Path) -> list[str]:
+    return ["--save", str(ck), "--load", str(ck), "--save-interval", "3", "--train-iters", "6"]
+
+
+def _crash_then_resume(tmp: Path, tp: int, pp: int, dp: int, kill_rank: int):
+    # even balance: throughput balancing follows wall-clock timings, so even an uninterrupted run
+    # would not repeat its DP reduction order (hence its bits) from one launch to the next
+    ck = tmp / "ck"
+    flags = [*TINY_GPT, *DROPOUT, *BOUNDED, *_layout(tp, pp), "--recover-balance", "even"]
+    crashed = launch(tp * pp * dp, [*flags, *_ckpt_args(ck), "--inject-fault",
+                                    f"kill:rank={kill_rank},iter=6,phase=checkpoint"], tmp / "crash.jsonl")
+    state_after_crash = (read_latest(ck), sorted(p.name for p in ck.iterdir()))
+    resumed = launch(tp * pp * dp, [*flags, *_ckpt_args(ck)], tmp / "resume.jsonl")
+    return crashed, state_after_crash, resumed
+
+
+def _check(crashed, state_after_crash, resumed, kill_rank: int):
+    assert crashed.returncode != 0, crashed.stderr[-2000:]
+    assert f"rank {kill_rank} (pid" in crashed.stderr and "killed by signal SIGKILL" in crashed.stderr
+    assert [r["iteration"] for r in crashed.records] == [1, 2, 3, 4, 5, 6]  # the reference losses
+    assert state_after_crash == (3, [".tmp_iter_0000006", "iter_0000003", LATEST_FILE])
+
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "loaded checkpoint" in resumed.stdout and "(iteration 3)" in resumed.stdout
+    assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
+    assert resumed.losses() == crashed.losses()[3:]  # bitwise, dropout included
+    assert [r["lr"] for r in resumed.records] == [r["lr"] for r in crashed.records[3:]]
+
+
+@pytest.mark.timeout(600)
+def test_tp2_pp2_crash_in_save_keeps_last_good_and_resume_is_exact(tmp_path):
+    # rank 0 writes mp_rank_00_000 and commits: killed after writing, before the rename
+    _check(*_crash_then_resume(tmp_path, 2, 2, 1, kill_rank=0), kill_rank=0)
+    ck = tmp_path / "ck"
+    assert sorted(p.name for p in (ck / "iter_0000006").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001", "recover_metadata.json"]
+
+    # the same checkpoint under another TP/PP: one clear line, exit 2, nothing written
+    other = tmp_path / "other"
+    bad = launch(4, [*TINY_GPT, *_layout(1, 2), "--load", str(ck), "--save", str(other / "ck"),
+                     "--save-interval", "3", "--train-iters", "6"], other / "m.jsonl", timeout=180)
+    assert bad.returncode != 0
+    assert bad.stderr.count("rank(s) failed") == 1 and bad.stderr.count("exit code 2") == 4
+    assert "error: --load: checkpoint" in bad.stderr
+    assert "saved with TP=2, PP=2 but this run has TP=1, PP=2" in bad.stderr
+    assert not other.exists()
+
+
+@pytest.mark.timeout(600)
+def test_tp1_pp2_dp2_crash_of_a_non_writer_and_resume_is_exact(tmp_path):
+    # rank 1 is replica 1's first stage: replica 0 writes, yet its death must still block the commit
+    _check(*_crash_then_resume(tmp_path, 1, 2, 2, kill_rank=1), kill_rank=1)
+    meta = json.loads((tmp_path / "ck" / "iter_0000006" / "recover_metadata.json").read_text())
+    assert meta["writers"] == {"mp_rank_00_000": 0, "mp_rank_00_001": 2}
+    assert meta["topology"] == {"tp": 1, "pp": 2, "dp": 2, "world_size": 4}
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_rank_saves_and_every_rank_exits_0(tmp_path):
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", "2", "--master-port", "0",
+           "--no-coordinator", str(REPO / "pretrain_gpt_recover.py"), *TINY_GPT, *_layout(1, 1),
+           "--train-iters", "1000", "--save", str(ck), "--save-interval", "500",
+           "--exit-signal-handler", "--metrics-file", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while len(read_metrics(metrics)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, "the launcher should have forked 2 ranks"
+        os.kill(ranks[1], signal.SIGTERM)  # only rank 1: the ranks must agree among themselves
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0 and "all 2 rank(s) exited 0" in err, err[-3000:]
+    last = read_metrics(metrics)[-1]["iteration"]
+    assert 2 <= last < 1000 and read_latest(ck) == last
