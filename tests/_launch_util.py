@@ -45,7 +45,7 @@ def read_metrics(path: Path) -> list[dict]:
 def launch(nproc: int, args: list[str], metrics: Path, *, timeout: float = 240,
            env: dict | None = None, launcher_args: list[str] | None = None) -> Run:
     cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(nproc),
-           "--master-port", "0", *(launcher_args or ["--no-coordinator"]),
+           "--master-port", "0", *(["--no-coordinator"] if launcher_args is None else launcher_args),
            str(REPO / "pretrain_gpt_recover.py"), *args, "--metrics-file", str(metrics)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,

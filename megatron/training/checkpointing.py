@@ -15,8 +15,9 @@ Commit protocol (a crash at any point leaves the previous checkpoint loadable):
     1. leader removes any leftover SAVE/.tmp_iter_N (a crashed save) and recreates it   barrier
     2. writers write + fsync their file there; fault-injection point "checkpoint"       barrier
     3. leader renames .tmp_iter_N -> iter_N, then replaces `latest` atomically          barrier
-The barriers run on the bootstrap default process group: a stop-gap until layer 1 offers a
-resilient group for checkpoint coordination.
+The barriers are the trainer's: through the coordinator's store among the live ranks when
+recovery is on (a rank dying mid-save abandons that save; the last good checkpoint stays and
+training goes on), on the bootstrap default group otherwise.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -201,7 +202,7 @@ def apply_rank_state(trainer, state: dict, args) -> None:
 
 # -- SIGTERM: agreed on by all ranks at the end of an iteration -----------------------------------
 class TermSignal:
-    """Remembers a SIGTERM; `agreed()` is true on every rank once any rank got one."""
+    """Remembers a SIGTERM; `agreed(trainer)` is true on every rank once any rank got one."""
 
     def __init__(self) -> None:
         self.received = False
@@ -210,10 +211,8 @@ class TermSignal:
     def _on_signal(self, _signum, _frame) -> None:
         self.received = True
 
-    def agreed(self) -> bool:
-        flag = torch.tensor([int(self.received)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # default group, like the save barriers
-        return bool(flag.item())
+    def agreed(self, trainer) -> bool:
+        return trainer.any_rank(self.received, f"sigterm/{trainer.state.iteration}")
 
 
 # -- the object the Trainer calls ----------------------------------------------------------------
@@ -250,7 +249,7 @@ class Checkpointer:
 
     def after_iteration(self, trainer) -> None:
         iteration, args = trainer.state.iteration, self.args
-        stop = self.term is not None and self.term.agreed()
+        stop = self.term is not None and self.term.agreed(trainer)
         due = args.save and (iteration % args.save_interval == 0 or iteration == args.train_iters)
         if (due or stop) and args.save:
             self.save(trainer)
@@ -262,6 +261,13 @@ class Checkpointer:
             raise SystemExit(0)
 
     def save(self, trainer) -> None:
+        try:
+            self._save(trainer)
+        except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
+            print(f" [recover] rank {self.rank}: checkpoint of iteration {trainer.state.iteration}"
+                  f" abandoned ({err}); the last good checkpoint stays", flush=True)
+
+    def _save(self, trainer) -> None:
         iteration = trainer.state.iteration
         if self.last_saved == iteration:
             return
@@ -273,16 +279,16 @@ class Checkpointer:
         if is_leader:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
+        trainer.barrier(f"ckpt/{iteration}/prepared")
         if is_writer:
             self._write_rank_file(trainer, tmp / rank_dir_name(coord.tp, coord.pp, self.topology.pp))
         if is_leader:
             write_atomically(tmp / METADATA_FILE, self._metadata(trainer).encode())
         trainer.faults.at("checkpoint", iteration)  # iter=I in --inject-fault means "saving I"
-        dist.barrier()
+        trainer.barrier(f"ckpt/{iteration}/written")
         if is_leader:
             self._commit(tmp, final, iteration)
-        dist.barrier()
+        trainer.barrier(f"ckpt/{iteration}/committed")
         self.last_saved = iteration
         if self.rank == 0:
             print(f" saved checkpoint {final} (iteration {iteration})", flush=True)

@@ -122,6 +122,22 @@ class Trainer:
         return {"lm_loss": float(loss_and_times[0]) / tokens, "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
+    # -- job-wide synchronisation for checkpoints, resilient when recovery is on -------------
+    def barrier(self, key: str) -> None:
+        """All ranks of the live replicas meet (PeerFailure if one dies meanwhile)."""
+        if self.agreement is None:
+            dist.barrier()
+        else:
+            self.agreement.barrier(f"sync/{key}", self.live.members(), self.live.epoch)
+
+    def any_rank(self, flag: bool, key: str) -> bool:
+        """True on every live rank iff any of them passes True."""
+        if self.agreement is None:
+            t = torch.tensor([int(flag)], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t.item())
+        return self.agreement.any_flag(key, self.live.members(), self.live.epoch, flag)
+
     def snapshot(self) -> torch.Tensor:
         return flatten_grads(self.params)
 

@@ -97,3 +97,10 @@ class StoreAgreement:
                                   f"not all of {len(members)} survivors arrived in "
                                   f"{self.timeout:g}s", confirmed=False)
             pause = self._sleep(pause)
+
+    def any_flag(self, key: str, members: Iterable[int], epoch: int, flag: bool) -> bool:
+        """True on every member iff any member passed flag=True (e.g. one rank got SIGTERM)."""
+        if flag:
+            self.store.set(f"recover/flag/{key}", "1")
+        self.barrier(f"flag/{key}", members, epoch)
+        return self.store.check([f"recover/flag/{key}"])

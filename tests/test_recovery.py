@@ -1,0 +1,105 @@
+"""ReCoVer's invariant end to end: with ranks killed (or hung) mid-iteration, every iteration
+still commits the same M microbatches and the loss follows the failure-free run; the `drop`
+baseline does not. (TP, PP, DP) = (1, 2, 4): replica r is ranks r (stage 0) and r + 4 (stage 1).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests._launch_util import TINY_GPT, launch
+
+ITERS = 12
+M = 8
+LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+          "--train-iters", str(ITERS), "--recover-balance", "even"]
+
+
+def faults(*specs: str) -> list[str]:
+    return [arg for spec in specs for arg in ("--inject-fault", spec)]
+
+
+def run_job(tmp_path, *extra: str, launcher_args=None, nproc=8):
+    return launch(nproc, [*TINY_GPT, *LAYOUT, *extra], tmp_path / "metrics.jsonl",
+                  launcher_args=launcher_args or [], timeout=300)
+
+
+def train_records(run):
+    return [r for r in run.records if "lm_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = run_job(tmp_path_factory.mktemp("reference"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return train_records(run)
+
+
+def assert_same_trajectory(run, reference):
+    records = train_records(run)
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), run.stdout[-3000:]
+    for mine, ref in zip(records, reference):
+        i = mine["iteration"]
+        assert mine["microbatches"] == M, mine
+        assert mine["id_sum"] == sum(range((i - 1) * M, i * M)), mine  # exactly the planned ids
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
+    return records
+
+
+KILLS = {
+    # two successive failures in different iterations (a stage-1 rank, then a stage-0 rank)
+    "forward-then-dp_reduce": faults("kill:rank=5,iter=3,phase=forward",
+                                     "kill:rank=2,iter=7,phase=dp_reduce"),
+    "backward": faults("kill:rank=3,iter=4,phase=backward"),
+    "p2p": faults("kill:rank=6,iter=5,phase=p2p"),
+    # a second failure while the survivors recover from the first
+    "during-recovery": faults("kill:rank=1,iter=4,phase=forward",
+                              "kill:rank=7,iter=4,phase=recovery"),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(KILLS))
+def test_killed_ranks_keep_the_trajectory(reference, tmp_path, name):
+    run = run_job(tmp_path, *KILLS[name])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = assert_same_trajectory(run, reference)
+    recoveries = [rec for r in records for rec in r["recoveries"]]
+    assert recoveries, "no recovery was recorded"
+    for rec in recoveries:
+        assert rec["lost_ids"] and set(rec["seconds"]) >= {"detection", "rebuild"}
+    assert len(records[-1]["live_replicas"]) == 4 - len(KILLS[name]) // 2
+    assert "[recover] iteration" in run.stdout and "leaving cleanly" in run.stdout
+
+
+@pytest.mark.timeout(600)
+def test_drop_policy_leaves_the_trajectory(reference, tmp_path):
+    run = run_job(tmp_path, *KILLS["backward"], "--recover-policy", "drop")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = train_records(run)
+    assert len(records) == ITERS
+    assert [r["microbatches"] for r in records[3:]] == [6] * (ITERS - 3)  # the batch shrank
+    drift = max(abs(r["lm_loss"] - ref["lm_loss"]) / ref["lm_loss"]
+                for r, ref in zip(records, reference))
+    assert drift > 1e-3, f"drop stayed within {drift:.1e} of the reference"
+
+
+@pytest.mark.timeout(600)
+def test_hung_rank_is_recovered_after_the_timeout(reference, tmp_path):
+    run = run_job(tmp_path, *faults("hang:rank=6,iter=4,phase=backward"),
+                  "--recover-timeout", "6",
+                  launcher_args=["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert_same_trajectory(run, reference)
+    assert "hang" in run.stderr or "hang" in run.stdout
+
+
+@pytest.mark.timeout(600)
+def test_losing_every_replica_stops_cleanly(tmp_path):
+    run = launch(4, [*TINY_GPT, "--tensor-model-parallel-size", "1",
+                     "--pipeline-model-parallel-size", "2", "--train-iters", "6",
+                     *faults("kill:rank=0,iter=2,phase=forward", "kill:rank=3,iter=4,phase=forward")],
+                 tmp_path / "metrics.jsonl", launcher_args=[], timeout=300)
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "0 complete replica(s) left" in run.stdout and "Restart with --load" in run.stdout
+    assert "exit code 3" in run.stderr + run.stdout
+    assert [r["iteration"] for r in train_records(run)] == [1, 2, 3]
