@@ -320,6 +320,7 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--tensorboard-dir": "/tmp/tb"}, 1, "cpu", "--tensorboard-dir", "tensorboard"),
     ({"--recover-min-replicas": "3"}, 2, "cpu", "--recover-min-replicas", "2"),
     ({"--coordinator-addr": "nohostport"}, 1, "cpu", "--coordinator-addr", "HOST:PORT"),
+    ({"--lr-warmup-iters": "100000000"}, 1, "cpu", "--lr-warmup-iters", "decay length"),
 ]
 
 

@@ -133,6 +133,18 @@ def validate_lr_and_weight_decay(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
         raise ArgumentError("--lr-warmup-fraction", "--lr-warmup-fraction must be in [0, 1]",
                             "pass a fraction such as .01")
+    # megatron-core's scheduler asserts warmup < decay; say it as a user error instead
+    if args.train_iters and args.lr_warmup_iters and args.lr_decay_iters \
+            and args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentError("--lr-warmup-iters", f"--lr-warmup-iters {args.lr_warmup_iters} must "
+                            f"be below the decay length ({args.lr_decay_iters} iterations: "
+                            "--lr-decay-iters, default --train-iters)",
+                            "pass a smaller --lr-warmup-iters or a longer --lr-decay-iters")
+    if args.train_samples and args.lr_warmup_samples and args.lr_decay_samples \
+            and args.lr_warmup_samples >= args.lr_decay_samples:
+        raise ArgumentError("--lr-warmup-samples", f"--lr-warmup-samples {args.lr_warmup_samples}"
+                            f" must be below --lr-decay-samples {args.lr_decay_samples}",
+                            "pass a smaller --lr-warmup-samples")
     if args.weight_decay_incr_style == "constant":
         for flag, value in (("--start-weight-decay", args.start_weight_decay),
                             ("--end-weight-decay", args.end_weight_decay)):
