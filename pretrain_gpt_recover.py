@@ -23,7 +23,21 @@ def _user_error(text: str) -> int:
 
 
 def _say(rank: int, text: str) -> None:
-    print(f"[recover] rank {rank}: {text}", flush=True)
+    # one write per line: the membership watcher thread prints too (see _report_epochs)
+    sys.stdout.write(f"[recover] rank {rank}: {text}\n")
+    sys.stdout.flush()
+
+
+def _report_epochs(membership, rank: int) -> None:
+    """Every rank logs the moment it learns of a new membership epoch, naming the dead ranks, so
+    each survivor's log shows when it knew (tests time these lines). Runs on the membership
+    watcher thread, which must never die of a logging error."""
+    def report(epoch: int, dead: frozenset[int]) -> None:
+        try:
+            _say(rank, f"membership epoch {epoch}: dead ranks {sorted(dead)}")
+        except Exception:
+            pass
+    membership.add_listener(report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             membership = MembershipClient.from_env()
         except CoordinatorError as err:
             return _user_error(f"--coordinator-addr / RECOVER_COORDINATOR: {err}")
+        _report_epochs(membership, rank)
     elif args.recover:
         _say(rank, "no coordinator (RECOVER_COORDINATOR unset, e.g. under torchrun): in-job "
                    "recovery is off; start with `python -m recover_patches.launch` to enable it")
