@@ -102,3 +102,50 @@ def test_short_benchmark_accounts_consistently(tmp_path):
     assert len(committed_records(cr)) <= sum(len(a.records) for a in cr)
     recover = attempts_from_json(results["arms"]["recover"]["attempts"])
     assert len(recover) == 1 and any(r.recovery_seconds for r in recover[0].records)  # survived in-job
+
+
+# -- the simulator calibrated from the measured costs ---------------------------------------------
+from recover_patches.sim import SCENARIOS, SimConfigError  # noqa: E402
+from recover_patches.sim.calibration import MeasuredCosts, calibrate  # noqa: E402
+
+MEASURED = {"iteration_seconds": 0.2, "recovery_seconds": 0.1, "checkpoint_save_seconds": 0.05,
+            "restart_seconds": 10.0}
+
+
+def test_calibration_keeps_costs_in_iterations_or_in_seconds(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({**MEASURED, "source": "test"}))
+    costs = MeasuredCosts.from_json(path)
+    base = SCENARIOS["paper"]().config  # 6 s iterations: 30x the measured 0.2 s
+    scaled = calibrate(base, costs)
+    assert (scaled.recovery_seconds, scaled.checkpoint_save_seconds, scaled.restart_seconds) \
+        == pytest.approx((3.0, 1.5, 300.0))
+    assert scaled.checkpoint_load_seconds == 0.0 and scaled.gpus == base.gpus
+    absolute = calibrate(base, costs, "absolute")
+    assert (absolute.recovery_seconds, absolute.restart_seconds) == (0.1, 10.0)
+
+
+@pytest.mark.parametrize("broken", [{"restart_seconds": None}, {"iteration_seconds": 0},
+                                    {"recovery_seconds": -1.0}])
+def test_calibration_file_with_a_bad_field_is_rejected_by_name(tmp_path, broken):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({**MEASURED, **broken}))
+    with pytest.raises(SimConfigError, match=next(iter(broken))):
+        MeasuredCosts.from_json(path)
+
+
+@pytest.mark.timeout(120)
+def test_sim_cli_uses_the_measured_costs(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(MEASURED))
+    script = str(REPO / "scripts" / "sim" / "run_sim.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, script, "--scenario", "paper", "--no-plot",
+                           "--calibration", str(path)], capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "costs measured" in done.stdout and "restart+load 300 s" in done.stdout
+    assert "check: simulated C/R ETTR" in done.stdout
+    bad = subprocess.run([sys.executable, script, "--scenario", "paper", "--no-plot",
+                          "--calibration", str(tmp_path / "missing.json")],
+                         capture_output=True, text=True, timeout=100, env=env)
+    assert bad.returncode == 2 and "--calibration" in bad.stderr

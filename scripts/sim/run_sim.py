@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Simulate a large job under failures for recover / drop / checkpoint_restart and plot the timelines.
 
-    python scripts/sim/run_sim.py --scenario paper|llama3|100k [--seed N] [--out PNG | --no-plot]
+    python scripts/sim/run_sim.py --scenario paper|llama3|100k|all [--seed N] [--out PNG | --no-plot]
+                                  [--calibration calibration.json [--calibration-mode per_iteration|absolute]]
 
 Prints ETTR and tokens per GPU-hour per strategy, with the closed-form C/R ETTR and the Young/Daly
 interval to check against; writes a PNG of committed tokens over time (temp file + rename).
+--calibration replaces the scenario's assumed recovery/save/restart costs by the ones measured by
+scripts/bench/effective_throughput.py (see recover_patches/sim/calibration.py for how they scale).
 """
 
 from __future__ import annotations
@@ -17,20 +20,25 @@ from pathlib import Path
 
 from recover_patches.sim import (
     SCENARIOS,
+    SimConfigError,
     SimResult,
     checkpoint_restart_ettr,
     checkpoint_restart_ettr_exponential,
     simulate_all,
 )
+from recover_patches.sim.calibration import MODES, MeasuredCosts, calibrate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    parser.add_argument("--scenario", required=True, choices=[*sorted(SCENARIOS), "all"])
     parser.add_argument("--seed", type=int, default=0, help="failure-arrival seed (default 0)")
     parser.add_argument("--out", type=Path, default=None,
                         help="PNG path (default runs/sim/<scenario>.png)")
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="calibration.json from scripts/bench/effective_throughput.py")
+    parser.add_argument("--calibration-mode", choices=MODES, default="per_iteration")
     return parser.parse_args(argv)
 
 
@@ -49,6 +57,13 @@ def report(name: str, description: str, results: dict[str, SimResult]) -> str:
     for strategy, result in results.items():
         lines.append(f"  {strategy:<20}{result.ettr:>8.3f}{result.tokens_per_gpu_hour:>15.4g}"
                      f"{result.failures:>10}{result.final_replicas:>10}{result.min_batch_fraction:>11.3f}")
+    simulated = results["checkpoint_restart"].ettr
+    lines.append(f"  check: simulated C/R ETTR {simulated:.3f} vs closed form {exponential:.3f} "
+                 f"(difference {simulated - exponential:+.3f}; one seeded run, the closed form is the mean"
+                 f"{'' if config.failure_times_hours is None else ', and assumes Poisson failures, not this trace'})")
+    lines.append(f"  costs: recovery {config.recovery_seconds:.3g} s, save {config.checkpoint_save_seconds:.3g} s,"
+                 f" restart+load {config.restart_seconds + config.checkpoint_load_seconds:.3g} s,"
+                 f" iteration {config.iteration_seconds:.3g} s")
     if not results["drop"].trajectory_matches_reference:
         lines.append("  note: drop shrank the global batch, so its training trajectory differs from "
                      "the failure-free reference (recover and checkpoint_restart keep it)")
@@ -87,17 +102,39 @@ def plot(results: dict[str, SimResult], title: str, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    scenario = SCENARIOS[args.scenario]()
-    out = args.out or Path("runs") / "sim" / f"{scenario.name}.png"
-    if not args.no_plot and out.suffix.lower() != ".png":
-        print(f"error: --out must end in .png, got {out}; pass e.g. --out {out.with_suffix('.png')}",
+    if args.out is not None and not args.no_plot and args.out.suffix.lower() != ".png":
+        print(f"error: --out must end in .png, got {args.out}; pass e.g. --out "
+              f"{args.out.with_suffix('.png')}", file=sys.stderr)
+        return 2
+    if args.scenario == "all" and args.out is not None:
+        print("error: --out names one PNG; with --scenario all omit it (plots go to runs/sim/)",
               file=sys.stderr)
         return 2
-    results = simulate_all(scenario.config, seed=args.seed)
-    print(report(scenario.name, scenario.description, results))
+    try:
+        costs = None if args.calibration is None else MeasuredCosts.from_json(args.calibration)
+    except SimConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    names = sorted(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    for name in names:
+        code = run_scenario(name, args, costs)
+        if code:
+            return code
+    return 0
+
+
+def run_scenario(name: str, args: argparse.Namespace, costs: MeasuredCosts | None) -> int:
+    scenario = SCENARIOS[name]()
+    config, suffix = scenario.config, ""
+    if costs is not None:
+        config, suffix = calibrate(config, costs, args.calibration_mode), "_calibrated"
+    out = args.out or Path("runs") / "sim" / f"{scenario.name}{suffix}.png"
+    results = simulate_all(config, seed=args.seed)
+    label = scenario.description + ("" if costs is None else f" [costs measured, {args.calibration_mode}]")
+    print(report(scenario.name, label, results))
     if not args.no_plot:
         try:
-            plot(results, f"{scenario.name}: {scenario.description}", out)
+            plot(results, f"{scenario.name}: {label}", out)
         except OSError as error:
             print(f"error: cannot write --out {out}: {error.strerror}; choose a writable path",
                   file=sys.stderr)
