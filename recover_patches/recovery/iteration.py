@@ -174,12 +174,12 @@ class IterationTransaction:
                 lost_replicas = sorted(m.broken(dead))
                 m.live_replicas = [r for r in m.live_replicas if r not in lost_replicas]
                 m.epoch = epoch
+                if len(m.live_replicas) < max(1, m.min_replicas):  # all survivors say so
+                    raise TooFewReplicas(f"{len(m.live_replicas)} complete replica(s) left, "
+                                         f"{max(1, m.min_replicas)} required")
                 if m.replica in lost_replicas:
                     mine = sorted(dead & set(m.replica_ranks(m.replica)))
                     raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
-                if len(m.live_replicas) < max(1, m.min_replicas):
-                    raise TooFewReplicas(f"{len(m.live_replicas)} complete replica(s) left, "
-                                         f"{max(1, m.min_replicas)} required")
                 self.hook("recovery")
                 self.agreement.barrier(key, m.members(), epoch)
                 self.rebuild(m.live_replicas, epoch)

@@ -56,12 +56,8 @@ class RecoverArm:
     """What `Trainer.train()` does per iteration, minus logging: next ids, transaction, state."""
 
     def __init__(self, trainer):
-        from recover_patches.recovery.iteration import IterationTransaction
-        from recover_patches.workload.policy import even_plan
         self.trainer = trainer
-        self.transaction = IterationTransaction(
-            replica=trainer.groups.coord.replica, live_replicas=trainer.live_replicas,
-            plan=even_plan, execute=trainer.execute, reduce=trainer.reduce, step=trainer.step)
+        self.transaction = trainer.transaction()  # exactly what Trainer.train() runs
         self.phase_seconds: list[dict[str, float]] = []
 
     def next_ids(self) -> list[int]:
@@ -69,7 +65,7 @@ class RecoverArm:
 
     def run(self, ids: list[int]) -> float:
         state = self.trainer.state
-        outcome = self.transaction.run(state.iteration, ids)
+        outcome = self.transaction.run(state.iteration + 1, ids)
         state.iteration += 1
         state.consumed_samples += len(outcome.ids) * self.trainer.args.micro_batch_size
         self.phase_seconds.append(outcome.seconds)
