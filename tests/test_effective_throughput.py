@@ -149,3 +149,13 @@ def test_sim_cli_uses_the_measured_costs(tmp_path):
                           "--calibration", str(tmp_path / "missing.json")],
                          capture_output=True, text=True, timeout=100, env=env)
     assert bad.returncode == 2 and "--calibration" in bad.stderr
+
+
+def test_a_record_lost_with_the_logging_rank_is_counted_but_not_batch_checked():
+    from etp_accounting import unreported_gap
+    a = attempt(0, 5)
+    later = rec(7)
+    a.records += unreported_gap(a.records[-1], 0, later) + [later]  # iteration 6's record is missing
+    committed = check_trajectory([a], M, full_batches=True)
+    assert [r.iteration for r in committed] == list(range(1, 8))
+    assert [r.reported for r in committed].count(False) == 1 and committed[5].tokens == later.tokens

@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         print(f"running {spec.name} for {args.budget:g} s ...", flush=True)
         runs[spec.name] = ArmRunner(spec, jargs, args.nproc, args.out_dir, schedule, args.budget).execute()
+    write_results(args, runs, measured, save_interval, schedule)  # raw data first, whatever follows
     summaries = {name: summarize(run, args.budget, MICROBATCHES) for name, run in runs.items()}
+    write_results(args, runs, measured, save_interval, schedule, summaries)
     print(table(summaries, args.budget))
     tokens = min(summaries["drop"].committed_tokens, summaries["recover"].committed_tokens)
     drop_loss, recover_loss = loss_at_tokens(runs["drop"], tokens), loss_at_tokens(runs["recover"], tokens)
@@ -140,14 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_outputs(args, runs, summaries, measured, save_interval, schedule) -> None:
+def write_results(args, runs, measured, save_interval, schedule, summaries=None) -> None:
     results = {"budget": args.budget, "failure_interval": args.failure_interval, "seed": args.seed,
                "nproc": args.nproc, "tp": args.tp, "pp": args.pp, "microbatches": MICROBATCHES,
                "save_interval": save_interval, "schedule": asdict(schedule), "measured": measured,
-               "arms": {name: {"summary": asdict(summaries[name]),
+               "arms": {name: {"summary": asdict(summaries[name]) if summaries else None,
                                "kills": [asdict(k) for k in run.kills],
                                "attempts": attempts_to_json(run.attempts)} for name, run in runs.items()}}
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def write_outputs(args, runs, summaries, measured, save_interval, schedule) -> None:
     restarts = summaries["checkpoint_restart"].restart_seconds
     recoveries = summaries["recover"].recovery_seconds
     if measured and restarts and recoveries:

@@ -26,6 +26,10 @@ class Record:
     seen_at: float                       # seconds since the arm started
     seconds: float = 0.0                 # the trainer's own time for the iteration
     recovery_seconds: list[float] = field(default_factory=list)  # one total per recovery round
+    # False: the job committed this iteration (a later one followed in the same launch) but its
+    # metrics record is missing - the logging rank was killed between commit and write. Its
+    # tokens are taken from the next record; its batch cannot be checked.
+    reported: bool = True
 
 
 @dataclass
@@ -50,6 +54,13 @@ def record_from_metrics(rec: dict, seen_at: float) -> Record:
     return Record(iteration=rec["iteration"], tokens=rec["tokens"], microbatches=rec["microbatches"],
                   id_sum=rec["id_sum"], lm_loss=rec["lm_loss"], seen_at=seen_at,
                   seconds=rec.get("ms_per_iteration", 0.0) / 1000.0, recovery_seconds=totals)
+
+
+def unreported_gap(previous: Record | None, resumed_from: int, rec: Record) -> list[Record]:
+    """Stand-ins for the iterations between the previous record (or the resume point) and rec."""
+    start = (previous.iteration if previous else resumed_from) + 1
+    return [Record(iteration=i, tokens=rec.tokens, microbatches=-1, id_sum=-1, lm_loss=rec.lm_loss,
+                   seen_at=rec.seen_at, reported=False) for i in range(start, rec.iteration)]
 
 
 def committed_records(attempts: list[Attempt]) -> list[Record]:
@@ -93,6 +104,8 @@ def check_trajectory(attempts: list[Attempt], microbatches_per_iteration: int,
                               f"{[r.iteration for r in committed][:20]}")
     m = microbatches_per_iteration
     for r in committed:
+        if not r.reported:
+            continue
         if r.microbatches > m:
             raise TrajectoryError(f"iteration {r.iteration} processed {r.microbatches} > M={m} microbatches")
         if full_batches and (r.microbatches != m or r.id_sum != expected_id_sum(r.iteration, m)):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from etp_accounting import Attempt, Kill, record_from_metrics
+from etp_accounting import Attempt, Kill, record_from_metrics, unreported_gap
 from etp_schedule import FailureSchedule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,6 +187,8 @@ class ArmRunner:
             self.lines_read += 1
             if "lm_loss" not in rec:
                 continue
-            attempt.records.append(record_from_metrics(rec, now))
+            record = record_from_metrics(rec, now)
+            previous = attempt.records[-1] if attempt.records else None
+            attempt.records += unreported_gap(previous, attempt.resumed_from, record) + [record]
             if attempt.first_record_at is None:
                 attempt.first_record_at = now

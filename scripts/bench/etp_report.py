@@ -25,6 +25,7 @@ class ArmSummary:
     final_loss: float | None
     recovery_seconds: list[float]   # in-job recoveries (ReCoVer / drop)
     restart_seconds: list[float]    # job stopped by a kill -> first iteration of the relaunch
+    unreported_iterations: int      # committed, but the metrics record was lost with the logging rank
 
 
 def summarize(run: ArmRun, budget: float, microbatches: int) -> ArmSummary:
@@ -41,7 +42,7 @@ def summarize(run: ArmRun, budget: float, microbatches: int) -> ArmSummary:
         tokens_per_second=sum(r.tokens for r in committed) / budget,
         final_loss=committed[-1].lm_loss if committed else None,
         recovery_seconds=[s for a in run.attempts for r in a.records for s in r.recovery_seconds],
-        restart_seconds=restarts)
+        restart_seconds=restarts, unreported_iterations=sum(not r.reported for r in committed))
 
 
 def lost_seconds_per_failure(arm: ArmSummary, reference: ArmSummary | None, budget: float) -> float | None:
@@ -79,6 +80,10 @@ def table(summaries: dict[str, ArmSummary], budget: float) -> str:
             f"{s.committed_iterations:>7}{s.tokens_per_second:>8.1f}{ratio:>8}"
             f"{'-' if lost is None else f'{lost:.1f}':>12}{_median(s.recovery_seconds):>9}"
             f"{_median(s.restart_seconds):>10}{'-' if s.final_loss is None else f'{s.final_loss:.3f}':>8}")
+    missing = {s.name: s.unreported_iterations for s in summaries.values() if s.unreported_iterations}
+    if missing:
+        lines.append(f"iterations committed without a metrics record (logging rank killed between commit "
+                     f"and write; counted with the next record's tokens): {missing}")
     return "\n".join(lines)
 
 
