@@ -50,17 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_and_validate(argv, world_size=world,
                               device="cuda" if torch.cuda.is_available() else "cpu")
 
-    from megatron.training.datasets import DataError, build_datasets, validate_data
-    from megatron.training.tokenizer import TokenizerError, build_tokenizer, padded_vocab_size
+    from megatron.training.arguments_errors import UserError
+    from megatron.training.datasets import build_datasets, validate_data
+    from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+    from megatron.training.checkpointing import CheckpointError, Checkpointer
     from recover_patches.collectives.errors import CoordinatorError, PeerFailure
     from recover_patches.faults import FaultInjector, FaultSpecError
-    from megatron.training.checkpointing import CheckpointError, Checkpointer
     try:  # user errors first, before any process group exists or anything is written
         tokenizer = build_tokenizer(args)
         validate_data(args)
         faults = FaultInjector.from_specs(args.inject_fault, rank)
         checkpointer = Checkpointer(args, rank, world)  # validates --load before anything runs
-    except (DataError, TokenizerError, CheckpointError) as err:
+    except UserError as err:  # data, tokenizer, checkpoint: one line, exit 2
         return _user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")
     except FaultSpecError as err:
         return _user_error(str(err))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from megatron.training.arguments_errors import UserError
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
 
@@ -40,12 +41,8 @@ RANK_FILE = "model_optim_rng.pt"
 FORMAT = "recover-torch-1"
 
 
-class CheckpointError(Exception):
-    """A user-facing checkpoint problem: the flag, what is wrong, how to fix it (exit code 2)."""
-
-    def __init__(self, flag: str, message: str, fix: str) -> None:
-        self.flag, self.message, self.fix = flag, message.rstrip(". "), fix.rstrip(". ")
-        super().__init__(f"{flag}: {self.message}. Fix: {self.fix}")
+class CheckpointError(UserError):
+    """A user-facing checkpoint problem (exit code 2)."""
 
 
 # -- names and small file helpers -----------------------------------------------------------------

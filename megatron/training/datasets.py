@@ -35,6 +35,8 @@ from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.datasets.utils import Split
 from torch.utils.data import Dataset
 
+from megatron.training.arguments_errors import UserError
+
 # .idx layout (megatron-core IndexedDataset): magic(9) version<Q> dtype<B> sequences<Q> documents<Q>,
 # then int32 lengths[sequences], int64 byte pointers[sequences], int64 document starts[documents].
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -48,14 +50,8 @@ _MAKE_DATA = (
 )
 
 
-class DataError(Exception):
-    """A user error in the data flags: which flag, what is wrong, how to fix it."""
-
-    def __init__(self, flag: str, message: str, fix: str) -> None:
-        super().__init__(f"{flag}: {message}. Fix: {fix}")
-        self.flag = flag
-        self.message = message
-        self.fix = fix
+class DataError(UserError):
+    """A user error in the data flags."""
 
 
 def dataset_sizes(args) -> tuple[int, int, int]:

@@ -15,20 +15,16 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Sequence
 
+from megatron.training.arguments_errors import UserError
+
 EOD_TOKEN = "<|endoftext|>"
 SUPPORTED_TYPES = ("GPT2BPETokenizer", "NullTokenizer")
 # pretrain_gpt.py's default when --tokenizer-type is not given.
 DEFAULT_TYPE = "GPT2BPETokenizer"
 
 
-class TokenizerError(Exception):
-    """A user error in the tokenizer flags: which flag, what is wrong, how to fix it."""
-
-    def __init__(self, flag: str, message: str, fix: str) -> None:
-        super().__init__(f"{flag}: {message}. Fix: {fix}")
-        self.flag = flag
-        self.message = message
-        self.fix = fix
+class TokenizerError(UserError):
+    """A user error in the tokenizer flags."""
 
 
 class Tokenizer(ABC):
