@@ -68,6 +68,17 @@ def test_schedule_is_seeded_and_bounded():
     assert a.victim(0, [2, 5, 7]) in (2, 5, 7)
 
 
+def kill_leftover_launches(out: Path) -> None:
+    """Each launch runs in its own session (pgid = launcher pid): kill any the benchmark left."""
+    for pid_file in out.glob("*/launcher.*.pid"):
+        pid = int(pid_file.read_text())
+        try:
+            if b"recover_patches.launch" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.killpg(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+
+
 @pytest.mark.timeout(420)
 def test_short_benchmark_accounts_consistently(tmp_path):
     out = tmp_path / "etp"
@@ -81,13 +92,15 @@ def test_short_benchmark_accounts_consistently(tmp_path):
         stdout, _ = proc.communicate(timeout=360)
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the benchmark and any launch it left running
+            os.killpg(proc.pid, signal.SIGKILL)  # the benchmark itself
         except ProcessLookupError:
             pass
         proc.wait()
+        kill_leftover_launches(out)
     assert proc.returncode == 0, stdout[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert (out / "committed_tokens.png").stat().st_size > 0
+    assert "vs C/R" in stdout and "checkpoint_restart" in stdout
     for name in ("recover", "drop", "checkpoint_restart"):
         arm = results["arms"][name]
         attempts, summary = attempts_from_json(arm["attempts"]), arm["summary"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
 import sys
 from dataclasses import asdict
@@ -111,8 +112,13 @@ def young_daly_iterations(save_seconds: float, mtbf_seconds: float, iteration_se
     return max(1, round(math.sqrt(2.0 * save_seconds * mtbf_seconds) / iteration_seconds))
 
 
+def stop_on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through ArmRunner, which kills the running launch
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     jargs = job_args(args.tp, args.pp, train_iters=1_000_000)
     measured = {} if args.save_interval else calibrate(args, jargs)

@@ -121,6 +121,8 @@ class ArmRunner:
                 open(self.workdir / f"stderr.{k}.log", "w") as err:
             proc = subprocess.Popen(self.command(k, resumed_from), cwd=REPO, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+            # lets a supervisor (the CI test) kill this launch's session if the benchmark itself dies
+            (self.workdir / f"launcher.{k}.pid").write_text(str(proc.pid))
             reader = StdoutReader(proc.stdout, self.t0, self.run.log_lines, log)
             reader.start()
             try:
