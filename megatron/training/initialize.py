@@ -105,7 +105,8 @@ def resilient_group_factory(membership, timeout: float) -> GroupFactory:
 
     def make(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
         # A short verdict wait: recovery agrees on the membership epoch itself, so an operation
-        # need not wait long for the coordinator to name the dead rank.
+        # need not wait for the coordinator to name the dead rank (a group broken only because a
+        # peer abandoned it never gets a verdict at all).
         return ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
-                                     verdict_timeout=1.0)
+                                     verdict_timeout=0.25)
     return make

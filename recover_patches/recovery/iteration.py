@@ -134,6 +134,8 @@ class IterationTransaction:
                     return IterationOutcome(iteration, committed, assignment, reduced.totals,
                                             report, seconds, recoveries)
                 failure = PeerFailure(m.epoch, (), "commit.vote", "another member's reduction failed")
+                if self.on_failure is not None:
+                    self.on_failure(failure, phase)
             except PeerFailure as err:
                 if self.agreement is None:
                     raise
