@@ -67,6 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=None,
                    help="iterations between checkpoints; default: Young/Daly from a calibration launch")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free arm")
+    p.add_argument("--device-ms", type=float, default=0.0,
+                   help="emulate one device per rank: every rank sleeps this long per microbatch "
+                        "forward (--inject-fault slow), so a replica's compute no longer shares the "
+                        "machine's cores with the others (0 = off)")
     p.add_argument("--out-dir", type=Path, default=Path("runs/bench/effective_throughput"))
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default <out-dir>/committed_tokens.png)")
     args = p.parse_args(argv)
@@ -76,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.nproc % (args.tp * args.pp) or args.nproc // (args.tp * args.pp) < 2:
         p.error(f"--nproc {args.nproc} must be a multiple of TP*PP={args.tp * args.pp} with at least "
                 "2 replicas; pass e.g. --nproc 4 --tp 1 --pp 1")
+    if args.device_ms < 0:
+        p.error(f"--device-ms must be >= 0, got {args.device_ms}")
     if args.save_interval is not None and args.save_interval < 1:
         p.error(f"--save-interval must be >= 1, got {args.save_interval}; omit it to use Young/Daly")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
@@ -121,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     jargs = job_args(args.tp, args.pp, train_iters=1_000_000)
+    if args.device_ms:  # why: on 2 shared cores a dead replica frees CPU for the others
+        jargs += [a for r in range(args.nproc)
+                  for a in ("--inject-fault", f"slow:rank={r},seconds={args.device_ms / 1000:g}")]
     measured = {} if args.save_interval else calibrate(args, jargs)
     save_interval = args.save_interval or young_daly_iterations(
         measured["checkpoint_save_seconds"], args.failure_interval, measured["iteration_seconds"])
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_results(args, runs, measured, save_interval, schedule, summaries=None) -> None:
-    results = {"budget": args.budget, "failure_interval": args.failure_interval, "seed": args.seed,
+    results = {"budget": args.budget, "device_ms": args.device_ms, "failure_interval": args.failure_interval, "seed": args.seed,
                "nproc": args.nproc, "tp": args.tp, "pp": args.pp, "microbatches": MICROBATCHES,
                "save_interval": save_interval, "schedule": asdict(schedule), "measured": measured,
                "arms": {name: {"summary": asdict(summaries[name]) if summaries else None,
@@ -169,7 +178,8 @@ def write_outputs(args, runs, summaries, measured, save_interval, schedule) -> N
         print(f"calibration for the simulator written to {args.out_dir / 'calibration.json'}")
     out = args.plot or args.out_dir / "committed_tokens.png"
     plot(runs, summaries, out, f"tiny GPT, {args.nproc} ranks (TP {args.tp}, PP {args.pp}), "
-         f"kill every ~{args.failure_interval:g} s")
+         f"kill every ~{args.failure_interval:g} s"
+         + (f", {args.device_ms:g} ms/microbatch emulated device" if args.device_ms else ""))
     print(f"plot written to {out}")
 
 
