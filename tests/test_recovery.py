@@ -51,6 +51,8 @@ KILLS = {
                                      "kill:rank=2,iter=7,phase=dp_reduce"),
     "backward": faults("kill:rank=3,iter=4,phase=backward"),
     "p2p": faults("kill:rank=6,iter=5,phase=p2p"),
+    # the logging rank, after the commit vote: its successor must log the iteration it missed
+    "optimizer-logging-rank": faults("kill:rank=0,iter=6,phase=optimizer"),
     # a second failure while the survivors recover from the first
     "during-recovery": faults("kill:rank=1,iter=4,phase=forward",
                               "kill:rank=7,iter=4,phase=recovery"),

@@ -39,6 +39,22 @@ class MetricsWriter:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
 
+    def last_iteration(self) -> int:
+        """The highest iteration already in the file (0 if none): after the logging rank dies,
+        its successor appends the records it missed."""
+        if self._file is not None:
+            self._file.flush()
+        if not self.path or not os.path.exists(self.path):
+            return 0
+        last = 0
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line).get("iteration", 0)))
+                except ValueError:  # a line cut short by a killed writer
+                    continue
+        return last
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

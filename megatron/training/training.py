@@ -59,6 +59,7 @@ class Trainer:
         self.timings: dict[int, float | None] = {}
         self._execute_seconds = 0.0
         self._executed = 0
+        self._was_logging = False
 
     def hook(self, phase: str, microbatch: int | None = None) -> None:
         """Injection point; iterations are numbered from 1 as in the logs."""
@@ -198,7 +199,14 @@ class Trainer:
         }
         self.history.append(rec)
         if not self.is_logging_rank:
+            self._was_logging = False
             return
+        if not self._was_logging:  # just took over from a dead logging rank
+            written = self.metrics.last_iteration()
+            for missed in self.history[:-1]:
+                if missed["iteration"] > written:
+                    self.metrics.write(missed)
+            self._was_logging = True
         self.metrics.write(rec)
         for r in outcome.recoveries:
             print_rank_line(
