@@ -105,7 +105,7 @@ def test_lost_ids_only_are_recomputed_by_survivors():
     assert rec.lost_replicas == [2] and rec.lost_ids == [44, 45]
     assert rec.replanned == {0: [44], 1: [45], 3: []}
     assert job.rebuilt == [([0, 1, 3], 1)] and job.live.live_replicas == [0, 1, 3]
-    assert job.abandoned == 1 and job.barriers == [("6/0/0", [0, 1, 3, 4, 5, 7])]
+    assert job.abandoned == 1 and job.barriers == [("6/0", [0, 1, 3, 4, 5, 7])]
     assert job.restored == []  # round 0's work is kept
     assert out.assignment == {0: [40, 41, 44], 1: [42, 43, 45], 3: [46, 47]}
 

@@ -61,8 +61,8 @@ class LiveReplicas:
 
 @dataclass
 class RecoveryRecord:
-    """One recovery round, for logs and metrics."""
-    round: int
+    """One recovery, for logs and metrics."""
+    round: int  # agreement attempts made so far in the iteration
     failure: str  # the PeerFailure (group.op, suspects) that started it
     phase: str  # where this rank saw it: execute / reduce / commit
     epoch: int
@@ -109,6 +109,10 @@ class IterationTransaction:
         replanned: dict[int, list[int]] = {}  # the current recovery round's plan of lost ids
         todo, kept, recoveries = first_plan.get(m.replica, []), Totals.of_ids([]), []
         saved = None  # gradients as of `kept`, taken before each recovery round
+        # Agreement attempts made in this iteration. Ranks can fail at different steps of a
+        # recovery, but every attempt consumes one newer agreed epoch, so this count -- not a
+        # rank's own round number -- names rounds and attempts identically on every survivor.
+        self._attempts = 0
         for round_ in range(self.max_attempts):
             phase, clock = "execute", time.perf_counter()
             try:
@@ -122,7 +126,7 @@ class IterationTransaction:
                 seconds["reduce"] += time.perf_counter() - clock
                 phase = "commit"
                 if self.agreement is None or self.agreement.commit_vote(
-                        f"{iteration}/{round_}", m.members(), reduced_ok=True):  # 4
+                        f"{iteration}/after{self._attempts}", m.members(), reduced_ok=True):  # 4
                     final = {g: (r if r in m.live_replicas else None) for g, r in owner.items()}
                     final.update({g: r for r, q in replanned.items() for g in q})
                     committed = [g for g in ids if final[g] is not None]
@@ -143,12 +147,13 @@ class IterationTransaction:
                 if self.on_failure is not None:
                     self.on_failure(err, phase)
                 if phase != "commit":  # tell the others no commit is possible this round
-                    self.agreement.commit_vote(f"{iteration}/{round_}", m.members(), False)
+                    self.agreement.commit_vote(f"{iteration}/after{self._attempts}", m.members(),
+                                               False)
             if round_ > 0:  # recovery rounds are atomic: undo this one's partial work
                 self.restore(saved)
             elif phase != "execute":  # round 0 finished on every stage of a live replica
                 kept = local
-            record = self._recover(iteration, round_, failure, phase, ids, owner)
+            record = self._recover(iteration, failure, phase, ids, owner)
             if round_ == 0 and phase == "execute":
                 # only a failure inside this replica can stop round 0 mid-way, and that breaks
                 # the replica; a live replica with a torn round 0 would commit a wrong gradient
@@ -160,15 +165,16 @@ class IterationTransaction:
             recoveries.append(record)
         raise RuntimeError(f"iteration {iteration}: no commit after {self.max_attempts} rounds")
 
-    def _recover(self, iteration: int, round_: int, failure: PeerFailure, phase: str,
+    def _recover(self, iteration: int, failure: PeerFailure, phase: str,
                  ids: list[int], owner: dict[int, int]) -> RecoveryRecord:
         """Abandon every group, agree on the epoch, meet all survivors, rebuild, re-plan. A
         failure on the way (a newer epoch) just starts the next attempt."""
         m, clock = self.live, time.perf_counter()
         self.abandon()
         timing = {"detection": 0.0, "rebuild": 0.0}
-        for attempt in range(self.max_attempts):
-            key = f"{iteration}/{round_}/{attempt}"
+        for _ in range(self.max_attempts):
+            key = f"{iteration}/{self._attempts}"
+            self._attempts += 1
             try:
                 epoch, dead = self.agreement.agree_on_epoch(key, m.epoch)
                 timing["detection"] += time.perf_counter() - clock
@@ -196,6 +202,6 @@ class IterationTransaction:
         lost = [g for g in ids if owner[g] not in m.live_replicas]
         replanned = {} if self.drop_lost or not lost else {
             r: list(q) for r, q in self.plan(lost, m.live_replicas).items()}
-        return RecoveryRecord(round_ + 1, str(failure), phase, m.epoch, sorted(dead),
+        return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(dead),
                               sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
                               timing)
