@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         membership.close(leave=True)
         os._exit(EXIT_RESTART)
     except PeerFailure as err:
-        _say(rank, f"stopping: {err} (in-job recovery is off). Restart with --load {restart_from}")
+        where = ("outside the recoverable training iteration, e.g. in evaluation" if recovering
+                 else "in-job recovery is off")
+        _say(rank, f"stopping: {err} ({where}). Restart with --load {restart_from}")
         if membership is not None:
             membership.close(leave=True)
         os._exit(EXIT_RESTART)
