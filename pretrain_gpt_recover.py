@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.training import Trainer, build_stage
     from recover_patches.p2p import StageLink
-    from recover_patches.recovery.agreement import StoreAgreement
+    from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
     from recover_patches.recovery.iteration import ReplicaLost, TooFewReplicas
     from recover_patches.rng import install_cpu_tracker
     from recover_patches.topology import Topology
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(rank, f"{err}; this replica is broken, leaving cleanly (the others go on)")
         membership.close(leave=True)
         os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
-    except TooFewReplicas as err:
+    except (TooFewReplicas, RecoveryStalled) as err:
         _say(rank, f"stopping: {err}. Restart with --load {restart_from}")
         membership.close(leave=True)
         os._exit(EXIT_RESTART)

@@ -6,6 +6,7 @@ the transaction in `recover_patches/recovery/iteration.py` calls in order.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,8 @@ class Trainer:
     agreement: object | None = None  # recovery on: recover_patches.recovery.agreement
     log_failure: object | None = None  # (PeerFailure, phase) -> None, printed by every rank
     state: TrainState = field(default_factory=TrainState)
-    history: list[dict] = field(default_factory=list)
+    # recent records on every rank, so a new logging rank can write what a dead one missed
+    history: deque = field(default_factory=lambda: deque(maxlen=1000))
 
     def __post_init__(self):
         topo, c = self.groups.topology, self.groups.coord
@@ -161,7 +163,7 @@ class Trainer:
         m = global_batch_size_at(self.args, self.state.consumed_samples) // mbs
         return list(range(first, first + m))
 
-    def train(self) -> list[dict]:
+    def train(self) -> deque:
         args = self.args
         if self.checkpointer is not None:
             self.checkpointer.load(self)
@@ -203,7 +205,7 @@ class Trainer:
             return
         if not self._was_logging:  # just took over from a dead logging rank
             written = self.metrics.last_iteration()
-            for missed in self.history[:-1]:
+            for missed in list(self.history)[:-1]:
                 if missed["iteration"] > written:
                     self.metrics.write(missed)
             self._was_logging = True

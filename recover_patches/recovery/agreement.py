@@ -23,6 +23,11 @@ from recover_patches.collectives.errors import PeerFailure
 COMMIT, ABORT = "commit", "abort"
 
 
+class RecoveryStalled(RuntimeError):
+    """Recovery cannot proceed: a failure was reported but the coordinator declared no one dead.
+    Retrying would only wait again, so the job stops (checkpoint-restart)."""
+
+
 class StoreAgreement:
     def __init__(self, membership, *, timeout: float, poll: float = 0.0005, max_poll: float = 0.005):
         self.membership = membership
@@ -55,6 +60,10 @@ class StoreAgreement:
                 self.store.compare_set(decision_key, "", ABORT)
                 continue
             if time.monotonic() > deadline:
+                # Give up by *deciding* abort: walking away undecided would let the others
+                # commit later while this rank recovers. If commit won the race, follow it.
+                if self.store.compare_set(decision_key, "", ABORT).decode() == COMMIT:
+                    return True
                 missing = [m for m in sorted(members) if not self.store.check([prefix + f"done/{m}"])]
                 raise PeerFailure(self.membership.epoch(), missing, "commit.vote",
                                   f"members {missing} neither finished nor died in "
@@ -71,10 +80,9 @@ class StoreAgreement:
             if epoch > since_epoch:
                 self.store.compare_set(decision_key, "", str(epoch))
                 break
-            if time.monotonic() > deadline:
-                raise PeerFailure(epoch, (), "recovery.agree",
-                                  f"no newer membership epoch was announced in "
-                                  f"{self.timeout:g}s", confirmed=False)
+            if time.monotonic() > deadline:  # nobody died, yet a peer stopped answering
+                raise RecoveryStalled(f"a failure was seen but no rank was declared dead within "
+                                      f"{self.timeout:g}s (a live but unresponsive peer?)")
             pause = self._sleep(pause)
         agreed = int(self.store.get(decision_key).decode())
         record = json.loads(self.store.get(protocol.epoch_key(agreed)).decode())
