@@ -85,37 +85,50 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.initialize import (build_groups, init_default_group,
                                               resilient_group_factory, torch_group_factory)
     from megatron.training.metrics import MetricsWriter
-    from megatron.training.model import build_model
+    from megatron.training.model import build_model, memory_note
     from megatron.training.optimizer import build_optimizer, build_scheduler
-    from megatron.training.training import Trainer, build_stage
-    from recover_patches.p2p import StageLink
+    from megatron.training.training import Trainer, build_grad_buffer, build_stage, link_for
     from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
     from recover_patches.recovery.iteration import ReplicaLost, TooFewReplicas
-    from recover_patches.rng import install_cpu_tracker
+    from recover_patches.rng import install_rng_tracker
     from recover_patches.topology import Topology
 
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if args.device == "cuda":  # Megatron's rule: one GPU per local rank
+        device = torch.device("cuda", args.local_rank)
+        torch.cuda.set_device(device)
+    if args.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
     rank, world = init_default_group(args.distributed_backend, args.distributed_timeout_minutes)
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size)
-    make_group = (torch_group_factory if membership is None
-                  else resilient_group_factory(membership, args.recover_timeout))
+    make_group = (torch_group_factory if membership is None else resilient_group_factory(
+        membership, args.recover_timeout, args.distributed_backend))
     groups = build_groups(topology, rank, make_group)
-    tracker = install_cpu_tracker()
+    tracker = install_rng_tracker(device, args.seed)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
-    model = build_model(args, groups.pg_collection(), groups.coord.pp, groups.coord.tp, vocab)
+    model = build_model(args, groups.pg_collection(), groups.coord.pp, groups.coord.tp, vocab,
+                        device)
     optimizer = build_optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
+    grads = build_grad_buffer(args, groups, optimizer)
+    faults.poison = grads.poison
+    if rank == 0:
+        memory_note(model, grads.extra_bytes_per_param())
+        if args.device == "cuda" and args.gradient_accumulation_fusion:
+            _say(rank, "gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
+                       "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
-    link = StageLink(groups.pp, groups.coord.pp, topology.pp,
-                     (args.seq_length, args.micro_batch_size, args.hidden_size))
     recovering = membership is not None and args.recover
     trainer = Trainer(
         args=args, groups=groups, model=model, optimizer=optimizer, scheduler=scheduler,
-        train_stage=build_stage(args, groups, model, train_ds, tracker),
+        grads=grads,
+        train_stage=build_stage(args, groups, model, train_ds, tracker, optimizer.scaler),
         valid_stage=None if valid_ds is None else build_stage(args, groups, model, valid_ds, tracker),
-        link=link, faults=faults, checkpointer=checkpointer, metrics=MetricsWriter(args.metrics_file),
+        link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
+        metrics=MetricsWriter(args.metrics_file),
         agreement=StoreAgreement(membership, timeout=args.recover_timeout) if recovering else None,
         log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"))
     if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):

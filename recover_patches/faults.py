@@ -12,7 +12,9 @@ Kinds:
   exit   os._exit(C) (default C=1) after flushing stdout/stderr: a process that quits abruptly
          with a status, e.g. a failing node-health check;
   slow   sleep S seconds at every matching call from iteration I on (default I=0, phase forward),
-         i.e. a persistently slow replica for the workload policy.
+         i.e. a persistently slow replica for the workload policy;
+  inf    an overflowing gradient: `poison()` (the trainer's gradient buffer) writes an inf into
+         this rank's accumulated gradients (fp16's loss scaler must then skip the step).
 kill, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored.
 """
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "slow")
+KINDS = ("kill", "hang", "exit", "slow", "inf")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
           "recovery")
 ENV_VAR = "RECOVER_INJECT_FAULT"
@@ -98,6 +100,7 @@ class FaultInjector:
         self.rank = rank
         self.faults = [f for f in faults if f.rank == rank]
         self._kill, self._exit, self._sleep = kill, exit, sleep
+        self.poison: Callable[[], None] | None = None  # set by the trainer: where an inf goes
 
     @classmethod
     def from_specs(cls, specs: list[str] | None, rank: int, **actions) -> "FaultInjector":
@@ -127,7 +130,11 @@ class FaultInjector:
         print(f"[recover.faults] rank {self.rank}: injecting {fault.kind} at {where}",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
-        if fault.kind == "kill":
+        if fault.kind == "inf":
+            if self.poison is None:
+                raise RuntimeError("an inf fault fired before the trainer set a poison target")
+            self.poison()
+        elif fault.kind == "kill":
             self._kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             self._kill(os.getpid(), signal.SIGSTOP)

@@ -14,12 +14,15 @@ import torch.distributed as dist
 
 class StageLink:
     def __init__(self, group, stage: int, num_stages: int, shape: Sequence[int],
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        """`shape`/`dtype`: the activation between stages ([seq (/TP with sequence parallelism),
+        micro batch, hidden] in the pipeline dtype), received into buffers on `device`."""
         self.group = group
         self.stage = stage
         self.num_stages = num_stages
         self.shape = tuple(shape)
         self.dtype = dtype
+        self.device = torch.device(device)
 
     @property
     def is_first(self) -> bool:
@@ -33,7 +36,7 @@ class StageLink:
                   recv_from: int | None) -> torch.Tensor | None:
         works, received = [], None
         if recv_from is not None:
-            received = torch.empty(self.shape, dtype=self.dtype)
+            received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             works.append(dist.irecv(received, group=self.group, group_src=recv_from))
         if send is not None and send_to is not None:
             works.append(dist.isend(send.contiguous(), group=self.group, group_dst=send_to))

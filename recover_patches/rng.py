@@ -4,8 +4,9 @@ Dropout for global microbatch g is drawn from generators seeded by (seed, g, pp 
 model-parallel stream, also the TP rank. A microbatch recomputed on another replica after a failure
 therefore draws exactly the masks the failure-free run drew.
 
-megatron-core's RNG tracker keeps CUDA generator states; on a CPU build it cannot work, so
-`install_cpu_tracker()` puts a tracker of CPU generator states in its place.
+megatron-core's RNG tracker keeps CUDA generator states and cannot work on a CPU build, so
+`install_rng_tracker(device)` puts in its place a tracker of the *device's* generator states: CPU
+states on a CPU, the current GPU's states on a GPU (where dropout draws from the CUDA generator).
 """
 from __future__ import annotations
 
@@ -24,15 +25,27 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-class CpuRNGStatesTracker:
-    """Named CPU generator states, swapped into torch's default generator inside `fork()`.
+class DeviceRNGStatesTracker:
+    """Named generator states of one device, swapped into its default generator inside `fork()`.
 
     Same methods as megatron-core's CudaRNGStatesTracker, so megatron-core layers that call
     `get_cuda_rng_tracker().fork()` (sequence parallel dropout) use it unchanged.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.states_: dict[str, torch.Tensor] = {}
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
 
     def is_initialized(self) -> bool:
         return bool(self.states_)
@@ -47,30 +60,33 @@ class CpuRNGStatesTracker:
         self.states_ = {name: state.clone() for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+        self.states_[name] = torch.Generator(device=self.device).manual_seed(seed).get_state()
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         if name not in self.states_:
             raise KeyError(f"RNG state {name!r} was never added")
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
+        outer = self._get()
+        self._set(self.states_[name])
         try:
             yield
         finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outer)
+            self.states_[name] = self._get()
+            self._set(outer)
 
 
-def install_cpu_tracker() -> CpuRNGStatesTracker:
-    """Make megatron-core's `get_cuda_rng_tracker()` return a CPU tracker (once per process)."""
-    tracker = CpuRNGStatesTracker()
+def install_rng_tracker(device: torch.device | str = "cpu", seed: int = 0) -> DeviceRNGStatesTracker:
+    """Make megatron-core's `get_cuda_rng_tracker()` return our tracker (once per process). The
+    model-parallel stream starts seeded, so megatron-core code that forks it before the first
+    microbatch (e.g. initialisation) finds it."""
+    tracker = DeviceRNGStatesTracker(device)
+    tracker.add(MODEL_PARALLEL_RNG, derive_seed(seed, -1))
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return tracker
 
 
-def seed_microbatch(tracker: CpuRNGStatesTracker, seed: int, microbatch_id: int,
+def seed_microbatch(tracker: DeviceRNGStatesTracker, seed: int, microbatch_id: int,
                     pp_stage: int, tp_rank: int) -> None:
     """Seed every stream a forward pass of `microbatch_id` on this stage draws from.
 

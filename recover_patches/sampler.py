@@ -12,14 +12,16 @@ import numpy as np
 import torch
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+MASK_KEY = "attention_mask"  # [1, seq, seq], True = masked out; only with --reset-attention-mask
 
 
 class MicrobatchSampler:
-    def __init__(self, dataset: Sequence[Mapping], micro_batch_size: int):
+    def __init__(self, dataset: Sequence[Mapping], micro_batch_size: int, with_mask: bool = False):
         if micro_batch_size < 1:
             raise ValueError("micro batch size must be >= 1")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
+        self.keys = BATCH_KEYS + ((MASK_KEY,) if with_mask else ())
 
     def sample_range(self, microbatch_id: int) -> range:
         start = microbatch_id * self.micro_batch_size
@@ -31,7 +33,7 @@ class MicrobatchSampler:
             raise IndexError(f"microbatch {microbatch_id} needs sample {indices.stop - 1}, "
                              f"the dataset has {len(self.dataset)}")
         samples = [self.dataset[i] for i in indices]
-        return {key: torch.stack([_as_tensor(s[key]) for s in samples]) for key in BATCH_KEYS}
+        return {key: torch.stack([_as_tensor(s[key]) for s in samples]) for key in self.keys}
 
 
 def _as_tensor(value) -> torch.Tensor:

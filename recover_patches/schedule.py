@@ -31,14 +31,22 @@ class Stage(Protocol):
 
 @dataclass
 class ScheduleResult:
-    """What this rank computed: ids done, their summed loss (last stage only) and token count."""
+    """What this rank computed: ids done, their summed loss (last stage only) and token count.
+    The loss stays a device tensor (float64): reading it per microbatch would make the host wait
+    for the GPU; the reduction reads it once."""
     ids: list[int] = field(default_factory=list)
-    loss_sum: float = 0.0
+    loss_sum: float | torch.Tensor = 0.0
     tokens: int = 0
 
 
-def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink,
-             hook: PhaseHook = _no_hook) -> ScheduleResult:
+def _nothing() -> None:
+    pass
+
+
+def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook = _no_hook,
+             before_last_backward: Callable[[], None] = _nothing) -> ScheduleResult:
+    """`before_last_backward` runs just before this rank's last backward of the list: the moment
+    gradient buckets may start reducing as they become final (--overlap-grad-reduce)."""
     ids = list(ids)
     n = len(ids)
     warmup = min(link.num_stages - link.stage - 1, n)
@@ -55,9 +63,11 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink,
     def backward(dy: torch.Tensor | None) -> torch.Tensor | None:
         g, x, y = in_flight.pop(0)
         hook("backward", g)
+        if len(result.ids) == n - 1:
+            before_last_backward()
         dx = stage.backward(x, y, dy)
         if link.is_last:
-            result.loss_sum += float(y.detach())
+            result.loss_sum = result.loss_sum + y.detach().double()
         result.ids.append(g)
         result.tokens += stage.tokens(g)
         return dx
@@ -98,7 +108,7 @@ def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink) -> Sched
         y = stage.forward(g, link.recv_forward())
         link.send_forward(y)
         if link.is_last:
-            result.loss_sum += float(y.detach())
+            result.loss_sum = result.loss_sum + y.detach().double()
         result.ids.append(g)
         result.tokens += stage.tokens(g)
     return result

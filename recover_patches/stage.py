@@ -11,13 +11,17 @@ from typing import Callable
 import torch
 
 from recover_patches.loss import masked_loss_sum, vocab_parallel_cross_entropy
-from recover_patches.rng import CpuRNGStatesTracker, seed_microbatch
+from recover_patches.rng import DeviceRNGStatesTracker, seed_microbatch
 
 
 class GPTStage:
-    def __init__(self, model, sampler: Callable[[int], dict], *, tp_group, tracker: CpuRNGStatesTracker,
-                 seed: int, pp_stage: int, tp_rank: int, is_first: bool, is_last: bool):
+    def __init__(self, model, sampler: Callable[[int], dict], *, tp_group, tracker: DeviceRNGStatesTracker,
+                 seed: int, pp_stage: int, tp_rank: int, is_first: bool, is_last: bool,
+                 device: torch.device | str = "cpu", loss_scale: Callable[[], float] | None = None):
+        """`loss_scale`: fp16's current loss scale, multiplied into the loss before backward."""
         self.model = model
+        self.device = torch.device(device)
+        self.loss_scale = loss_scale
         self.sampler = sampler
         self.tp_group = tp_group
         self.tracker = tracker
@@ -31,13 +35,15 @@ class GPTStage:
     def forward(self, microbatch_id: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
         seed_microbatch(self.tracker, self.seed, microbatch_id, self.pp_stage, self.tp_rank)
         batch = self.sampler(microbatch_id)
+        # counted on the host copy: reading it back from the GPU would stall the pipeline
         self._token_counts[microbatch_id] = int(batch["loss_mask"].sum().item())
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if not self.is_first:
             self.model.set_input_tensor(input_tensor)
         output = self.model(
             batch["tokens"] if self.is_first else None,
             batch["position_ids"] if self.is_first else None,
-            None,  # causal mask: SDPACoreAttention uses is_causal
+            batch.get("attention_mask"),  # None: plain causal (SDPA's is_causal)
         )
         if not self.is_last:
             return output
@@ -48,7 +54,8 @@ class GPTStage:
     def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,
                  output_grad: torch.Tensor | None) -> torch.Tensor | None:
         if self.is_last:
-            torch.autograd.backward(output)
+            scale = 1.0 if self.loss_scale is None else self.loss_scale()
+            torch.autograd.backward(output * scale if scale != 1.0 else output)
         else:
             torch.autograd.backward(output, grad_tensors=output_grad)
         return None if input_tensor is None else input_tensor.grad

@@ -14,7 +14,7 @@ from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.training.training import build_stage
 from recover_patches.p2p import StageLink
 from recover_patches.recovery.reduce import Totals, check_commit, reduce_gradients
-from recover_patches.rng import install_cpu_tracker
+from recover_patches.rng import install_rng_tracker
 from recover_patches.schedule import run_1f1b
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT
@@ -33,7 +33,7 @@ def world():
     tokenizer = build_tokenizer(args)
     train, _, _ = build_datasets(args, tokenizer)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
-    return args, groups, train, vocab, install_cpu_tracker()
+    return args, groups, train, vocab, install_rng_tracker()
 
 
 def reduced_gradient(world, assignment: list[list[int]]) -> tuple[torch.Tensor, Totals]:

@@ -24,7 +24,7 @@ from megatron.training.checkpointing import (
     LATEST_FILE, CheckpointError, Checkpointer, find_resume_point, iter_dir_name, rank_dir_name,
     read_latest, writer_rank)
 from megatron.training.training import TrainState
-from recover_patches.rng import install_cpu_tracker
+from recover_patches.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
 from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
 
@@ -88,7 +88,7 @@ class TinyTrainer:
             lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10, wd_incr_style="constant")
         self.groups, self.live_replicas = Groups(), [0]
         self.state, self.faults, self.metrics = TrainState(), faults or Faults(), Metrics()
-        self.tracker = install_cpu_tracker()
+        self.tracker = install_rng_tracker()
         self.tracker.add("model-parallel-rng", 7)
 
     def barrier(self, key: str) -> None:  # the real Trainer's, recovery off

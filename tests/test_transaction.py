@@ -7,10 +7,10 @@ import pytest
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.iteration import (IterationTransaction, LiveReplicas, ReplicaLost,
                                                 TooFewReplicas)
-from recover_patches.recovery.reduce import CommitError, ReducedGradients, Totals
+from recover_patches.recovery.grad_buffer import ReducedGradients
+from recover_patches.recovery.reduce import CommitError, Totals
 from recover_patches.schedule import ScheduleResult
 from recover_patches.workload.policy import even_plan
-import torch
 
 IDS = list(range(40, 48))  # M = 8
 RANKS = {r: [r, r + 4] for r in range(4)}  # 4 replicas of 2 stages (PP = 2)
@@ -49,7 +49,7 @@ class FakeJob:
         rounds = self.plans[:1] + self.plans[1:][-1:]
         all_ids = [g for plan in rounds for r in self.live.live_replicas for g in plan.get(r, [])]
         all_ids += self.extra
-        return ReducedGradients(torch.zeros(1), Totals.of_ids(all_ids, 10 * len(all_ids)))
+        return ReducedGradients(Totals.of_ids(all_ids, 10 * len(all_ids)), [])
 
     def step(self, reduced):
         return {"loss": reduced.totals.loss_sum}

@@ -46,10 +46,33 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="Layer implementation. Default: transformer_engine on GPU when it is "
                         "importable, else local (always local on CPU).")
-    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
-                   help="Scale Q*K^T by 1/layer-number (fp16 stability).")
-    g.add_argument("--attention-softmax-in-fp32", action="store_true",
-                   help="Compute the attention softmax in fp32.")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups key/value heads.")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="Key/value head groups with --group-query-attention.")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's channels rotated by rope.")
+    g.add_argument("--rotary-base", type=int, default=10000, help="Base of the rope frequencies.")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="Rotate interleaved channel pairs instead of halves.")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="LayerNorm weight stored as (gamma - 1) (needs transformer_engine).")
+    g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="Accepted for compatibility: a no-op, megatron-core models are the only kind.")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic kernels only (torch.use_deterministic_algorithms).")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Accepted: ReCoVer always divides by the global token count of the batch.")
+    for name, what in (("rope-fusion", "the fused rope kernel"),
+                       ("masked-softmax-fusion", "the fused masked softmax"),
+                       ("bias-gelu-fusion", "the fused bias + gelu"),
+                       ("bias-dropout-fusion", "the fused bias + dropout + add"),
+                       ("gradient-accumulation-fusion", "the fused weight-gradient accumulation")):
+        g.add_argument(f"--no-{name}", action="store_false", dest=name.replace("-", "_"),
+                       help=f"Do not use {what}. Fused kernels are GPU-only: always off on CPU.")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Fused cross entropy (not supported: refused).")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -57,11 +80,17 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor parallel size.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline stages.")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="Sequence parallelism over the TP group (GPU only: gloo has no reduce-scatter).")
+                   help="Sequence parallelism over the TP group (norms and dropout on sequence shards).")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="Context parallel size. ReCoVer supports only 1.")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                    help="Collective backend. On CPU, nccl means gloo (the CPU backend), silently.")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Start each gradient bucket's DP reduction as soon as the last microbatch's "
+                        "backward has made it final.")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Parameters per gradient bucket. Default: one bucket, or with "
+                        "--overlap-grad-reduce max(40M, 1M * data-parallel size).")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="Timeout for building process groups, in minutes.")
     g.add_argument("--local-rank", type=int, default=None,
@@ -135,6 +164,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="Restart position ids after each end-of-document token.")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="Do not attend across end-of-document tokens.")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="The dataset builds no attention mask (attention is plain causal).")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document tokens.")
 
 
@@ -164,18 +196,32 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
     g.add_argument("--eval-iters", type=int, default=100, help="Iterations per evaluation.")
     g.add_argument("--tensorboard-dir", default=None,
-                   help="Write TensorBoard logs here (needs the tensorboard package).")
+                   help="Write TensorBoard scalars here from the logging rank (needs the "
+                        "tensorboard package: pip install tensorboard).")
     g.add_argument("--metrics-file", default=None,
                    help="ReCoVer: append one JSON record per iteration to this JSONL file.")
 
 
 def add_precision_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("precision")
-    g.add_argument("--fp16", action="store_true", help="fp16 training (GPU only).")
-    g.add_argument("--bf16", action="store_true", help="bf16 training (GPU only).")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 params and activations, fp32 main params and grads, dynamic loss scaling.")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 params and activations, fp32 main params and grads.")
     g.add_argument("--loss-scale", type=float, default=None,
-                   help="Static fp16 loss scale; default dynamic.")
+                   help="Static fp16 loss scale (a power of 2); default dynamic.")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
                    help="Starting dynamic loss scale.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Floor of the dynamic loss scale.")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="Iterations without overflow before the dynamic loss scale doubles.")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="Overflowing iterations tolerated before the dynamic loss scale halves.")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="Accumulate and reduce gradients in fp32.")
+                   help="Accumulate and reduce gradients in fp32. ReCoVer always does (its main-grad "
+                        "buffer carries the commit bookkeeping); unlike Megatron-LM, --fp16 without "
+                        "this flag also reduces in fp32.")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="Compute the attention softmax in fp32.")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="Scale Q*K^T by 1/layer-number (fp16 stability).")

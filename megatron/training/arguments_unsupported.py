@@ -40,7 +40,6 @@ UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
         ("--expert-model-parallel-size", 1),
         ("--num-experts", 1),
         ("--use-distributed-optimizer", 0),
-        ("--overlap-grad-reduce", 0),
         ("--overlap-param-gather", 0),
         ("--async-save", 0),
         ("--recompute-activations", 0),
@@ -78,6 +77,9 @@ def reject_unsupported_values(args: argparse.Namespace) -> None:
     if args.optimizer != "adam":
         raise ArgumentError("--optimizer", f"--optimizer {args.optimizer} {_NOT_YET}",
                             "use --optimizer adam")
+    if args.cross_entropy_loss_fusion:
+        raise ArgumentError("--cross-entropy-loss-fusion", f"--cross-entropy-loss-fusion {_NOT_YET}",
+                            "drop the flag (the vocab-parallel cross entropy is always unfused)")
     if args.ckpt_format != "torch":
         raise ArgumentError("--ckpt-format", f"--ckpt-format {args.ckpt_format} {_NOT_YET}",
                             "use --ckpt-format torch")

@@ -114,14 +114,12 @@ def _derive_ffn_hidden_size(args: argparse.Namespace) -> None:
 
 
 def validate_device_flags(args: argparse.Namespace, device: str) -> None:
-    """Flags whose meaning depends on the device; CPU runs gloo, fp32 and torch SDPA attention."""
+    """Flags whose meaning depends on the device: CPU runs gloo and torch SDPA attention, without
+    fused kernels (they are CUDA-only); a GPU runs NCCL and whatever megatron-core supports."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     args.device = device
     on_cpu = device == "cpu"
-    if args.sequence_parallel and on_cpu:
-        raise ArgumentError("--sequence-parallel", "sequence parallelism needs reduce-scatter, which "
-                            "gloo (the CPU backend) does not have", "drop --sequence-parallel on CPU")
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split without TP
     if on_cpu and args.distributed_backend == "nccl":
@@ -129,10 +127,14 @@ def validate_device_flags(args: argparse.Namespace, device: str) -> None:
     if on_cpu and args.attention_backend in ("flash", "fused"):
         raise ArgumentError("--attention-backend", f"--attention-backend {args.attention_backend} "
                             "needs a GPU", "use --attention-backend auto on CPU")
-    _resolve_transformer_impl(args, on_cpu)
-    _resolve_precision(args, on_cpu)
     if on_cpu:
         args.use_cpu_initialization = True  # there is no GPU to initialise on
+        for dest in ("rope_fusion", "masked_softmax_fusion", "bias_gelu_fusion",
+                     "bias_dropout_fusion"):
+            setattr(args, dest, False)
+    _resolve_transformer_impl(args, on_cpu)
+    _resolve_precision(args)
+    _validate_attention(args)
 
 
 def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
@@ -145,15 +147,54 @@ def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
                                 "use --transformer-impl local on CPU (or drop the flag)")
         if not te_available:
             raise ArgumentError("--transformer-impl", "transformer_engine is not installed",
-                                "pip install transformer-engine or use --transformer-impl local")
+                                "pip install 'recover[gpu]' (transformer-engine) or use "
+                                "--transformer-impl local")
+    if args.apply_layernorm_1p and args.transformer_impl == "local":
+        raise ArgumentError("--apply-layernorm-1p", "--apply-layernorm-1p needs transformer_engine "
+                            "norms (megatron-core's torch LayerNorm has no zero-centred gamma)",
+                            "drop --apply-layernorm-1p or use --transformer-impl transformer_engine")
 
 
-def _resolve_precision(args: argparse.Namespace, on_cpu: bool) -> None:
+def _resolve_precision(args: argparse.Namespace) -> None:
     if args.fp16 and args.bf16:
         raise ArgumentError("--bf16", "--fp16 and --bf16 are exclusive", "pass only one of them")
-    for flag, on in (("--fp16", args.fp16), ("--bf16", args.bf16)):
-        if on and on_cpu:
-            raise ArgumentError(flag, "CPU training runs in fp32", f"drop {flag}")
+    if args.fp16:
+        if args.loss_scale is not None and args.loss_scale <= 0:
+            raise ArgumentError("--loss-scale", f"--loss-scale must be > 0, got {args.loss_scale}",
+                                "drop --loss-scale (dynamic scaling) or pass a power of 2")
+        if args.min_loss_scale <= 0:
+            raise ArgumentError("--min-loss-scale", f"--min-loss-scale must be > 0, got "
+                                f"{args.min_loss_scale} (the scale could reach 0 and zero every "
+                                "gradient)", "pass --min-loss-scale 1")
+        if args.initial_loss_scale < args.min_loss_scale:
+            raise ArgumentError("--initial-loss-scale", f"--initial-loss-scale "
+                                f"{args.initial_loss_scale} is below --min-loss-scale "
+                                f"{args.min_loss_scale}", "pass --initial-loss-scale >= --min-loss-scale")
+        if args.loss_scale_window < 1 or args.hysteresis < 1:
+            raise ArgumentError("--loss-scale-window", "--loss-scale-window and --hysteresis must "
+                                "be >= 1", "drop them (defaults 1000 and 2)")
+    # Megatron-LM turns this on for bf16; ReCoVer always accumulates and reduces in fp32.
+    args.accumulate_allreduce_grads_in_fp32 = True
     import torch  # late: importing torch costs seconds and parsing alone must stay cheap
 
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
+
+
+def _validate_attention(args: argparse.Namespace) -> None:
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if groups < 1 or heads % groups != 0:
+            raise ArgumentError("--num-query-groups", f"--num-query-groups {groups} must divide "
+                                f"--num-attention-heads {heads}", "pick a divisor of the head count")
+        if groups % tp != 0:
+            raise ArgumentError("--num-query-groups", f"--num-query-groups {groups} is not divisible "
+                                f"by --tensor-model-parallel-size {tp}",
+                                "use a group count that is a multiple of the TP size")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ArgumentError("--rotary-percent", f"--rotary-percent must be in (0, 1], got "
+                            f"{args.rotary_percent}", "pass --rotary-percent 1.0")
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        raise ArgumentError("--reset-attention-mask", "--reset-attention-mask needs the dataset's "
+                            "attention mask, which --no-create-attention-mask-in-dataloader turns off",
+                            "drop one of the two flags")

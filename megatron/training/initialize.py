@@ -99,8 +99,9 @@ def env_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def resilient_group_factory(membership, timeout: float) -> GroupFactory:
-    """Layer 1 groups: every operation completes or raises PeerFailure within `timeout`."""
+def resilient_group_factory(membership, timeout: float, backend: str = "gloo") -> GroupFactory:
+    """Layer 1 groups over `backend` (nccl on a GPU, gloo on CPU): every operation completes or
+    raises PeerFailure within `timeout`."""
     from recover_patches.collectives.process_group import ResilientProcessGroup
 
     def make(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -108,5 +109,5 @@ def resilient_group_factory(membership, timeout: float) -> GroupFactory:
         # need not wait for the coordinator to name the dead rank (a group broken only because a
         # peer abandoned it never gets a verdict at all).
         return ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
-                                     verdict_timeout=0.25)
+                                     backend=backend, verdict_timeout=0.25)
     return make

@@ -1,17 +1,28 @@
 """megatron-core's GPTModel built for ReCoVer: CPU-capable attention plugged in through the layer
 spec, pipeline stages through pre/post_process, and parameters initialised by *global* name so every
 TP x PP x DP layout starts from the same weights as a single-process run.
+
+Precision: the model is cast to the training dtype (bf16/fp16) as Megatron's `Float16Module` does
+(`module.bfloat16()`: torch norms are built in fp32 whatever `params_dtype` says). The wrapper
+itself is not used: its other jobs are casting first-stage float inputs (ours are token ids) and
+last-stage outputs to fp32 (the loss does that), and it would nest every state-dict key under
+`module.`.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import re
+import sys
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer import TransformerConfig
@@ -28,11 +39,18 @@ class SDPACoreAttention(MegatronModule):
     Attention dropout draws from the model-parallel RNG stream: heads are sharded across TP ranks.
     """
 
+    # --attention-backend: which SDPA kernels may run (torch picks among them); auto: any.
+    KERNELS = {AttnBackend.flash: [SDPBackend.FLASH_ATTENTION],
+               AttnBackend.fused: [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+               AttnBackend.unfused: [SDPBackend.MATH], AttnBackend.local: [SDPBackend.MATH]}
+
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        kernels = self.KERNELS.get(config.attention_backend)
+        self.kernels = contextlib.nullcontext if kernels is None else (lambda: sdpa_kernel(kernels))
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -43,7 +61,7 @@ class SDPACoreAttention(MegatronModule):
         mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked out
         dropout = self.dropout if self.training else 0.0
         rng = get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
-        with rng:
+        with rng, self.kernels():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                 scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
@@ -78,6 +96,7 @@ def transformer_config(args) -> TransformerConfig:
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -86,32 +105,98 @@ def transformer_config(args) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         normalization=args.normalization,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        qk_layernorm=args.qk_layernorm,
         add_bias_linear=args.add_bias_linear,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=AttnBackend[args.attention_backend],
+        rotary_interleaved=args.rotary_interleaved,
+        deterministic_mode=args.deterministic_mode,
+        # Initialised on the CPU (Megatron's --use-cpu-initialization) on every device, then moved:
+        # `init_parameters_by_name` draws every tensor on the CPU anyway, which keeps a GPU run's
+        # weights identical to a CPU run's.
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        # Fused kernels are CUDA-only; these switch megatron-core to plain torch code.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        # Fused kernels are CUDA-only (forced off on CPU by the argument checks).
+        bias_activation_fusion=args.bias_gelu_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        apply_rope_fusion=args.rope_fusion,
         persist_layer_norm=False,
+        # Gradients accumulate into ReCoVer's main-grad buffer through a hook (recovery/grad_buffer).
         gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
     )
 
 
+class TorchNorm:
+    """torch LayerNorm / RMSNorm for the local spec, like megatron-core's WrappedTorchNorm, which
+    refuses sequence parallelism only because nothing would sum the norms' gradients over TP.
+    Here the params say so (`sequence_parallel`), and the step sums them
+    (`optimizer.sync_sequence_parallel_grads`). A per-head q/k norm sees only this TP rank's heads,
+    so its gradient is partial whenever TP > 1."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        per_head = hidden_size != config.hidden_size
+        partial = config.tensor_model_parallel_size > 1 if per_head else config.sequence_parallel
+        for p in norm.parameters():
+            p.sequence_parallel = partial
+        return norm
+
+
+def layer_spec(args):
+    if args.transformer_impl == "transformer_engine":  # GPU with TE installed (checked before)
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    attention.core_attention = SDPACoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
+    if args.qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = TorchNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * (args.num_layers // args.pipeline_model_parallel_size),
+        layer_norm=TorchNorm)
+
+
+class DeviceMemoryBuffer:
+    """megatron-core's GlobalMemoryBuffer (the all-gather scratch of sequence parallelism) on a
+    given device: the stock one allocates on `torch.cuda.current_device()`."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+        numel = math.prod(tensor_shape)
+        held = self.buffer.get((name, dtype))
+        if held is None or held.numel() < numel:
+            held = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+        return held[:numel].view(*tensor_shape)
+
+
 def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
-                tp_rank: int, padded_vocab_size: int) -> RecoverGPTModel:
+                tp_rank: int, padded_vocab_size: int,
+                device: torch.device | str = "cpu") -> RecoverGPTModel:
     config = transformer_config(args)
-    spec = get_gpt_layer_local_spec(normalization=args.normalization)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    parallel_state._GLOBAL_MEMORY_BUFFER = DeviceMemoryBuffer(device)
+    if not torch.cuda.is_available():
+        # megatron-core's sequence-parallel mappings allocate their outputs on
+        # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
+        # those allocations into CPU ones and nothing else (CUDA stays unavailable).
+        torch.cuda.current_device = lambda: "cpu"
     model = RecoverGPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layer_spec(args),
         vocab_size=padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pp_stage == 0,
@@ -119,12 +204,25 @@ def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
         pg_collection=pg_collection,
     )
     init_parameters_by_name(model, seed=args.seed, std=args.init_method_std,
                             num_layers=args.num_layers, tp_size=args.tensor_model_parallel_size,
                             tp_rank=tp_rank)
-    return model
+    return model.to(device=device, dtype=args.params_dtype)
+
+
+def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, file=sys.stdout) -> None:
+    """Start-up line: bytes per parameter of weights, fp32 main weights, Adam, gradient buffers."""
+    n = sum(p.numel() for p in model.parameters())
+    weight = next(model.parameters()).element_size()
+    main = 0 if weight == 4 else 4
+    print(f"[recover] {n} parameters on this rank: {weight} (weights) + {main} (fp32 main weights)"
+          f" + 8 (Adam) + {grad_bytes_per_param} (fp32 gradient buffers: local + out-of-place "
+          f"reduced; Megatron's DDP keeps one, 4) = {weight + main + 8 + grad_bytes_per_param} "
+          "bytes per parameter", file=file, flush=True)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -159,7 +257,9 @@ def init_parameters_by_name(model: GPTModel, *, seed: int, std: float, num_layer
         if split:
             full_shape[param.partition_dim] *= tp_size
         generator = torch.Generator().manual_seed(derive_seed(seed, *name.encode()))
-        full = torch.empty(full_shape, dtype=param.dtype).normal_(0.0, sigma, generator=generator)
+        # drawn in fp32 on the CPU whatever the training dtype and device: a bf16 model starts
+        # from the fp32 model's weights, rounded
+        full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, sigma, generator=generator)
         if split:
             full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
         param.copy_(full)

@@ -1,7 +1,9 @@
-"""AdamW over megatron-core's parameter groups, megatron-core's LR/WD scheduler, and gradient
-finalisation that is correct across TP and PP (tied-embedding sync, global-norm clipping).
+"""AdamW on fp32 main params over megatron-core's parameter groups, fp16 loss scaling,
+megatron-core's LR/WD scheduler, and gradient finalisation that is correct across TP and PP
+(tied-embedding and sequence-parallel sync, global-norm clipping, the overflow check).
 
-megatron-core's `get_megatron_optimizer` and DDP assume CUDA; the pieces used here do not.
+megatron-core's `get_megatron_optimizer`, its mixed-precision optimizer and its grad scalers
+allocate on CUDA; these small equivalents keep Megatron's semantics and run anywhere.
 """
 from __future__ import annotations
 
@@ -14,7 +16,113 @@ from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
-def build_optimizer(model: torch.nn.Module, args) -> torch.optim.AdamW:
+class MainParamsAdamW:
+    """AdamW over fp32 main params (Megatron's Float16OptimizerWithFloat16Params). With fp32
+    training the main params *are* the model's; with bf16/fp16 they are fp32 copies and the model's
+    half-precision params are refreshed from them after each step. Gradients come in per step as
+    views of the reduced fp32 buffer: nothing is copied."""
+
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, scaler: "LossScaler | None" = None):
+        self.scaler = scaler  # fp16 only; checkpointed with the optimizer, as in Megatron
+        self.model_params: list[torch.nn.Parameter] = []
+        self.main_params: list[torch.Tensor] = []
+        main_groups = []
+        for group in groups:
+            mains = []
+            for p in group["params"]:
+                main = p if p.dtype == torch.float32 else torch.nn.Parameter(
+                    p.detach().float(), requires_grad=False)
+                self.model_params.append(p)
+                self.main_params.append(main)
+                mains.append(main)
+            main_groups.append({**group, "params": mains})
+        self.inner = torch.optim.AdamW(main_groups, lr=lr, betas=betas, eps=eps,
+                                       weight_decay=weight_decay)
+        self.copies = any(m is not p for m, p in zip(self.main_params, self.model_params))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def step(self, grads: Sequence[torch.Tensor]) -> None:
+        """`grads[i]` is the final fp32 gradient of `model_params[i]`."""
+        for main, grad in zip(self.main_params, grads):
+            main.grad = grad
+        self.inner.step()
+        for main in self.main_params:
+            main.grad = None  # the views belong to the gradient buffer, not to autograd
+        if self.copies:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_params, self.main_params)
+
+    def state_dict(self) -> dict:
+        """Megatron's keys: the inner optimizer, plus the fp32 copies of half-precision params."""
+        state = {"optimizer": self.inner.state_dict(),
+                 "fp32_from_fp16_params": [m for m, p in zip(self.main_params, self.model_params)
+                                           if m is not p]}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "optimizer" not in state:  # written before main params existed: a plain AdamW's
+            state = {"optimizer": state, "fp32_from_fp16_params": []}
+        self.inner.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
+        saved = iter(state["fp32_from_fp16_params"])
+        with torch.no_grad():
+            for m, p in zip(self.main_params, self.model_params):
+                if m is not p:
+                    m.copy_(next(saved))
+                    p.copy_(m)
+
+
+class LossScaler:
+    """fp16 loss scaling with Megatron's rules (megatron-core's grad scalers live on CUDA).
+    Dynamic: after `hysteresis` overflowing iterations the scale halves (not below `min_scale`);
+    after `window` clean iterations in a row it doubles. Static (`--loss-scale`): never changes.
+    Every rank feeds it the same overflow decision, so every rank holds the same scale."""
+
+    def __init__(self, initial: float, *, dynamic: bool, min_scale: float = 1.0,
+                 window: float = 1000, hysteresis: int = 2):
+        self.scale, self.dynamic = float(initial), dynamic
+        self.min_scale, self.window, self.hysteresis = min_scale, window, hysteresis
+        self._clean, self._left = 0, hysteresis
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self._clean = 0
+            self._left -= 1
+            if self._left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            return
+        self._clean += 1
+        if self._clean == self.window:
+            self._clean, self._left = 0, self.hysteresis
+            self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self._clean, "hysteresis_tracker": self._left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._clean, self._left = (float(state["scale"]), int(state["growth_tracker"]),
+                                               int(state["hysteresis_tracker"]))
+
+
+def build_loss_scaler(args) -> LossScaler | None:
+    if not args.fp16:
+        return None  # bf16 and fp32 need no scaling
+    if args.loss_scale is not None:
+        return LossScaler(args.loss_scale, dynamic=False)
+    return LossScaler(args.initial_loss_scale, dynamic=True, min_scale=args.min_loss_scale,
+                      window=args.loss_scale_window, hysteresis=args.hysteresis)
+
+
+def build_optimizer(model: torch.nn.Module, args) -> MainParamsAdamW:
     """Weight decay is skipped for biases and 1-D parameters (megatron-core's standard groups).
     Note: `_get_param_groups` agrees on group keys with an all_gather_object on the default group,
     so every rank must call this at start-up (bootstrap, before any failure can matter)."""
@@ -23,8 +131,9 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.AdamW:
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              clip_grad=args.clip_grad)
     groups = _get_param_groups([model], config, None)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_eps, weight_decay=args.weight_decay)
+    return MainParamsAdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                           eps=args.adam_eps, weight_decay=args.weight_decay,
+                           scaler=build_loss_scaler(args))
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
@@ -49,40 +158,57 @@ def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
         wd_incr_steps=int(wd_incr_steps), wd_incr_style=args.weight_decay_incr_style)
 
 
-def sync_tied_embedding_grads(params: Sequence[torch.nn.Parameter], embedding_group) -> None:
+def sync_tied_embedding_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+                              embedding_group) -> None:
     """With PP > 1 the first and last stage each hold a copy of the tied word embeddings; their
     gradients are summed so both copies take the same step."""
-    tied = [p for p in params if getattr(p, "tied_embedding_copy", False)]
     if embedding_group is None or embedding_group.size() < 2:
         return
-    for p in tied:
-        dist.all_reduce(p.grad, group=embedding_group)
+    for p, g in zip(params, grads):
+        if getattr(p, "tied_embedding_copy", False):
+            dist.all_reduce(g, group=embedding_group)
 
 
-def grad_norm_squared_local(params: Sequence[torch.nn.Parameter], tp_rank: int) -> torch.Tensor:
+def sync_sequence_parallel_grads(params: Sequence[torch.nn.Parameter],
+                                 grads: Sequence[torch.Tensor], tp_group) -> None:
+    """With sequence parallelism each TP rank's norm (and row-parallel bias) gradient covers only
+    its sequence shard: sum them over TP, all in one collective."""
+    shared = [g for p, g in zip(params, grads) if getattr(p, "sequence_parallel", False)]
+    if not shared or tp_group is None or tp_group.size() < 2:
+        return
+    flat = torch.cat([g.reshape(-1) for g in shared])
+    dist.all_reduce(flat, group=tp_group)
+    for g, part in zip(shared, flat.split([g.numel() for g in shared])):
+        g.copy_(part.view_as(g))
+
+
+def grad_norm_squared_local(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+                            tp_rank: int) -> torch.Tensor:
     """This rank's share of the replica's squared gradient norm: each parameter counted once --
     TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all."""
-    total = torch.zeros(1, dtype=torch.float64)
-    for p in params:
-        if p.grad is None or getattr(p, "tied_embedding_is_duplicate", False):
-            continue
-        if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
-            continue
-        total += p.grad.double().pow(2).sum()
-    return total
+    counted = [g for p, g in zip(params, grads)
+               if not getattr(p, "tied_embedding_is_duplicate", False)
+               and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+    if not counted:
+        device = grads[0].device if grads else torch.device("cpu")
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(counted, 2.0)
+    return torch.stack(norms).double().pow(2).sum().reshape(1)
 
 
-def clip_grads(params: Sequence[torch.nn.Parameter], max_norm: float, model_parallel_group,
-               tp_rank: int) -> float:
-    """Global gradient norm over the replica's TP x PP ranks; scale by max_norm/norm if larger.
-    Gradients are identical on every replica after the DP reduction, so is the clip factor."""
-    norm_sq = grad_norm_squared_local(params, tp_rank)
+def global_grad_norm(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+                     model_parallel_group, tp_rank: int) -> float:
+    """The gradient norm over the replica's TP x PP ranks (inf or nan when any gradient is:
+    the fp16 overflow check rides on this one collective). Gradients are identical on every
+    replica after the DP reduction, so is the norm."""
+    norm_sq = grad_norm_squared_local(params, grads, tp_rank)
     if model_parallel_group is not None and model_parallel_group.size() > 1:
         dist.all_reduce(norm_sq, group=model_parallel_group)
-    norm = math.sqrt(float(norm_sq))
+    return math.sqrt(float(norm_sq)) if math.isfinite(float(norm_sq)) else float(norm_sq)
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """Scale that brings the global norm down to max_norm (1.0 when it already is, or clip off)."""
     if max_norm and max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
+        return max_norm / (norm + 1e-6)
+    return 1.0

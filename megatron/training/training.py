@@ -5,6 +5,7 @@ the transaction in `recover_patches/recovery/iteration.py` calls in order.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ import torch.distributed as dist
 from megatron.training.arguments import global_batch_size_at
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, log_line, print_rank_line
-from megatron.training.optimizer import clip_grads, sync_tied_embedding_grads
+from megatron.training.optimizer import (LossScaler, MainParamsAdamW, clip_factor, global_grad_norm,
+                                         sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from recover_patches.p2p import StageLink
+from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
-from recover_patches.recovery.reduce import ReducedGradients, Totals, flatten_grads, reduce_gradients
+from recover_patches.recovery.reduce import Totals
 from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
 from recover_patches.schedule import run_1f1b, run_forward_only
 from recover_patches.stage import GPTStage
@@ -30,6 +33,7 @@ from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wi
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+    skipped_iterations: int = 0  # fp16 overflows: no optimizer step (Megatron's log line counts them)
 
 
 @dataclass
@@ -37,8 +41,9 @@ class Trainer:
     args: object
     groups: ParallelGroups
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: MainParamsAdamW
     scheduler: object
+    grads: GradBuffer
     train_stage: GPTStage
     valid_stage: GPTStage | None
     link: StageLink
@@ -53,7 +58,8 @@ class Trainer:
 
     def __post_init__(self):
         topo, c = self.groups.topology, self.groups.coord
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
+        self.device = self.grads.device
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
                                  replica_ranks=topo.replica_ranks,
                                  min_replicas=getattr(self.args, "recover_min_replicas", 1))
@@ -84,20 +90,15 @@ class Trainer:
     def execute(self, ids: list[int]):
         self.model.train()
         start = time.perf_counter()
-        done = run_1f1b(ids, self.train_stage, self.link, self.hook)
+        done = run_1f1b(ids, self.train_stage, self.link, self.hook, self.grads.arm)
         self._execute_seconds += time.perf_counter() - start
         self._executed += len(ids)
         return done
 
     def reduce(self, local: Totals) -> ReducedGradients:
         self.hook("dp_reduce")
-        reduced = reduce_gradients(self.params, local, self.groups.dp)
-        # each replica's microbatch time, one slot per replica, published with the gradients
-        self._times = torch.zeros(self.groups.topology.dp, dtype=torch.float64)
-        self._times[self.groups.coord.replica] = self._measured_time()
-        if self.groups.dp.size() > 1:
-            dist.all_reduce(self._times, group=self.groups.dp)
-        return reduced
+        # each replica's microbatch time rides in the last bucket, one slot per replica
+        return self.grads.reduce(local, self.groups.coord.replica, self._measured_time())
 
     def _measured_time(self) -> float:
         if self._executed:
@@ -106,24 +107,40 @@ class Trainer:
         return self.timer.to_wire()
 
     def step(self, reduced: ReducedGradients) -> dict:
-        reduced.write_to(self.params)
-        sync_tied_embedding_grads(self.params, self.groups.embedding)
+        """Megatron's order: finalise the reduced grads (tied embeddings, sequence-parallel norms),
+        unscale, norm (the overflow check), clip, step -- or skip the step on an fp16 overflow."""
+        grads = [self.grads.reduced_grad(p) for p in self.params]
+        sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
+        sync_sequence_parallel_grads(self.params, grads, self.groups.tp)
         tokens = max(reduced.totals.tokens, 1)
-        for p in self.params:
-            p.grad.div_(tokens)  # the global token mean: DESIGN §7
-        grad_norm = clip_grads(self.params, self.args.clip_grad, self.groups.replica,
-                               self.groups.coord.tp)
-        self.hook("optimizer")
-        self.optimizer.step()
-        self.scheduler.step(increment=reduced.totals.microbatches * self.args.micro_batch_size)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_and_times = torch.cat([torch.tensor([reduced.totals.loss_sum], dtype=torch.float64),
-                                    self._times])
+        scaler = self.optimizer.scaler
+        scale = 1.0 if scaler is None else scaler.scale
+        self.grads.reduced_grads.div_(tokens * scale)  # the global token mean: DESIGN §7
+        grad_norm = global_grad_norm(self.params, grads, self.groups.replica, self.groups.coord.tp)
+        overflow = not math.isfinite(grad_norm)
+        loss_scale = scale
+        if scaler is not None:
+            scaler.update(overflow)
+        skipped = overflow and scaler is not None  # same norm on every rank: same decision
+        if skipped:
+            self.state.skipped_iterations += 1
+        else:
+            factor = clip_factor(grad_norm, self.args.clip_grad)
+            if factor != 1.0:
+                self.grads.reduced_grads.mul_(factor)
+            self.hook("optimizer")
+            self.optimizer.step(grads)
+            self.scheduler.step(increment=reduced.totals.microbatches * self.args.micro_batch_size)
+        self.grads.zero()
+        loss_and_times = torch.tensor([reduced.totals.loss_sum, *reduced.replica_times],
+                                      dtype=torch.float64, device=self.device)
         if self.groups.replica.size() > 1:  # loss lives on the last stage; times: slowest stage
             dist.all_reduce(loss_and_times, op=dist.ReduceOp.MAX, group=self.groups.replica)
-        self.timings = timings_from_wire({r: float(v) for r, v in enumerate(loss_and_times[1:])})
-        return {"lm_loss": float(loss_and_times[0]) / tokens, "grad_norm": grad_norm,
-                "lr": self.optimizer.param_groups[0]["lr"]}
+        values = loss_and_times.tolist()
+        self.timings = timings_from_wire(dict(enumerate(values[1:])))
+        return {"lm_loss": values[0] / tokens, "grad_norm": grad_norm,
+                "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": loss_scale,
+                "skipped_iterations": self.state.skipped_iterations}
 
     # -- job-wide synchronisation for checkpoints, resilient when recovery is on -------------
     def barrier(self, key: str) -> None:
@@ -136,22 +153,16 @@ class Trainer:
     def any_rank(self, flag: bool, key: str) -> bool:
         """True on every live rank iff any of them passes True."""
         if self.agreement is None:
-            t = torch.tensor([int(flag)], dtype=torch.int32)
+            t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return bool(t.item())
         return self.agreement.any_flag(key, self.live.members(), self.live.epoch, flag)
-
-    def snapshot(self) -> torch.Tensor:
-        return flatten_grads(self.params)
-
-    def restore(self, flat: torch.Tensor) -> None:
-        ReducedGradients(flat, Totals.of_ids([])).write_to(self.params)
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(
             live=self.live, plan=self.plan, execute=self.execute, reduce=self.reduce,
             step=self.step, agreement=self.agreement, abandon=self.groups.abandon,
-            rebuild=self.groups.rebuild, snapshot=self.snapshot, restore=self.restore,
+            rebuild=self.groups.rebuild, snapshot=self.grads.snapshot, restore=self.grads.restore,
             drop_lost=getattr(self.args, "recover_policy", "redistribute") == "drop",
             on_failure=self.log_failure, hook=self.hook)
 
@@ -234,11 +245,11 @@ class Trainer:
                 mine = even_plan(ids, self.live.live_replicas).get(self.groups.coord.replica, [])
                 done = run_forward_only(mine, self.valid_stage, self.link)
                 total = total + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
-        stats = total.as_tensor()
+        stats = total.as_tensor().to(self.device)
         if self.groups.dp.size() > 1:
             dist.all_reduce(stats, group=self.groups.dp)
         total = Totals.from_tensor(stats)
-        loss_sum = torch.tensor([total.loss_sum], dtype=torch.float64)
+        loss_sum = torch.tensor([total.loss_sum], dtype=torch.float64, device=self.device)
         if self.groups.pp.size() > 1:  # the loss lives on the last stage
             dist.all_reduce(loss_sum, group=self.groups.pp)
         loss = float(loss_sum) / max(total.tokens, 1)
@@ -249,8 +260,32 @@ class Trainer:
         return loss
 
 
-def build_stage(args, groups: ParallelGroups, model, dataset, tracker) -> GPTStage:
-    return GPTStage(model, MicrobatchSampler(dataset, args.micro_batch_size), tp_group=groups.tp,
-                    tracker=tracker, seed=args.seed, pp_stage=groups.coord.pp,
-                    tp_rank=groups.coord.tp, is_first=groups.is_first_stage,
-                    is_last=groups.is_last_stage)
+def build_stage(args, groups: ParallelGroups, model, dataset, tracker,
+                scaler: LossScaler | None = None) -> GPTStage:
+    sampler = MicrobatchSampler(dataset, args.micro_batch_size,
+                                with_mask=args.reset_attention_mask)
+    return GPTStage(model, sampler, tp_group=groups.tp, tracker=tracker, seed=args.seed,
+                    pp_stage=groups.coord.pp, tp_rank=groups.coord.tp,
+                    is_first=groups.is_first_stage, is_last=groups.is_last_stage,
+                    device=next(model.parameters()).device,
+                    loss_scale=None if scaler is None else (lambda: scaler.scale))
+
+
+def build_grad_buffer(args, groups: ParallelGroups, optimizer: MainParamsAdamW) -> GradBuffer:
+    """Megatron's bucket rule: one bucket unless overlapping; then --ddp-bucket-size, default
+    max(40M, 1M x DP) parameters."""
+    bucket = args.ddp_bucket_size
+    if bucket is None and args.overlap_grad_reduce:
+        bucket = max(40_000_000, 1_000_000 * groups.topology.dp)
+    return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
+                      device=optimizer.model_params[0].device, bucket_numel=bucket,
+                      overlap=args.overlap_grad_reduce)
+
+
+def link_for(args, groups: ParallelGroups, device) -> StageLink:
+    """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
+    hidden], in the training dtype."""
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp,
+                     (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
+                     device=device)

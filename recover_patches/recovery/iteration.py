@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from recover_patches.collectives.errors import PeerFailure
-from recover_patches.recovery.reduce import ReducedGradients, Totals, check_commit
+from recover_patches.recovery.grad_buffer import ReducedGradients
+from recover_patches.recovery.reduce import Totals, check_commit
 from recover_patches.schedule import ScheduleResult
 
 Planner = Callable[[Sequence[int], Sequence[int]], Mapping[int, list[int]]]

@@ -1,8 +1,6 @@
-"""Out-of-place DP reduction of gradients together with the commit bookkeeping (DESIGN §4 step 3).
-
-The local accumulated gradients are copied into a fresh buffer and only that buffer is reduced, so
-an interrupted reduction never leaves a half-summed `.grad`. Reduced alongside: the number of
-microbatches, the token count, two checksums of the microbatch ids and the loss sum.
+"""The commit bookkeeping reduced with the gradients (DESIGN §4 steps 3-4): the number of
+microbatches, the token count, two checksums of the microbatch ids and the loss sum, and the check
+that exactly the planned ids were reduced. The reduction itself is `grad_buffer.GradBuffer.reduce`.
 """
 from __future__ import annotations
 
@@ -10,7 +8,6 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 
 _HASH_MULT = 0x9E3779B1  # odd constant: id -> pseudo-random 31-bit value
 
@@ -25,17 +22,19 @@ class Totals:
     tokens: int
     id_sum: int
     id_hash_sum: int
-    loss_sum: float  # only stages holding the loss contribute (last stage)
+    # only stages holding the loss contribute (last stage); a device tensor while accumulating on
+    # a GPU (read on the host once, after the reduction), a float after it
+    loss_sum: float | torch.Tensor
 
     @classmethod
-    def of_ids(cls, ids: Iterable[int], tokens: int = 0, loss_sum: float = 0.0) -> "Totals":
+    def of_ids(cls, ids: Iterable[int], tokens: int = 0, loss_sum: float | torch.Tensor = 0.0) -> "Totals":
         ids = list(ids)
         return cls(len(ids), tokens, sum(ids), sum(id_hash(g) for g in ids), loss_sum)
 
     def as_tensor(self) -> torch.Tensor:
         # float64 is exact for integers below 2**53: ids < 2**31 times M < 2**22 fits.
         return torch.tensor([self.microbatches, self.tokens, self.id_sum, self.id_hash_sum,
-                             self.loss_sum], dtype=torch.float64)
+                             float(self.loss_sum)], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Totals":
@@ -60,32 +59,3 @@ def check_commit(reduced: Totals, planned_ids: Sequence[int]) -> None:
             f"reduced {reduced.microbatches} microbatches (id sum {reduced.id_sum}, hash "
             f"{reduced.id_hash_sum}); the plan has {expected.microbatches} (id sum "
             f"{expected.id_sum}, hash {expected.id_hash_sum})")
-
-
-@dataclass
-class ReducedGradients:
-    flat: torch.Tensor
-    totals: Totals
-
-    def write_to(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Replace each parameter's local gradient by its reduced one (after the commit check)."""
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = self.flat[offset:offset + n].view_as(p).clone()
-            offset += n
-
-
-def flatten_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
-    ]) if params else torch.zeros(0)
-
-
-def reduce_gradients(params: Sequence[torch.nn.Parameter], local: Totals, dp_group) -> ReducedGradients:
-    flat = flatten_grads(params)  # a copy: the local .grad stays intact
-    stats = local.as_tensor()
-    if dp_group is not None and dp_group.size() > 1:
-        dist.all_reduce(flat, group=dp_group)
-        dist.all_reduce(stats, group=dp_group)
-    return ReducedGradients(flat, Totals.from_tensor(stats))

@@ -117,10 +117,9 @@ def build_arms(bench: argparse.Namespace):
     from megatron.training.model import build_model
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.training import Trainer, build_stage
+    from megatron.training.training import Trainer, build_grad_buffer, build_stage, link_for
     from recover_patches.faults import FaultInjector
-    from recover_patches.p2p import StageLink
-    from recover_patches.rng import install_cpu_tracker
+    from recover_patches.rng import install_rng_tracker
     from recover_patches.sampler import MicrobatchSampler
     from recover_patches.topology import Topology
 
@@ -129,7 +128,7 @@ def build_arms(bench: argparse.Namespace):
     args = parse_and_validate([*MODEL_FLAGS, "--train-iters", str(bench.warmup + bench.iters),
                                "--hidden-dropout", dropout, "--attention-dropout", dropout], world_size=1)
     groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
-    tracker = install_cpu_tracker()
+    tracker = install_rng_tracker()
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     train_ds, _, _ = build_datasets(args, tokenizer)
@@ -141,9 +140,9 @@ def build_arms(bench: argparse.Namespace):
     optimizer = build_optimizer(model_a, args)
     trainer = Trainer(
         args=args, groups=groups, model=model_a, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, args),
+        scheduler=build_scheduler(optimizer, args), grads=build_grad_buffer(args, groups, optimizer),
         train_stage=build_stage(args, groups, model_a, train_ds, tracker), valid_stage=None,
-        link=StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size)),
+        link=link_for(args, groups, "cpu"),
         faults=FaultInjector([], 0), metrics=MetricsWriter(None))
     plain = PlainArm(model_b, MicrobatchSampler(train_ds, args.micro_batch_size), args, vocab)
     return args, vocab, RecoverArm(trainer), plain

@@ -1,0 +1,181 @@
+"""Persistent main-grad buffers and the out-of-place, bucketed DP reduction (DESIGN §13).
+
+One flat fp32 buffer `local` holds every parameter's accumulated gradient; `param.main_grad` is a
+view into it, and a post-accumulate-grad hook adds each microbatch's gradient there (and drops
+`param.grad`), as megatron-core's param-and-grad buffer does. Parameters are laid out in reverse
+order, so buckets fill up in the order backward produces them.
+
+The DP reduction never touches `local`: bucket by bucket it copies into a second buffer `reduced`
+and all-reduces that, so an interrupted reduction leaves the local gradients intact for recovery.
+The commit bookkeeping (microbatch count, tokens, the two id checksums, the loss sum, each
+replica's time per microbatch) rides in a tail of the last bucket: a failure-free iteration issues
+exactly one collective per bucket on the DP group and nothing else.
+
+The tail is fp32 like the gradients, which is exact for integers only below 2**24, so integers
+travel as base-256 limbs: a sum of DP limbs stays exact for DP < 65793 replicas, and 7 limbs carry
+56 bits. The loss (float64) travels as two fp32 parts (hi + lo).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from recover_patches.collectives.errors import PeerFailure
+from recover_patches.recovery.reduce import Totals
+
+LIMB_BITS, LIMBS = 8, 7
+_INT_FIELDS = 4  # microbatches, tokens, id_sum, id_hash_sum
+_LOSS_SLOTS = 2  # hi, lo
+
+
+def _limbs(value: int) -> list[float]:
+    if not 0 <= value < 1 << (LIMB_BITS * LIMBS):
+        raise ValueError(f"{value} does not fit {LIMBS} limbs of {LIMB_BITS} bits")
+    return [float((value >> (LIMB_BITS * i)) & 0xFF) for i in range(LIMBS)]
+
+
+def _from_limbs(values: Sequence[float]) -> int:
+    return sum(int(round(v)) << (LIMB_BITS * i) for i, v in enumerate(values))
+
+
+@dataclass
+class ReducedGradients:
+    """What the reduction returns besides the gradients (which stay in the buffer's `reduced`)."""
+    totals: Totals
+    replica_times: list[float]  # wire values of each replica's time per microbatch
+
+
+class GradBuffer:
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, replicas: int, dp_group,
+                 device: torch.device | str = "cpu", bucket_numel: int | None = None,
+                 overlap: bool = False):
+        self.params = list(params)
+        self.dp_group = dp_group
+        self.replicas = replicas
+        self.overlap = overlap
+        self.device = torch.device(device)
+        self.numel = sum(p.numel() for p in self.params)
+        self.meta_numel = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas
+        self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
+                                 device=self.device)
+        self.reduced = torch.zeros_like(self.local)
+        self._offsets: dict[torch.nn.Parameter, int] = {}
+        self.buckets: list[tuple[int, int]] = []  # [start, end) in the buffers; last holds the tail
+        self._bucket_of: dict[torch.nn.Parameter, int] = {}
+        self._bucket_params: list[int] = []
+        offset, start = 0, 0
+        for p in reversed(self.params):  # backward produces the last layers' grads first
+            self._offsets[p] = offset
+            p.main_grad = self.local[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            self._bucket_of[p] = len(self.buckets)
+            if bucket_numel is not None and offset - start >= bucket_numel and offset < self.numel:
+                self.buckets.append((start, offset))
+                start = offset
+        self.buckets.append((start, self.numel + self.meta_numel))
+        self._bucket_params = [0] * len(self.buckets)
+        for b in self._bucket_of.values():
+            self._bucket_params[b] += 1
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
+        self._works: dict[int, object] = {}
+        self._pending: list[int] = []  # per bucket: params whose last gradient is still to come
+        self._failure: PeerFailure | None = None
+
+    # -- accumulation and the overlapped start of bucket reductions ---------------------------
+    def _accumulate(self, param: torch.nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self._pending:
+            b = self._bucket_of[param]
+            self._pending[b] -= 1
+            if self._pending[b] == 0 and b != len(self.buckets) - 1:
+                self._launch(b)  # the last bucket waits for the totals, in reduce()
+
+    def arm(self) -> None:
+        """The next backward is this round's last on this rank (--overlap-grad-reduce): start each
+        bucket's reduction as soon as all its gradients are final."""
+        if self.overlap:
+            self._pending = list(self._bucket_params)
+
+    def _launch(self, b: int) -> None:
+        if self._failure is not None or b in self._works:
+            return
+        start, end = self.buckets[b]
+        grads_end = min(end, self.numel)
+        self.reduced[start:grads_end].copy_(self.local[start:grads_end])
+        try:  # called from an autograd hook: keep the failure for reduce() to raise
+            self._works[b] = (dist.all_reduce(self.reduced[start:end], group=self.dp_group,
+                                              async_op=True)
+                              if self.dp_group is not None and self.dp_group.size() > 1 else None)
+        except PeerFailure as err:
+            self._failure = err
+
+    # -- the reduction ------------------------------------------------------------------------
+    def reduce(self, totals: Totals, replica: int, time_wire: float) -> ReducedGradients:
+        """Out-of-place sum over the DP group of the gradients and the commit bookkeeping."""
+        try:
+            self._write_tail(totals, replica, time_wire)
+            for b in range(len(self.buckets)):
+                self._launch(b)
+            if self._failure is not None:
+                raise self._failure
+            for work in self._works.values():
+                if work is not None:
+                    work.wait()
+        except PeerFailure:
+            # An aborted operation may still write its buffer: the next round gets a fresh one.
+            self.reduced = torch.zeros_like(self.local)
+            raise
+        finally:
+            self._works, self._pending, self._failure = {}, [], None
+        return self._read_tail()
+
+    def _write_tail(self, totals: Totals, replica: int, time_wire: float) -> None:
+        ints = [totals.microbatches, totals.tokens, totals.id_sum, totals.id_hash_sum]
+        host = [v for i in ints for v in _limbs(i)] + [0.0] * (_LOSS_SLOTS + self.replicas)
+        host[_INT_FIELDS * LIMBS + _LOSS_SLOTS + replica] = time_wire
+        tail = self.reduced[self.numel:]
+        tail.copy_(torch.tensor(host, dtype=torch.float32), non_blocking=True)
+        # the loss may be a device tensor: split it there, so nothing waits for the device here
+        loss = torch.as_tensor(totals.loss_sum, dtype=torch.float64, device=self.device)
+        hi = loss.float()
+        tail[_INT_FIELDS * LIMBS] = hi
+        tail[_INT_FIELDS * LIMBS + 1] = (loss - hi.double()).float()
+
+    def _read_tail(self) -> ReducedGradients:
+        tail = self.reduced[self.numel:].double().tolist()  # the one host read the commit needs
+        ints = [_from_limbs(tail[i * LIMBS:(i + 1) * LIMBS]) for i in range(_INT_FIELDS)]
+        loss = tail[_INT_FIELDS * LIMBS] + tail[_INT_FIELDS * LIMBS + 1]
+        times = tail[_INT_FIELDS * LIMBS + _LOSS_SLOTS:]
+        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss), times)
+
+    # -- views for the step, and recovery's undo ----------------------------------------------
+    @property
+    def reduced_grads(self) -> torch.Tensor:
+        """All reduced gradients as one flat tensor (scale or clip them with one operation)."""
+        return self.reduced[:self.numel]
+
+    def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        offset = self._offsets[param]
+        return self.reduced[offset:offset + param.numel()].view_as(param)
+
+    def zero(self) -> None:
+        self.local.zero_()
+
+    def snapshot(self) -> torch.Tensor:
+        return self.local.clone()
+
+    def restore(self, saved: torch.Tensor) -> None:
+        self.local.copy_(saved)
+
+    def poison(self) -> None:
+        """Fault injection: this rank's gradient overflowed (an inf in the accumulated grads)."""
+        self.local[0] = float("inf")
+
+    @staticmethod
+    def extra_bytes_per_param() -> int:
+        """Memory beyond the model's own: fp32 `local` + fp32 `reduced` (Megatron's DDP: one)."""
+        return 8

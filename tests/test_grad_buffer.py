@@ -1,0 +1,109 @@
+"""The persistent main-grad buffer: accumulation through hooks, the out-of-place reduction, the
+commit bookkeeping carried exactly in its fp32 tail, and the overlapped start of buckets."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recover_patches.recovery.grad_buffer import GradBuffer
+from recover_patches.recovery.reduce import Totals
+
+
+def model(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4),
+                               torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(dtype)
+
+
+def backward(net: torch.nn.Module, seed: int) -> None:
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(seed))
+    net(x.to(next(net.parameters()).dtype)).float().pow(2).sum().backward()
+
+
+def reference_grads(net: torch.nn.Module, seeds: list[int]) -> list[torch.Tensor]:
+    for seed in seeds:
+        backward(net, seed)
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_hooks_accumulate_into_fp32_main_grad_views():
+    net = model()
+    expected = reference_grads(net, [1, 2, 3])
+    buf = GradBuffer(list(net.parameters()), replicas=1, dp_group=None)
+    for seed in [1, 2, 3]:
+        backward(net, seed)
+    for p, want in zip(net.parameters(), expected):
+        assert p.grad is None  # moved into the buffer
+        assert p.main_grad.data_ptr() >= buf.local.data_ptr()  # a view, not a copy
+        torch.testing.assert_close(p.main_grad, want)
+
+
+def test_half_precision_grads_accumulate_in_fp32():
+    net = model(torch.bfloat16)
+    buf = GradBuffer(list(net.parameters()), replicas=1, dp_group=None)
+    backward(net, 1)
+    assert buf.local.dtype == torch.float32
+    assert all(p.main_grad.dtype == torch.float32 and p.grad is None for p in net.parameters())
+    assert float(buf.local.abs().sum()) > 0
+
+
+def test_reduction_is_out_of_place_and_undo_restores():
+    net = model()
+    buf = GradBuffer(list(net.parameters()), replicas=2, dp_group=None)
+    backward(net, 1)
+    before = buf.local.clone()
+    buf.reduce(Totals.of_ids([3], tokens=7, loss_sum=1.5), replica=0, time_wire=0.25)
+    buf.reduced_grads.mul_(0)  # what the step does to the reduced grads never reaches `local`
+    assert torch.equal(buf.local, before)
+    saved = buf.snapshot()
+    backward(net, 2)
+    assert not torch.equal(buf.local, before)
+    buf.restore(saved)
+    assert torch.equal(buf.local, before)
+
+
+def test_tail_carries_large_integers_exactly():
+    net = model()
+    buf = GradBuffer(list(net.parameters()), replicas=3, dp_group=None)
+    ids = [2**33 + k for k in range(5)]  # id sums far beyond fp32's exact 2**24
+    totals = Totals.of_ids(ids, tokens=123_456_789, loss_sum=12345.678901234)
+    out = buf.reduce(totals, replica=2, time_wire=0.125)
+    assert (out.totals.microbatches, out.totals.tokens, out.totals.id_sum, out.totals.id_hash_sum) \
+        == (5, 123_456_789, totals.id_sum, totals.id_hash_sum)
+    assert out.totals.loss_sum == pytest.approx(12345.678901234, rel=1e-12)  # hi + lo parts
+    assert out.replica_times == [0.0, 0.0, 0.125]
+
+
+@pytest.mark.parametrize("bucket", [1, 20, 40])
+def test_overlap_starts_buckets_only_when_final_and_gives_the_same_gradient(bucket):
+    seeds = [1, 2, 3]
+    plain_net, overlap_net = model(), model()
+    plain = GradBuffer(list(plain_net.parameters()), replicas=1, dp_group=None, bucket_numel=bucket)
+    overlap = GradBuffer(list(overlap_net.parameters()), replicas=1, dp_group=None,
+                         bucket_numel=bucket, overlap=True)
+    assert len(overlap.buckets) > 1
+    for net, buf in ((plain_net, plain), (overlap_net, overlap)):
+        for k, seed in enumerate(seeds):
+            if k == len(seeds) - 1:
+                buf.arm()
+            backward(net, seed)
+            if buf is overlap and k < len(seeds) - 1:
+                assert not overlap._works  # nothing starts before the last microbatch
+    # every bucket but the last (it waits for the totals) started during the last backward
+    assert set(overlap._works) == set(range(len(overlap.buckets) - 1))
+    totals = Totals.of_ids([0, 1, 2], tokens=3)
+    plain.reduce(totals, 0, 1.0)
+    overlap.reduce(totals, 0, 1.0)
+    assert torch.equal(plain.reduced, overlap.reduced)
+
+
+def test_poison_makes_the_gradient_overflow():
+    net = model()
+    buf = GradBuffer(list(net.parameters()), replicas=1, dp_group=None)
+    backward(net, 1)
+    buf.poison()
+    backward(net, 2)
+    buf.reduce(Totals.of_ids([0]), 0, 1.0)
+    assert not bool(torch.isfinite(buf.reduced_grads).all())
