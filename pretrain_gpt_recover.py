@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         train_stage=build_stage(args, groups, model, train_ds, tracker, optimizer.scaler),
         valid_stage=None if valid_ds is None else build_stage(args, groups, model, valid_ds, tracker),
         link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
-        metrics=MetricsWriter(args.metrics_file),
+        metrics=MetricsWriter(args.metrics_file, args.tensorboard_dir),
         agreement=StoreAgreement(membership, timeout=args.recover_timeout) if recovering else None,
         log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"))
     if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):

@@ -16,6 +16,7 @@ setup(
         "tokenizers",
         "matplotlib",
         "tqdm",
+        "tensorboard",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout"],

@@ -257,10 +257,11 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 
 @pytest.mark.parametrize("flag", [
     "--num-layers-per-virtual-pipeline-stage 2", "--expert-model-parallel-size 2", "--num-experts 8",
-    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--async-save",
+    "--use-distributed-optimizer", "--overlap-param-gather", "--async-save",
     "--recompute-activations", "--recompute-granularity full", "--recompute-method uniform",
     "--recompute-num-layers 1", "--fp8-format hybrid", "--use-flash-attn",
-    "--context-parallel-size 2", "--optimizer sgd", "--ckpt-format torch_dist"])
+    "--context-parallel-size 2", "--optimizer sgd", "--ckpt-format torch_dist",
+    "--cross-entropy-loss-fusion"])
 def test_unsupported_megatron_flag(flag):
     with pytest.raises(ArgumentError) as err:
         parse_args(TINY + flag.split())
@@ -310,10 +311,20 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--tokenizer-type": "GPT2BPETokenizer", "--vocab-file": "/nonexistent/vocab.json",
       "--merge-file": "/nonexistent/merges.txt"}, 1, "cpu", "--vocab-file", "/nonexistent/vocab.json"),
     ({"--vocab-size": None}, 1, "cpu", "--vocab-size", "NullTokenizer"),
-    ({"--sequence-parallel": "", "--tensor-model-parallel-size": "2"}, 2, "cpu", "--sequence-parallel",
-     "gloo"),
-    ({"--fp16": ""}, 1, "cpu", "--fp16", "fp32"),
-    ({"--bf16": ""}, 1, "cpu", "--bf16", "fp32"),
+    ({"--fp16": "", "--bf16": ""}, 1, "cpu", "--bf16", "exclusive"),
+    ({"--fp16": "", "--min-loss-scale": "0"}, 1, "cpu", "--min-loss-scale", "> 0"),
+    ({"--fp16": "", "--loss-scale": "-1"}, 1, "cpu", "--loss-scale", "> 0"),
+    ({"--fp16": "", "--initial-loss-scale": "0.5"}, 1, "cpu", "--initial-loss-scale",
+     "--min-loss-scale"),
+    ({"--fp16": "", "--hysteresis": "0"}, 1, "cpu", "--loss-scale-window", "--hysteresis"),
+    ({"--group-query-attention": "", "--num-query-groups": "3"}, 1, "cpu", "--num-query-groups",
+     "divide"),
+    ({"--group-query-attention": "", "--num-query-groups": "2",
+      "--tensor-model-parallel-size": "4"}, 4, "cpu", "--num-query-groups", "TP"),
+    ({"--rotary-percent": "0"}, 1, "cpu", "--rotary-percent", "(0, 1]"),
+    ({"--apply-layernorm-1p": ""}, 1, "cpu", "--apply-layernorm-1p", "transformer_engine"),
+    ({"--reset-attention-mask": "", "--no-create-attention-mask-in-dataloader": ""}, 1, "cpu",
+     "--reset-attention-mask", "--no-create-attention-mask-in-dataloader"),
     ({"--attention-backend": "flash"}, 1, "cpu", "--attention-backend", "GPU"),
     ({"--transformer-impl": "transformer_engine"}, 1, "cpu", "--transformer-impl", "GPU"),
     ({"--transformer-impl": "transformer_engine"}, 1, "cuda", "--transformer-impl", "not installed"),

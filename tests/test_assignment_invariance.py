@@ -13,7 +13,8 @@ from megatron.training.model import build_model
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.training.training import build_stage
 from recover_patches.p2p import StageLink
-from recover_patches.recovery.reduce import Totals, check_commit, reduce_gradients
+from recover_patches.recovery.grad_buffer import GradBuffer
+from recover_patches.recovery.reduce import Totals, check_commit
 from recover_patches.rng import install_rng_tracker
 from recover_patches.schedule import run_1f1b
 from recover_patches.topology import Topology
@@ -36,6 +37,16 @@ def world():
     return args, groups, train, vocab, install_rng_tracker()
 
 
+def local_gradient(model, ids, world) -> tuple[torch.Tensor, Totals]:
+    """One replica's accumulated gradient over `ids`, through the trainer's gradient buffer."""
+    args, groups, train, vocab, tracker = world
+    buf = GradBuffer(list(model.parameters()), replicas=1, dp_group=None)
+    link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size))
+    done = run_1f1b(ids, build_stage(args, groups, model, train, tracker), link)
+    reduced = buf.reduce(Totals.of_ids(done.ids, done.tokens), replica=0, time_wire=1.0)
+    return buf.reduced_grads.clone(), reduced.totals
+
+
 def reduced_gradient(world, assignment: list[list[int]]) -> tuple[torch.Tensor, Totals]:
     """Each list is one replica's quota, computed on its own fresh model copy; the 'DP reduction'
     is the sum of the replicas' out-of-place gradient buffers."""
@@ -44,11 +55,9 @@ def reduced_gradient(world, assignment: list[list[int]]) -> tuple[torch.Tensor, 
     for quota in assignment:
         model = build_model(args, groups.pg_collection(), 0, 0, vocab)
         model.train()
-        link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size))
-        done = run_1f1b(quota, build_stage(args, groups, model, train, tracker), link)
-        part = reduce_gradients(list(model.parameters()), Totals.of_ids(done.ids, done.tokens), None)
-        flat = part.flat if flat is None else flat + part.flat
-        totals = totals + part.totals
+        part, part_totals = local_gradient(model, quota, world)
+        flat = part if flat is None else flat + part
+        totals = totals + part_totals
     check_commit(totals, IDS)
     return flat / totals.tokens, totals
 
@@ -77,10 +86,8 @@ def test_a_lost_microbatch_changes_the_gradient(world):
     reference, _ = reduced_gradient(world, split([M]))
     args, groups, train, vocab, tracker = world
     model = build_model(args, groups.pg_collection(), 0, 0, vocab)
-    link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size))
-    done = run_1f1b(IDS[:-1], build_stage(args, groups, model, train, tracker), link)
-    part = reduce_gradients(list(model.parameters()), Totals.of_ids(done.ids, done.tokens), None)
+    part, part_totals = local_gradient(model, IDS[:-1], world)
     with pytest.raises(Exception, match="microbatches"):
-        check_commit(part.totals, IDS)
-    rel = (part.flat / part.totals.tokens - reference).norm() / reference.norm()
+        check_commit(part_totals, IDS)
+    rel = (part / part_totals.tokens - reference).norm() / reference.norm()
     assert rel > 1e-3

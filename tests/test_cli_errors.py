@@ -24,12 +24,18 @@ def cases(tmp):
                                       "--tensor-model-parallel-size"),
         "missing checkpoint": (data + ["--load", str(tmp / "no_ckpt"), "--save", str(tmp / "ck"),
                                        "--save-interval", "2"], "--load"),
+        "bf16 and fp16": (data + ["--bf16", "--fp16"], "--bf16"),
+        "transformer_engine here": (data + ["--transformer-impl", "transformer_engine"],
+                                    "--transformer-impl"),
+        "fp16 with a zero minimum loss scale": (data + ["--fp16", "--min-loss-scale", "0"],
+                                                "--min-loss-scale"),
     }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["missing data files", "bad fault spec",
-                                  "heads not divisible by TP", "missing checkpoint"])
+                                  "heads not divisible by TP", "missing checkpoint", "bf16 and fp16",
+                                  "transformer_engine here", "fp16 with a zero minimum loss scale"])
 def test_user_error_is_one_line_exit_2_nothing_written(tmp_path, case):
     flags, flag = cases(tmp_path)[case]
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "3" if "TP" in case else "1",

@@ -57,7 +57,7 @@ class DataError(UserError):
 def dataset_sizes(args) -> tuple[int, int, int]:
     """Samples requested per split, as Megatron computes them."""
     gbs = args.global_batch_size
-    train_samples = getattr(args, "train_samples", None)
+    train_samples = args.train_samples
     train_iters = args.train_iters if args.train_iters is not None else train_samples // gbs
     train = train_samples if train_samples else train_iters * gbs
     valid = (train_iters // args.eval_interval + 1) * args.eval_iters * gbs
@@ -98,12 +98,12 @@ def split_matrix(split: Optional[str]) -> list[Optional[tuple[float, float]]]:
 
 def validate_data(args) -> None:
     """Check every data file and the split before building; raise DataError on the first problem."""
-    if getattr(args, "mock_data", False):
+    if args.mock_data:
         return
     prefixes, _ = parse_blend(args.data_path)
     matrix = split_matrix(args.split)
     sizes = dataset_sizes(args)
-    _check_cache_dir(getattr(args, "data_cache_path", None))
+    _check_cache_dir(args.data_cache_path)
     for prefix in prefixes:
         lengths = _read_sequence_lengths(prefix)
         _check_splits(prefix, lengths, matrix, sizes, args.split or _DEFAULT_SPLIT)
@@ -112,7 +112,7 @@ def validate_data(args) -> None:
 def build_datasets(args, tokenizer) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
     """(train, valid, test); a split with share 0 in --split is None, as in Megatron."""
     sizes = list(dataset_sizes(args))
-    if getattr(args, "mock_data", False):
+    if args.mock_data:
         cls, blend, split = MockGPTDataset, None, None
     else:
         validate_data(args)
@@ -124,12 +124,12 @@ def build_datasets(args, tokenizer) -> tuple[Optional[Dataset], Optional[Dataset
         split=split or _DEFAULT_SPLIT,
         # "" rather than None: with None megatron-core caches under <prefix>/cache, racing ranks.
         path_to_cache="",
-        index_cache_dir=getattr(args, "data_cache_path", None),
+        index_cache_dir=args.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=bool(args.reset_position_ids),
         reset_attention_mask=bool(args.reset_attention_mask),
         eod_mask_loss=bool(args.eod_mask_loss),
-        create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", True),
+        create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
     )
     train, valid, test = _LocalBuilder(cls, sizes, lambda: True, config).build()

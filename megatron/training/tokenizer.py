@@ -147,13 +147,13 @@ class NullTokenizer(Tokenizer):
 
 def build_tokenizer(args) -> Tokenizer:
     """Build the tokenizer named by --tokenizer-type; raises TokenizerError on a user error."""
-    kind = getattr(args, "tokenizer_type", None) or DEFAULT_TYPE
+    kind = args.tokenizer_type or DEFAULT_TYPE
     if kind == "GPT2BPETokenizer":
-        vocab_file = _required_file(args, "vocab_file", "--vocab-file", "vocab.json")
-        merge_file = _required_file(args, "merge_file", "--merge-file", "merges.txt")
+        vocab_file = _required_file(args.vocab_file, "--vocab-file", "vocab.json")
+        merge_file = _required_file(args.merge_file, "--merge-file", "merges.txt")
         return GPT2BPETokenizer(vocab_file, merge_file)
     if kind == "NullTokenizer":
-        vocab_size = getattr(args, "vocab_size", None)
+        vocab_size = args.vocab_size
         if vocab_size is None or int(vocab_size) < 1:
             raise TokenizerError(
                 "--vocab-size",
@@ -175,8 +175,7 @@ def padded_vocab_size(orig: int, divisible_by: int, tp: int) -> int:
     return -(-int(orig) // multiple) * multiple
 
 
-def _required_file(args, dest: str, flag: str, what: str) -> str:
-    path = getattr(args, dest, None)
+def _required_file(path: str | None, flag: str, what: str) -> str:
     if not path:
         raise TokenizerError(
             flag,

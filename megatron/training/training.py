@@ -62,12 +62,13 @@ class Trainer:
         self.device = self.grads.device
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
                                  replica_ranks=topo.replica_ranks,
-                                 min_replicas=getattr(self.args, "recover_min_replicas", 1))
+                                 min_replicas=self.args.recover_min_replicas)
         self.timer = MicrobatchTimer(pipeline_depth=topo.pp)
         self.timings: dict[int, float | None] = {}
         self._execute_seconds = 0.0
         self._executed = 0
         self._was_logging = False
+        self._skipped_at_last_line = 0
 
     def hook(self, phase: str, microbatch: int | None = None) -> None:
         """Injection point; iterations are numbered from 1 as in the logs."""
@@ -79,11 +80,11 @@ class Trainer:
 
     # -- the parts of the transaction --------------------------------------------------------
     def plan(self, ids, replicas):
-        if getattr(self.args, "recover_policy", "redistribute") == "drop":
+        if self.args.recover_policy == "drop":
             # the replica-dropping baseline: each replica keeps its failure-free share, the
             # shares of dead replicas are simply not computed
             return even_plan(ids, range(self.groups.topology.dp))
-        if getattr(self.args, "recover_balance", "throughput") == "even":
+        if self.args.recover_balance == "even":
             return even_plan(ids, replicas)
         return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10)
 
@@ -163,7 +164,7 @@ class Trainer:
             live=self.live, plan=self.plan, execute=self.execute, reduce=self.reduce,
             step=self.step, agreement=self.agreement, abandon=self.groups.abandon,
             rebuild=self.groups.rebuild, snapshot=self.grads.snapshot, restore=self.grads.restore,
-            drop_lost=getattr(self.args, "recover_policy", "redistribute") == "drop",
+            drop_lost=self.args.recover_policy == "drop",
             on_failure=self.log_failure, hook=self.hook)
 
     # -- the loop --------------------------------------------------------------------------
@@ -230,7 +231,9 @@ class Trainer:
                 + " | " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r.seconds.items()))
         if self.state.iteration % args.log_interval == 0 or self.state.iteration == 1 \
                 or outcome.recoveries:
-            print_rank_line(log_line(rec, args.train_iters))
+            skipped = self.state.skipped_iterations
+            print_rank_line(log_line(rec, args.train_iters, skipped - self._skipped_at_last_line))
+            self._skipped_at_last_line = skipped
 
     def evaluate(self) -> float:
         """Forward-only loss over `--eval-iters` global batches of the validation set."""
