@@ -51,9 +51,10 @@ BF16 = [*TINY_GPT, "--bf16", "--pipeline-model-parallel-size", "2", "--train-ite
         "--recover-balance", "even"]
 KILL = faults("kill:rank=3,iter=3,phase=backward")
 # Recomputed microbatches are bitwise the same computation on another replica; only the fp32
-# accumulation and reduction order differ, and a bf16 weight can round the other way: measured
-# within 2e-5. The `drop` baseline loses 2 of 8 microbatches per iteration from iteration 3 on.
-BF16_TOLERANCE = 2e-4
+# accumulation and reduction order differ (a bf16 weight could then round the other way).
+# Measured: 4.6e-8 from the failure-free bf16 run; `drop`, which loses 2 of 8 microbatches per
+# iteration from iteration 3 on, 1.3e-2.
+BF16_TOLERANCE = 1e-5
 
 
 @pytest.mark.timeout(900)
@@ -77,4 +78,4 @@ def test_bf16_trajectory_survives_a_kill_and_drop_does_not(tmp_path):
         assert r["microbatches"] == M and r["id_sum"] == sum(range((i - 1) * M, i * M)), r
     assert recs[2]["recoveries"] and recs[-1]["live_replicas"] == [0]
     assert drift(recovered) <= BF16_TOLERANCE
-    assert drift(dropped) > 10 * max(drift(recovered), BF16_TOLERANCE / 10)
+    assert drift(dropped) > 100 * BF16_TOLERANCE

@@ -148,7 +148,7 @@ class TorchNorm:
         per_head = hidden_size != config.hidden_size
         partial = config.tensor_model_parallel_size > 1 if per_head else config.sequence_parallel
         for p in norm.parameters():
-            p.sequence_parallel = partial
+            setattr(p, "sequence_parallel", partial)
         return norm
 
 
@@ -193,7 +193,7 @@ def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
         # megatron-core's sequence-parallel mappings allocate their outputs on
         # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
         # those allocations into CPU ones and nothing else (CUDA stays unavailable).
-        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     model = RecoverGPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args),

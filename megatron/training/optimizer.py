@@ -25,7 +25,7 @@ class MainParamsAdamW:
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, scaler: "LossScaler | None" = None):
         self.scaler = scaler  # fp16 only; checkpointed with the optimizer, as in Megatron
-        self.model_params: list[torch.nn.Parameter] = []
+        self.model_params: list[torch.Tensor] = []
         self.main_params: list[torch.Tensor] = []
         main_groups = []
         for group in groups:

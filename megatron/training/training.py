@@ -5,20 +5,26 @@ the transaction in `recover_patches/recovery/iteration.py` calls in order.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.arguments import global_batch_size_at
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, log_line, print_rank_line
 from megatron.training.optimizer import (LossScaler, MainParamsAdamW, clip_factor, global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from recover_patches.collectives.errors import PeerFailure
+from recover_patches.faults import FaultInjector
 from recover_patches.p2p import StageLink
+from recover_patches.recovery.agreement import StoreAgreement
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
 from recover_patches.recovery.reduce import Totals
@@ -38,20 +44,20 @@ class TrainState:
 
 @dataclass
 class Trainer:
-    args: object
+    args: argparse.Namespace
     groups: ParallelGroups
     model: torch.nn.Module
     optimizer: MainParamsAdamW
-    scheduler: object
+    scheduler: OptimizerParamScheduler
     grads: GradBuffer
     train_stage: GPTStage
     valid_stage: GPTStage | None
     link: StageLink
-    faults: object  # recover_patches.faults.FaultInjector: `.at(phase, iteration, microbatch)`
+    faults: FaultInjector
     metrics: MetricsWriter
-    checkpointer: object | None = None  # `.load(trainer)`, `.after_iteration(trainer)`
-    agreement: object | None = None  # recovery on: recover_patches.recovery.agreement
-    log_failure: object | None = None  # (PeerFailure, phase) -> None, printed by every rank
+    checkpointer: Any = None  # megatron.training.checkpointing.Checkpointer (it imports us)
+    agreement: StoreAgreement | None = None  # recovery on
+    log_failure: Callable[[PeerFailure, str], None] | None = None  # printed by every rank
     state: TrainState = field(default_factory=TrainState)
     # recent records on every rank, so a new logging rank can write what a dead one missed
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
@@ -242,6 +248,7 @@ class Trainer:
         m = args.global_batch_size // args.micro_batch_size
         first = (self.state.iteration // args.eval_interval - 1) * args.eval_iters * m
         total = Totals.of_ids([])
+        assert self.valid_stage is not None  # train() evaluates only with a validation set
         with torch.no_grad():
             for k in range(args.eval_iters):
                 ids = list(range(first + k * m, first + (k + 1) * m))

@@ -49,7 +49,7 @@ class ReducedGradients:
 
 
 class GradBuffer:
-    def __init__(self, params: Sequence[torch.nn.Parameter], *, replicas: int, dp_group,
+    def __init__(self, params: Sequence[torch.Tensor], *, replicas: int, dp_group,
                  device: torch.device | str = "cpu", bucket_numel: int | None = None,
                  overlap: bool = False):
         self.params = list(params)
@@ -62,14 +62,14 @@ class GradBuffer:
         self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
                                  device=self.device)
         self.reduced = torch.zeros_like(self.local)
-        self._offsets: dict[torch.nn.Parameter, int] = {}
+        self._offsets: dict[torch.Tensor, int] = {}
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the buffers; last holds the tail
-        self._bucket_of: dict[torch.nn.Parameter, int] = {}
+        self._bucket_of: dict[torch.Tensor, int] = {}
         self._bucket_params: list[int] = []
         offset, start = 0, 0
         for p in reversed(self.params):  # backward produces the last layers' grads first
             self._offsets[p] = offset
-            p.main_grad = self.local[offset:offset + p.numel()].view_as(p)
+            setattr(p, "main_grad", self.local[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
             self._bucket_of[p] = len(self.buckets)
             if bucket_numel is not None and offset - start >= bucket_numel and offset < self.numel:
@@ -80,13 +80,13 @@ class GradBuffer:
         for b in self._bucket_of.values():
             self._bucket_params[b] += 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
-        self._works: dict[int, object] = {}
+        self._works: dict[int, dist.Work | None] = {}
         self._pending: list[int] = []  # per bucket: params whose last gradient is still to come
         self._failure: PeerFailure | None = None
 
     # -- accumulation and the overlapped start of bucket reductions ---------------------------
-    def _accumulate(self, param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
+    def _accumulate(self, param: torch.Tensor) -> None:
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in __init__
         param.grad = None
         if self._pending:
             b = self._bucket_of[param]
@@ -158,7 +158,7 @@ class GradBuffer:
         """All reduced gradients as one flat tensor (scale or clip them with one operation)."""
         return self.reduced[:self.numel]
 
-    def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+    def reduced_grad(self, param: torch.Tensor) -> torch.Tensor:
         offset = self._offsets[param]
         return self.reduced[offset:offset + param.numel()].view_as(param)
 

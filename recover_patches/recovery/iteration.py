@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.grad_buffer import ReducedGradients
@@ -39,9 +39,11 @@ class TooFewReplicas(Exception):
 
 
 class Agreement(Protocol):
-    def commit_vote(self, key: str, members, reduced_ok: bool) -> bool: ...
+    def commit_vote(self, key: str, members: list[int], reduced_ok: bool) -> bool: ...
 
-    def agree_on_epoch(self, key: str, since_epoch: int, breaks_live) -> tuple[int, frozenset[int]]: ...
+    def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]: ...
+
+    def barrier(self, key: str, members: list[int], epoch: int) -> None: ...
 
 
 @dataclass
@@ -95,8 +97,8 @@ class IterationTransaction:
     agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
     abandon: Callable[[], None] = lambda: None  # drop every group's backend: peers fail fast
     rebuild: Callable[[list[int], int], None] | None = None  # (live replicas, epoch): all groups
-    snapshot: Callable[[], object] = lambda: None  # local gradients, to undo an aborted round
-    restore: Callable[[object], None] = lambda state: None
+    snapshot: Callable[[], Any] = lambda: None  # local gradients, to undo an aborted round
+    restore: Callable[[Any], None] = lambda state: None
     drop_lost: bool = False  # the replica-dropping baseline: skip lost ids instead of recomputing
     on_failure: Callable[[PeerFailure, str], None] | None = None  # per-rank report, at once
     hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "recovery"
@@ -108,7 +110,8 @@ class IterationTransaction:
         first_plan = {r: list(q) for r, q in self.plan(ids, m.live_replicas).items()}
         owner = {g: r for r, q in first_plan.items() for g in q}  # round-0 owners, never changed
         replanned: dict[int, list[int]] = {}  # the current recovery round's plan of lost ids
-        todo, kept, recoveries = first_plan.get(m.replica, []), Totals.of_ids([]), []
+        todo, kept = first_plan.get(m.replica, []), Totals.of_ids([])
+        recoveries: list[RecoveryRecord] = []
         saved = None  # gradients as of `kept`, taken before each recovery round
         # Agreement attempts made in this iteration. Ranks can fail at different steps of a
         # recovery, but every attempt consumes one newer agreed epoch, so this count -- not a
@@ -171,6 +174,7 @@ class IterationTransaction:
         """Abandon every group, agree on the epoch, meet all survivors, rebuild, re-plan. A
         failure on the way (a newer epoch) just starts the next attempt."""
         m, clock = self.live, time.perf_counter()
+        assert self.agreement is not None and self.rebuild is not None  # recovery is on
         self.abandon()
         timing = {"detection": 0.0, "rebuild": 0.0}
         for _ in range(self.max_attempts):

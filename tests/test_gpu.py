@@ -1,0 +1,55 @@
+"""One GPU, one rank: the GPU path trains like the CPU path, in every precision, and layer 1's
+NCCL groups work (and abort) at size 1. Skipped without CUDA (see conftest)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._launch_util import TINY_GPT, launch
+
+pytestmark = pytest.mark.gpu
+
+ITERS = ["--train-iters", "6"]
+
+
+def losses(tmp_path, name: str, *extra: str, cpu: bool = False) -> list[float]:
+    env = {"CUDA_VISIBLE_DEVICES": ""} if cpu else None  # hides the GPU: the CPU path
+    run = launch(1, [*TINY_GPT, *ITERS, *extra], tmp_path / f"{name}.jsonl", env=env,
+                 launcher_args=[])
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert len(run.losses()) == 6
+    return run.losses()
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.timeout(600)
+def test_fp32_gpu_matches_cpu(tmp_path):
+    gpu, cpu = losses(tmp_path, "gpu"), losses(tmp_path, "cpu", cpu=True)
+    assert max(rel(g, c) for g, c in zip(gpu, cpu)) <= 1e-4, (gpu, cpu)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "256"]])
+def test_half_precision_trains_and_tracks_fp32(tmp_path, precision):
+    fp32 = losses(tmp_path, "fp32")
+    half = losses(tmp_path, "half", *precision)
+    assert half[-1] < half[0]
+    assert max(rel(h, f) for h, f in zip(half, fp32)) <= 2e-2, (half, fp32)
+
+
+@pytest.mark.timeout(120)
+def test_nccl_size_one_group_reduces_and_aborts():
+    from recover_patches.collectives import backends
+
+    store = dist.HashStore()
+    group = backends.build("nccl", store, 0, 1, build_timeout=60, op_timeout=10)
+    t = torch.ones(4, device="cuda")
+    group.allreduce([t]).wait()
+    torch.cuda.synchronize()
+    assert t.tolist() == [1.0] * 4
+    backends.discard(group, [])  # ProcessGroupNCCL.abort() on a background thread
+    assert backends.join_discards(timeout=60)
