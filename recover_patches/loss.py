@@ -52,8 +52,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return _VocabShardedCrossEntropy.apply(logits, target, group)
 
 
-def masked_loss_sum(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sum of the counted tokens' losses and their number. Normalisation by the *global* token
-    count happens after the DP reduction (DESIGN §7), never per microbatch or per replica."""
-    mask = loss_mask.to(token_loss.dtype)
-    return (token_loss * mask).sum(), int(mask.sum().item())
+def masked_loss_sum(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of the counted tokens' losses, left on the device (the token count comes from the
+    host copy of the mask: reading it here would make the host wait for the GPU). Normalisation
+    by the *global* token count happens after the DP reduction (DESIGN §7)."""
+    return (token_loss * loss_mask.to(token_loss.dtype)).sum()

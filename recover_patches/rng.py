@@ -81,6 +81,11 @@ def install_rng_tracker(device: torch.device | str = "cpu", seed: int = 0) -> De
     microbatch (e.g. initialisation) finds it."""
     tracker = DeviceRNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, derive_seed(seed, -1))
+    if not torch.cuda.is_available():
+        # megatron-core's activation recompute saves and restores the CPU state, the tracker's
+        # states and the CUDA state; only the last needs CUDA. Without a GPU there is none to keep.
+        mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
+        mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return tracker

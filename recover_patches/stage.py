@@ -48,8 +48,7 @@ class GPTStage:
         if not self.is_last:
             return output
         token_loss = vocab_parallel_cross_entropy(output, batch["labels"], self.tp_group)
-        loss_sum, _ = masked_loss_sum(token_loss, batch["loss_mask"])
-        return loss_sum
+        return masked_loss_sum(token_loss, batch["loss_mask"])
 
     def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,
                  output_grad: torch.Tensor | None) -> torch.Tensor | None:

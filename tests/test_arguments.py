@@ -258,8 +258,7 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 @pytest.mark.parametrize("flag", [
     "--num-layers-per-virtual-pipeline-stage 2", "--expert-model-parallel-size 2", "--num-experts 8",
     "--use-distributed-optimizer", "--overlap-param-gather", "--async-save",
-    "--recompute-activations", "--recompute-granularity full", "--recompute-method uniform",
-    "--recompute-num-layers 1", "--fp8-format hybrid", "--use-flash-attn",
+    "--fp8-format hybrid", "--use-flash-attn",
     "--context-parallel-size 2", "--optimizer sgd", "--ckpt-format torch_dist",
     "--cross-entropy-loss-fusion"])
 def test_unsupported_megatron_flag(flag):
@@ -322,6 +321,10 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--group-query-attention": "", "--num-query-groups": "2",
       "--tensor-model-parallel-size": "4"}, 4, "cpu", "--num-query-groups", "TP"),
     ({"--rotary-percent": "0"}, 1, "cpu", "--rotary-percent", "(0, 1]"),
+    ({"--recompute-granularity": "full"}, 1, "cpu", "--recompute-method", "full"),
+    ({"--recompute-method": "uniform"}, 1, "cpu", "--recompute-method", "full only"),
+    ({"--recompute-granularity": "full", "--recompute-method": "block",
+      "--recompute-num-layers": "3"}, 1, "cpu", "--recompute-num-layers", "1..2"),
     ({"--apply-layernorm-1p": ""}, 1, "cpu", "--apply-layernorm-1p", "transformer_engine"),
     ({"--reset-attention-mask": "", "--no-create-attention-mask-in-dataloader": ""}, 1, "cpu",
      "--reset-attention-mask", "--no-create-attention-mask-in-dataloader"),

@@ -23,6 +23,8 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
     "use_mcore_models": "a no-op in Megatron-LM too: megatron-core models are the only kind",
     "calculate_per_token_loss": "ReCoVer always divides by the global token count (its only mode)",
     "accumulate_allreduce_grads_in_fp32": "always on: the main-grad buffer is fp32 (set by the checks)",
+    "recompute_activations": "means --recompute-granularity selective (Megatron's rule); the model "
+                             "reads recompute_granularity",
     "group_query_attention": "turns --num-query-groups on; the model reads num_query_groups",
     "transformer_impl": "resolved by the checks, read by the model as args.transformer_impl",
     "num_workers": "ReCoVer reads microbatches by id in the training process: there is no data-"

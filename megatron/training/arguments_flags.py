@@ -71,6 +71,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        ("gradient-accumulation-fusion", "the fused weight-gradient accumulation")):
         g.add_argument(f"--no-{name}", action="store_false", dest=name.replace("-", "_"),
                        help=f"Do not use {what}. Fused kernels are GPU-only: always off on CPU.")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Recompute the attention core in backward (--recompute-granularity selective).")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="full: recompute whole transformer layers (needs --recompute-method); "
+                        "selective: only the attention core. Dropout masks are drawn again exactly.")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="uniform: recompute groups of --recompute-num-layers layers; block: the first "
+                        "--recompute-num-layers layers of each pipeline stage.")
+    g.add_argument("--recompute-num-layers", type=int, default=1,
+                   help="Layers per recompute group (uniform) or recomputed per stage (block).")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="Fused cross entropy (not supported: refused).")
 

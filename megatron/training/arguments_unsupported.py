@@ -26,11 +26,11 @@ REMOVED_FLAGS: tuple[RefusedFlag, ...] = (
                 "drop the flag"),
     RefusedFlag("--checkpoint-activations", 0,
                 "was removed from Megatron-LM, replaced by --recompute-activations / "
-                "--recompute-granularity", "use --recompute-activations / --recompute-granularity "
-                "(not supported by ReCoVer yet: drop the flag)"),
+                "--recompute-granularity", "use --recompute-activations (selective) or "
+                "--recompute-granularity full --recompute-method uniform"),
     RefusedFlag("--activations-checkpoint-method", 1,
                 "was removed from Megatron-LM, replaced by --recompute-method",
-                "use --recompute-method (not supported by ReCoVer yet: drop the flag)"),
+                "use --recompute-granularity full --recompute-method uniform|block"),
 )
 
 UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
@@ -42,10 +42,6 @@ UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
         ("--use-distributed-optimizer", 0),
         ("--overlap-param-gather", 0),
         ("--async-save", 0),
-        ("--recompute-activations", 0),
-        ("--recompute-granularity", 1),
-        ("--recompute-method", 1),
-        ("--recompute-num-layers", 1),
         ("--fp8-format", 1),
         ("--use-flash-attn", 0),
     )

@@ -64,6 +64,7 @@ def validate_model_shape(args: argparse.Namespace) -> None:
             f"{args.max_position_embeddings}", f"set --max-position-embeddings >= {args.seq_length}")
     _derive_kv_channels(args)
     _derive_ffn_hidden_size(args)
+    _validate_recompute(args)
     for flag, value in (("--hidden-dropout", args.hidden_dropout),
                         ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
@@ -71,6 +72,25 @@ def validate_model_shape(args: argparse.Namespace) -> None:
     if args.make_vocab_size_divisible_by < 1:
         raise ArgumentError("--make-vocab-size-divisible-by", "--make-vocab-size-divisible-by must be "
                             ">= 1", "pass --make-vocab-size-divisible-by 128")
+
+
+def _validate_recompute(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules: --recompute-activations means selective; full needs a method; a method
+    only goes with full."""
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ArgumentError("--recompute-method", "--recompute-granularity full needs "
+                            "--recompute-method", "pass --recompute-method uniform (or block)")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ArgumentError("--recompute-method", "--recompute-method goes with "
+                            "--recompute-granularity full only",
+                            "add --recompute-granularity full or drop --recompute-method")
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    if args.recompute_method is not None and not 1 <= args.recompute_num_layers <= per_stage:
+        raise ArgumentError("--recompute-num-layers", f"--recompute-num-layers "
+                            f"{args.recompute_num_layers} must be in 1..{per_stage} (the layers "
+                            "of one pipeline stage)", "pass --recompute-num-layers 1")
 
 
 def _derive_kv_channels(args: argparse.Namespace) -> None:

@@ -115,6 +115,11 @@ def transformer_config(args) -> TransformerConfig:
         attention_backend=AttnBackend[args.attention_backend],
         rotary_interleaved=args.rotary_interleaved,
         deterministic_mode=args.deterministic_mode,
+        # megatron-core's recompute saves and restores the RNG states (our tracker's included), so
+        # a recomputed forward draws the same dropout masks
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_method else None,
         # Initialised on the CPU (Megatron's --use-cpu-initialization) on every device, then moved:
         # `init_parameters_by_name` draws every tensor on the CPU anyway, which keeps a GPU run's
         # weights identical to a CPU run's.

@@ -6,8 +6,8 @@
 # Set DATA_PATH, VOCAB_FILE, MERGE_FILE and CKPT_DIR before sourcing.
 # Left out on purpose (both removed from current Megatron-LM):
 #   --data-impl mmap                         indexed datasets are always mmap
-#   --activations-checkpoint-method uniform  replaced by --recompute-method (not in ReCoVer yet)
-# --sequence-parallel is GPU-only: gloo (the CPU backend) has no reduce-scatter.
+#   --activations-checkpoint-method uniform  replaced by --recompute-granularity full
+#                                            --recompute-method uniform (both honoured)
 
 MODEL_ARGS=(
     --num-layers 24

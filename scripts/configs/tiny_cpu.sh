@@ -5,7 +5,7 @@
 # Set CKPT_DIR before sourcing. Runs on mock data with a NullTokenizer, so it needs no files; for real
 # data replace DATA_ARGS with: --data-path "$DATA_PATH" --vocab-file "$VOCAB_FILE"
 #   --merge-file "$MERGE_FILE" --split 949,50,1
-# No PRECISION_ARGS: CPU training runs in fp32. With 4 ranks and TP=PP=1 there are 4 replicas, and
+# No PRECISION_ARGS: fp32 (--bf16 / --fp16 run on CPU too). With 4 ranks and TP=PP=1 there are 4 replicas, and
 # each iteration deals its 8 microbatches (16 / 2) to whichever replicas are alive.
 
 MODEL_ARGS=(
