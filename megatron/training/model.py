@@ -215,7 +215,7 @@ def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
     )
     init_parameters_by_name(model, seed=args.seed, std=args.init_method_std,
                             num_layers=args.num_layers, tp_size=args.tensor_model_parallel_size,
-                            tp_rank=tp_rank)
+                            tp_rank=tp_rank, gated=args.swiglu)
     return model.to(device=device, dtype=args.params_dtype)
 
 
@@ -247,7 +247,7 @@ def global_parameter_name(model: GPTModel, local_name: str) -> str:
 
 @torch.no_grad()
 def init_parameters_by_name(model: GPTModel, *, seed: int, std: float, num_layers: int,
-                            tp_size: int, tp_rank: int) -> None:
+                            tp_size: int, tp_rank: int, gated: bool = False) -> None:
     """Draw each parameter's *full* tensor from a generator keyed by (seed, global name), then keep
     this TP rank's shard. Constant-initialised parameters (norm weights, biases) keep megatron's
     values. The result does not depend on TP, PP or DP -- the basis of parallel equivalence."""
@@ -266,5 +266,11 @@ def init_parameters_by_name(model: GPTModel, *, seed: int, std: float, num_layer
         # from the fp32 model's weights, rounded
         full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, sigma, generator=generator)
         if split:
-            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            dim = param.partition_dim
+            if gated and ".linear_fc1." in name:
+                # a gated MLP's fc1 is [gate; up], and each TP rank holds [gate shard; up shard]
+                full = torch.cat([half.chunk(tp_size, dim=dim)[tp_rank]
+                                  for half in full.chunk(2, dim=dim)], dim=dim)
+            else:
+                full = full.chunk(tp_size, dim=dim)[tp_rank]
         param.copy_(full)
