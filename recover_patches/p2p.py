@@ -34,12 +34,20 @@ class StageLink:
 
     def _exchange(self, send: torch.Tensor | None, send_to: int | None,
                   recv_from: int | None) -> torch.Tensor | None:
-        works, received = [], None
+        # Even stages send first, odd stages receive first (Megatron's order without batching):
+        # NCCL runs a rank's p2p kernels one after another on one stream, so two neighbours that
+        # both posted their receive first would wait for each other forever. gloo does not care.
+        works: list = []
+        received = None
+        outgoing = send.contiguous() if send is not None and send_to is not None else None
+        sends_first = self.stage % 2 == 0
+        if outgoing is not None and sends_first:
+            works.append(dist.isend(outgoing, group=self.group, group_dst=send_to))
         if recv_from is not None:
             received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             works.append(dist.irecv(received, group=self.group, group_src=recv_from))
-        if send is not None and send_to is not None:
-            works.append(dist.isend(send.contiguous(), group=self.group, group_dst=send_to))
+        if outgoing is not None and not sends_first:
+            works.append(dist.isend(outgoing, group=self.group, group_dst=send_to))
         for work in works:
             work.wait()
         return received

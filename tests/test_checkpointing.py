@@ -339,3 +339,22 @@ def test_sigterm_to_one_rank_saves_and_every_rank_exits_0(tmp_path):
     assert proc.returncode == 0 and "all 2 rank(s) exited 0" in err, err[-3000:]
     last = read_metrics(metrics)[-1]["iteration"]
     assert 2 <= last < 1000 and read_latest(ck) == last
+
+
+@pytest.mark.timeout(300)
+def test_fp16_resume_restores_main_params_and_the_loss_scaler(tmp_path):
+    """fp32 main params and the loss scaler's state travel in the optimizer state: a resumed fp16
+    run continues bitwise, with the scale it had reached (it changes every iteration here)."""
+    fp16 = [*TINY_GPT, "--fp16", "--initial-loss-scale", "65536", "--hysteresis", "1",
+            "--loss-scale-window", "2"]
+    whole = launch(1, [*fp16, "--train-iters", "6"], tmp_path / "whole.jsonl")
+    ck = ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"), "--save-interval", "3"]
+    first = launch(1, [*fp16, *ck, "--train-iters", "3"], tmp_path / "first.jsonl")
+    resumed = launch(1, [*fp16, *ck, "--train-iters", "6"], tmp_path / "resumed.jsonl")
+    for run in (whole, first, resumed):
+        assert run.returncode == 0, run.stderr[-3000:]
+    scales = [r["loss_scale"] for r in whole.records]
+    assert scales[3] != scales[0]  # the scale moved before the save: restoring it matters
+    assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
+    assert [r["loss_scale"] for r in resumed.records] == scales[3:]
+    assert resumed.losses() == whole.losses()[3:]
