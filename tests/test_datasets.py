@@ -39,7 +39,8 @@ def make_args(**overrides) -> argparse.Namespace:
     values = dict(data_path=None, split="90,5,5", mock_data=False, seq_length=16, seed=1234,
                   data_cache_path=None, reset_position_ids=False, reset_attention_mask=False,
                   eod_mask_loss=False, train_iters=20, global_batch_size=4, eval_interval=10,
-                  eval_iters=2, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1)
+                  eval_iters=2, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
+                  train_samples=None, create_attention_mask_in_dataloader=True)
     values.update(overrides)
     return argparse.Namespace(**values)
 
