@@ -107,3 +107,48 @@ def test_poison_makes_the_gradient_overflow():
     backward(net, 2)
     buf.reduce(Totals.of_ids([0]), 0, 1.0)
     assert not bool(torch.isfinite(buf.reduced_grads).all())
+
+
+class OutOfOrder(torch.nn.Module):
+    """Registered in one order, used in the other: backward finishes the *first* bucket last."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.second = torch.nn.Linear(5, 3)
+        self.first = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+class TwoRankGroup:
+    def size(self) -> int:
+        return 2
+
+
+def test_buckets_start_in_the_same_order_on_every_rank(monkeypatch):
+    """A rank that overlaps and a rank with no microbatch this round (it launches everything from
+    reduce) must issue the bucket collectives in one order, or gloo/NCCL pair the wrong buckets."""
+    import recover_patches.recovery.grad_buffer as grad_buffer
+
+    issued: list[tuple[str, int]] = []
+
+    def record(tensor, group=None, async_op=False):
+        issued.append((rank, tensor.data_ptr()))
+        return None
+
+    monkeypatch.setattr(grad_buffer.dist, "all_reduce", record)
+    orders = {}
+    for rank, computes in (("overlapping", True), ("idle", False)):
+        net = OutOfOrder()
+        buf = GradBuffer(list(net.parameters()), replicas=2, dp_group=TwoRankGroup(),
+                         bucket_numel=3, overlap=True)
+        assert len(buf.buckets) >= 3
+        if computes:
+            buf.arm()
+            net(torch.randn(2, 6)).sum().backward()
+        buf.reduce(Totals.of_ids([0] if computes else []), 0, 1.0)
+        base = buf.reduced.data_ptr()
+        orders[rank] = [(ptr - base) // 4 for r, ptr in issued if r == rank]
+    assert orders["overlapping"] == orders["idle"] == sorted(orders["idle"])

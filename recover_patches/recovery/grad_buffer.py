@@ -89,10 +89,13 @@ class GradBuffer:
         param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in __init__
         param.grad = None
         if self._pending:
-            b = self._bucket_of[param]
-            self._pending[b] -= 1
-            if self._pending[b] == 0 and b != len(self.buckets) - 1:
-                self._launch(b)  # the last bucket waits for the totals, in reduce()
+            self._pending[self._bucket_of[param]] -= 1
+            # Collectives must be issued in the same order on every DP rank, and a replica with
+            # no microbatches this round launches everything from reduce(), in bucket order. So
+            # start only the ready prefix of buckets, never one out of order; the last bucket
+            # waits for the totals, in reduce().
+            while len(self._works) < len(self.buckets) - 1 and self._pending[len(self._works)] == 0:
+                self._launch(len(self._works))
 
     def arm(self) -> None:
         """The next backward is this round's last on this rank (--overlap-grad-reduce): start each
@@ -101,7 +104,10 @@ class GradBuffer:
             self._pending = list(self._bucket_params)
 
     def _launch(self, b: int) -> None:
-        if self._failure is not None or b in self._works:
+        if b in self._works:
+            return
+        if self._failure is not None:  # keep the prefix count moving; reduce() raises
+            self._works[b] = None
             return
         start, end = self.buckets[b]
         grads_end = min(end, self.numel)
@@ -111,7 +117,7 @@ class GradBuffer:
                                               async_op=True)
                               if self.dp_group is not None and self.dp_group.size() > 1 else None)
         except PeerFailure as err:
-            self._failure = err
+            self._works[b], self._failure = None, err
 
     # -- the reduction ------------------------------------------------------------------------
     def reduce(self, totals: Totals, replica: int, time_wire: float) -> ReducedGradients:
