@@ -138,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except CheckpointError as err:  # found only when reading the files (e.g. a damaged archive)
         return _user_error(str(err))
-    except ReplicaLost as err:
+    except ReplicaLost as err:  # raised only by recovery, which needs the membership client
+        assert membership is not None
         _say(rank, f"{err}; this replica is broken, leaving cleanly (the others go on)")
         membership.close(leave=True)
         os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
-    except (TooFewReplicas, RecoveryStalled) as err:
+    except (TooFewReplicas, RecoveryStalled) as err:  # likewise
+        assert membership is not None
         _say(rank, f"stopping: {err}. Restart with --load {restart_from}")
         membership.close(leave=True)
         os._exit(EXIT_RESTART)
