@@ -105,3 +105,14 @@ def test_losing_every_replica_stops_cleanly(tmp_path):
     assert "0 complete replica(s) left" in run.stdout and "Restart with --load" in run.stdout
     assert "exit code 3" in run.stderr + run.stdout
     assert [r["iteration"] for r in train_records(run)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["backward", "forward-then-dp_reduce"])
+def test_overlapped_bucket_reduction_keeps_the_trajectory(reference, tmp_path, name):
+    """With --overlap-grad-reduce the DP collectives start inside backward hooks: a failure seen
+    there is kept for the reduction to raise, and recovery rounds reduce the same buckets."""
+    run = run_job(tmp_path, *KILLS[name], "--overlap-grad-reduce", "--ddp-bucket-size", "20000")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = assert_same_trajectory(run, reference)
+    assert [rec for r in records for rec in r["recoveries"]], "no recovery was recorded"

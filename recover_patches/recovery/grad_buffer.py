@@ -65,7 +65,6 @@ class GradBuffer:
         self._offsets: dict[torch.Tensor, int] = {}
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the buffers; last holds the tail
         self._bucket_of: dict[torch.Tensor, int] = {}
-        self._bucket_params: list[int] = []
         offset, start = 0, 0
         for p in reversed(self.params):  # backward produces the last layers' grads first
             self._offsets[p] = offset
@@ -76,7 +75,7 @@ class GradBuffer:
                 self.buckets.append((start, offset))
                 start = offset
         self.buckets.append((start, self.numel + self.meta_numel))
-        self._bucket_params = [0] * len(self.buckets)
+        self._bucket_params = [0] * len(self.buckets)  # params per bucket
         for b in self._bucket_of.values():
             self._bucket_params[b] += 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
