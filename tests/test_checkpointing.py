@@ -23,6 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import (
     LATEST_FILE, CheckpointError, Checkpointer, find_resume_point, iter_dir_name, rank_dir_name,
     read_latest, writer_rank)
+from megatron.training.optimizer import MainParamsAdamW
 from megatron.training.training import TrainState
 from recover_patches.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
@@ -79,10 +80,12 @@ def make_args(tmp: Path, **over) -> Namespace:
 class TinyTrainer:
     """The Trainer attributes the Checkpointer touches, around a real model/optimizer/scheduler."""
 
-    def __init__(self, faults: Faults | None = None):
+    def __init__(self, faults: Faults | None = None, dtype: torch.dtype = torch.float32):
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5),
+                                         torch.nn.Linear(8, 1)).to(dtype)
+        self.optimizer = MainParamsAdamW([{"params": list(self.model.parameters())}], lr=1e-2,
+                                         betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
             lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10, wd_incr_style="constant")
@@ -102,11 +105,12 @@ class TinyTrainer:
         x = torch.randn(4, 8)
         with self.tracker.fork():
             x = x + torch.rand(4, 8)
-        loss = self.model(x).pow(2).mean()
+        dtype = next(self.model.parameters()).dtype
+        loss = self.model(x.to(dtype)).float().pow(2).mean()
         loss.backward()
-        self.optimizer.step()
+        self.optimizer.step([p.grad.float() for p in self.optimizer.model_params])
         self.scheduler.step(increment=1)
-        self.optimizer.zero_grad()
+        self.model.zero_grad(set_to_none=True)
         self.state.iteration += 1
         self.state.consumed_samples += 4
         return loss.item()
@@ -172,7 +176,7 @@ def test_finetune_loads_weights_only(tmp_path):
     run(TinyTrainer(), Checkpointer(make_args(tmp_path), 0, 1), 2)
     tuned = TinyTrainer()
     Checkpointer(make_args(tmp_path, load=str(tmp_path / "ck"), finetune=True), 0, 1).load(tuned)
-    assert tuned.state.iteration == 0 and not tuned.optimizer.state and tuned.scheduler.num_steps == 0
+    assert tuned.state.iteration == 0 and not tuned.optimizer.inner.state and tuned.scheduler.num_steps == 0
     saved = torch.load(tmp_path / "ck" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
     assert torch.equal(tuned.model[0].weight, saved["model"]["0.weight"])
 
@@ -215,6 +219,18 @@ def test_other_tp_pp_is_refused_but_other_dp_is_fine(tmp_path):
     assert point is not None and point.iteration == 2
 
 
+def test_half_precision_finetune_steps_from_the_loaded_weights(tmp_path):
+    """--finetune loads bf16 weights without the optimizer: the fp32 main params must follow them,
+    or the first step would write the fresh model's weights back."""
+    run(TinyTrainer(dtype=torch.bfloat16), Checkpointer(make_args(tmp_path), 0, 1), 2)
+    tuned = TinyTrainer(dtype=torch.bfloat16)
+    Checkpointer(make_args(tmp_path, load=str(tmp_path / "ck"), finetune=True), 0, 1).load(tuned)
+    for main, param in zip(tuned.optimizer.main_params, tuned.optimizer.model_params):
+        assert main is not param and torch.equal(main, param.float())
+    fresh = TinyTrainer(dtype=torch.bfloat16).model.state_dict()
+    assert any(not torch.equal(fresh[k], v) for k, v in tuned.model.state_dict().items())
+
+
 def test_missing_optimizer_or_rng_needs_the_no_load_flag(tmp_path):
     ck = _saved_dir(tmp_path, no_save_optim=True, no_save_rng=True)
     assert "--no-load-optim" in _error(make_args(tmp_path, load=str(ck)))
@@ -222,7 +238,7 @@ def test_missing_optimizer_or_rng_needs_the_no_load_flag(tmp_path):
     args = make_args(tmp_path, load=str(ck), no_load_optim=True, no_load_rng=True)
     trainer = TinyTrainer()
     Checkpointer(args, 0, 1).load(trainer)
-    assert trainer.state.iteration == 2 and not trainer.optimizer.state
+    assert trainer.state.iteration == 2 and not trainer.optimizer.inner.state
 
 
 def test_sigterm_saves_at_the_end_of_the_iteration_and_exits_0(tmp_path):

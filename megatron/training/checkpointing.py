@@ -181,6 +181,8 @@ def apply_rank_state(trainer, state: dict, args) -> None:
     Dropout is reseeded per microbatch (recover_patches.rng), so exact resume needs the iteration
     and consumed samples; the RNG streams are restored for anything else drawing from them."""
     trainer.model.load_state_dict(state["model"], strict=True)
+    if args.finetune or args.no_load_optim:
+        trainer.optimizer.reload_model_params()  # bf16/fp16: main params follow
     if args.finetune:
         return
     trainer.state.iteration = state["iteration"]

@@ -56,6 +56,14 @@ class MainParamsAdamW:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.main_params)
 
+    def reload_model_params(self) -> None:
+        """The model's weights were replaced (a checkpoint loaded without its optimizer state):
+        take the fp32 main params from them, or the next step would bring the old ones back."""
+        with torch.no_grad():
+            for m, p in zip(self.main_params, self.model_params):
+                if m is not p:
+                    m.copy_(p)
+
     def state_dict(self) -> dict:
         """Megatron's keys: the inner optimizer, plus the fp32 copies of half-precision params."""
         state = {"optimizer": self.inner.state_dict(),
