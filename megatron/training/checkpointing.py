@@ -156,7 +156,7 @@ def check_compatible(metadata: dict, topology: Topology, args, directory: Path) 
 # -- what one rank's file holds ------------------------------------------------------------------
 def cpu_tracker():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    return get_cuda_rng_tracker()  # recover_patches.rng installs a CPU tracker in its place
+    return get_cuda_rng_tracker()  # recover_patches.rng installs its device tracker in its place
 
 
 def rank_state(trainer, args) -> dict:
