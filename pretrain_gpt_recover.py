@@ -3,8 +3,9 @@
     python -m recover_patches.launch --nproc-per-node 4 pretrain_gpt_recover.py <Megatron flags>
 
 Exit status: 0 done (also: a survivor of a broken replica that left cleanly), 2 user error,
-3 the job stopped because too few complete replicas remain (or a rank died with --recover off):
-restart from the checkpoint named in the message.
+3 the job stopped because too few complete replicas remain (or a rank died with --recover off, or
+the replicas' weights differ under --check-weight-hash-across-dp-replicas-interval): restart from
+the checkpoint named in the message.
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.metrics import MetricsWriter
     from megatron.training.model import build_model, memory_note
     from megatron.training.optimizer import build_optimizer, build_scheduler
-    from megatron.training.training import Trainer, build_grad_buffer, build_stage, link_for
+    from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer, build_stage,
+                                            link_for)
     from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
     from recover_patches.recovery.iteration import ReplicaLost, TooFewReplicas
     from recover_patches.rng import install_rng_tracker
@@ -114,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = build_optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
     grads = build_grad_buffer(args, groups, optimizer)
-    faults.poison = grads.poison
     if rank == 0:
         memory_note(model, grads.extra_bytes_per_param())
         if args.device == "cuda" and args.gradient_accumulation_fusion:
@@ -143,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         _say(rank, f"{err}; this replica is broken, leaving cleanly (the others go on)")
         membership.close(leave=True)
         os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
+    except WeightMismatch as err:  # every rank raises it together (the replica group agrees)
+        _say(rank, f"stopping: {err}. Restart with --load {restart_from}")
+        if membership is not None:
+            membership.close(leave=True)
+        os._exit(EXIT_RESTART)
     except (TooFewReplicas, RecoveryStalled) as err:  # likewise
         assert membership is not None
         _say(rank, f"stopping: {err}. Restart with --load {restart_from}")

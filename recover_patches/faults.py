@@ -13,8 +13,11 @@ Kinds:
          with a status, e.g. a failing node-health check;
   slow   sleep S seconds at every matching call from iteration I on (default I=0, phase forward),
          i.e. a persistently slow replica for the workload policy;
-  inf    an overflowing gradient: `poison()` (the trainer's gradient buffer) writes an inf into
-         this rank's accumulated gradients (fp16's loss scaler must then skip the step).
+  inf    an overflowing gradient: the trainer's action writes an inf into this rank's accumulated
+         gradients (fp16's loss scaler must then skip the step);
+  corrupt  silent data corruption: the trainer's action changes one weight of this rank (the
+         weight check across replicas must notice).
+inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
 kill, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored.
 """
@@ -27,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "slow", "inf")
+KINDS = ("kill", "hang", "exit", "slow", "inf", "corrupt")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
           "recovery")
 ENV_VAR = "RECOVER_INJECT_FAULT"
@@ -100,7 +103,7 @@ class FaultInjector:
         self.rank = rank
         self.faults = [f for f in faults if f.rank == rank]
         self._kill, self._exit, self._sleep = kill, exit, sleep
-        self.poison: Callable[[], None] | None = None  # set by the trainer: where an inf goes
+        self.actions: dict[str, Callable[[], None]] = {}  # inf / corrupt: set by the trainer
 
     @classmethod
     def from_specs(cls, specs: list[str] | None, rank: int, **actions) -> "FaultInjector":
@@ -130,10 +133,10 @@ class FaultInjector:
         print(f"[recover.faults] rank {self.rank}: injecting {fault.kind} at {where}",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
-        if fault.kind == "inf":
-            if self.poison is None:
-                raise RuntimeError("an inf fault fired before the trainer set a poison target")
-            self.poison()
+        if fault.kind in ("inf", "corrupt"):
+            if fault.kind not in self.actions:
+                raise RuntimeError(f"a {fault.kind} fault fired before the trainer set its action")
+            self.actions[fault.kind]()
         elif fault.kind == "kill":
             self._kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":

@@ -69,11 +69,13 @@ def test_tail_carries_large_integers_exactly():
     buf = GradBuffer(list(net.parameters()), replicas=3, dp_group=None)
     ids = [2**33 + k for k in range(5)]  # id sums far beyond fp32's exact 2**24
     totals = Totals.of_ids(ids, tokens=123_456_789, loss_sum=12345.678901234)
-    out = buf.reduce(totals, replica=2, time_wire=0.125)
+    fingerprint = (1 << 64) - 12345  # the weight fingerprint: 64 bits, exactly
+    out = buf.reduce(totals, replica=2, time_wire=0.125, weight_hash=fingerprint)
     assert (out.totals.microbatches, out.totals.tokens, out.totals.id_sum, out.totals.id_hash_sum) \
         == (5, 123_456_789, totals.id_sum, totals.id_hash_sum)
     assert out.totals.loss_sum == pytest.approx(12345.678901234, rel=1e-12)  # hi + lo parts
     assert out.replica_times == [0.0, 0.0, 0.125]
+    assert out.replica_weight_hashes == [0, 0, fingerprint]
 
 
 @pytest.mark.parametrize("bucket", [1, 20, 40])

@@ -79,3 +79,29 @@ def test_bf16_trajectory_survives_a_kill_and_drop_does_not(tmp_path):
     assert recs[2]["recoveries"] and recs[-1]["live_replicas"] == [0]
     assert drift(recovered) <= BF16_TOLERANCE
     assert drift(dropped) > 100 * BF16_TOLERANCE
+
+
+WEIGHT_CHECK = ["--check-weight-hash-across-dp-replicas-interval", "2", "--train-iters", "6"]
+
+
+@pytest.mark.timeout(600)
+def test_replicas_hold_bitwise_equal_weights_and_a_corrupted_one_is_caught(tmp_path):
+    """bf16 with main params and a recovery: every replica still holds the same bits (checked after
+    iterations 2 and 4). A weight changed on one rank of replica 1 stops the job loudly."""
+    flags = [*TINY_GPT, "--bf16", "--tensor-model-parallel-size", "2", "--recover-balance", "even",
+             *WEIGHT_CHECK]
+    healthy = launch(8, [*flags, *faults("kill:rank=5,iter=3,phase=backward")],
+                     tmp_path / "healthy.jsonl", launcher_args=[])
+    assert healthy.returncode == 0, healthy.stdout[-2000:] + healthy.stderr[-3000:]
+    recs = train_records(healthy)
+    assert [r.get("weights_checked_after") for r in recs] == [None, None, 2, None, 4, None]
+    assert recs[-1]["live_replicas"] == [0, 1, 3]  # rank 5 = replica 2's second TP rank
+    # rank 3 is replica 1's second TP rank; its weight changes before iteration 3's reduction
+    corrupted = launch(8, [*flags, *faults("corrupt:rank=3,iter=3,phase=dp_reduce")],
+                       tmp_path / "corrupted.jsonl", launcher_args=[])
+    assert corrupted.returncode != 0
+    said = corrupted.stdout.count("stopping: after iteration 2 the data-parallel replicas hold "
+                                  "different weights")
+    assert said == 8, corrupted.stdout[-3000:]  # every rank stops, not only replica 1's shard
+    assert "exit code 3" in corrupted.stderr + corrupted.stdout
+    assert [r["iteration"] for r in train_records(corrupted)] == [1, 2]

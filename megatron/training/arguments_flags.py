@@ -210,6 +210,10 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                         "tensorboard package: pip install tensorboard).")
     g.add_argument("--metrics-file", default=None,
                    help="ReCoVer: append one JSON record per iteration to this JSONL file.")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="Every N iterations, check that every data-parallel replica holds bitwise "
+                        "the same weights (a fingerprint rides in the next gradient reduction); "
+                        "stop loudly if not.")
 
 
 def add_precision_args(parser: argparse.ArgumentParser) -> None:

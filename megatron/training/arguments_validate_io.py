@@ -78,6 +78,11 @@ def validate_checkpointing(args: argparse.Namespace) -> None:
 
 
 def validate_logging(args: argparse.Namespace) -> None:
+    check = args.check_weight_hash_across_dp_replicas_interval
+    if check is not None and check < 1:
+        raise ArgumentError("--check-weight-hash-across-dp-replicas-interval",
+                            f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got "
+                            f"{check}", "pass a positive interval or drop the flag")
     for flag, value, least in (("--log-interval", args.log_interval, 1),
                                ("--eval-interval", args.eval_interval, 1),
                                ("--eval-iters", args.eval_iters, 0)):

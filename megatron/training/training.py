@@ -6,6 +6,7 @@ the transaction in `recover_patches/recovery/iteration.py` calls in order.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 from collections import deque
@@ -33,6 +34,19 @@ from recover_patches.schedule import run_1f1b, run_forward_only
 from recover_patches.stage import GPTStage
 from recover_patches.workload.policy import even_plan, stable_plan
 from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
+
+
+class WeightMismatch(RuntimeError):
+    """Replicas that applied the same gradients hold different weights: never a failure, a bug."""
+
+
+def weight_fingerprint(params: list[torch.Tensor]) -> int:
+    """64 bits of blake2b over the weights' exact bytes (host copies, as Megatron's own check
+    hashes them: an interval check, not a per-iteration cost). Never 0, which means "not sent"."""
+    digest = hashlib.blake2b(digest_size=8)
+    for p in params:
+        digest.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") | 1
 
 
 @dataclass
@@ -75,6 +89,7 @@ class Trainer:
         self._executed = 0
         self._was_logging = False
         self._skipped_at_last_line = 0
+        self.faults.actions.update(inf=self.grads.poison, corrupt=self.corrupt_a_weight)
 
     def hook(self, phase: str, microbatch: int | None = None) -> None:
         """Injection point; iterations are numbered from 1 as in the logs."""
@@ -104,8 +119,38 @@ class Trainer:
 
     def reduce(self, local: Totals) -> ReducedGradients:
         self.hook("dp_reduce")
-        # each replica's microbatch time rides in the last bucket, one slot per replica
-        return self.grads.reduce(local, self.groups.coord.replica, self._measured_time())
+        # each replica's microbatch time rides in the last bucket, one slot per replica, and so
+        # does the weights' fingerprint when a check is due
+        fingerprint = weight_fingerprint(self.params) if self._weight_check_due() else 0
+        return self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
+                                 fingerprint)
+
+    def corrupt_a_weight(self) -> None:
+        """Fault injection (`corrupt`): one weight of this rank changes, as a bit flip would."""
+        with torch.no_grad():
+            model, main = self.optimizer.model_params[0], self.optimizer.main_params[0]
+            for weight in [model] if main is model else [model, main]:
+                weight.view(-1)[0] += 1.0
+
+    def _weight_check_due(self) -> bool:
+        """--check-weight-hash-across-dp-replicas-interval N: the weights after iteration k (a
+        multiple of N) are compared in iteration k + 1's reduction."""
+        interval = self.args.check_weight_hash_across_dp_replicas_interval
+        return bool(interval) and self.state.iteration > 0 and self.state.iteration % interval == 0
+
+    def check_weights_agree(self, reduced: ReducedGradients) -> None:
+        """Each DP group compares its shard; the replica group agrees on the verdict (one small
+        collective every N iterations), so every rank stops, not only the mismatched shard's."""
+        hashes = {r: reduced.replica_weight_hashes[r] for r in self.live.live_replicas}
+        mismatch = torch.tensor([int(len(set(hashes.values())) > 1)], device=self.device)
+        if self.groups.replica.size() > 1:
+            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.groups.replica)
+        if mismatch.item():
+            raise WeightMismatch(
+                f"after iteration {self.state.iteration} the data-parallel replicas hold "
+                f"different weights (fingerprints by replica: "
+                + ", ".join(f"{r}: {h:016x}" for r, h in hashes.items()) + " on this rank's "
+                "shard): a bug or silent data corruption; stopping")
 
     def _measured_time(self) -> float:
         if self._executed:
@@ -116,6 +161,9 @@ class Trainer:
     def step(self, reduced: ReducedGradients) -> dict:
         """Megatron's order: finalise the reduced grads (tied embeddings, sequence-parallel norms),
         unscale, norm (the overflow check), clip, step -- or skip the step on an fp16 overflow."""
+        checked = self._weight_check_due()
+        if checked:
+            self.check_weights_agree(reduced)
         grads = [self.grads.reduced_grad(p) for p in self.params]
         sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
         sync_sequence_parallel_grads(self.params, grads, self.groups.tp)
@@ -147,7 +195,8 @@ class Trainer:
         self.timings = timings_from_wire(dict(enumerate(values[1:])))
         return {"lm_loss": values[0] / tokens, "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": loss_scale,
-                "skipped_iterations": self.state.skipped_iterations}
+                "skipped_iterations": self.state.skipped_iterations,
+                **({"weights_checked_after": self.state.iteration} if checked else {})}
 
     # -- job-wide synchronisation for checkpoints, resilient when recovery is on -------------
     def barrier(self, key: str) -> None:

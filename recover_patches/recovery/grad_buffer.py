@@ -13,11 +13,15 @@ exactly one collective per bucket on the DP group and nothing else.
 
 The tail is fp32 like the gradients, which is exact for integers only below 2**24, so integers
 travel as base-256 limbs: a sum of DP limbs stays exact for DP < 65793 replicas, and 7 limbs carry
-56 bits. The loss (float64) travels as two fp32 parts (hi + lo).
+56 bits. The loss (float64) travels as two fp32 parts (hi + lo). Per-replica values (the time per
+microbatch, a fingerprint of the weights when asked for) have one slot per replica, written only
+by that replica, so the sum delivers each one exactly.
+
+Tail layout: [4 integers x 7 limbs | loss hi, lo | time per replica | weight hash per replica x 4].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -29,6 +33,7 @@ from recover_patches.recovery.reduce import Totals
 LIMB_BITS, LIMBS = 8, 7
 _INT_FIELDS = 4  # microbatches, tokens, id_sum, id_hash_sum
 _LOSS_SLOTS = 2  # hi, lo
+HASH_LIMBS, HASH_LIMB_BITS = 4, 16  # a 64-bit weight fingerprint per replica
 
 
 def _limbs(value: int) -> list[float]:
@@ -46,6 +51,7 @@ class ReducedGradients:
     """What the reduction returns besides the gradients (which stay in the buffer's `reduced`)."""
     totals: Totals
     replica_times: list[float]  # wire values of each replica's time per microbatch
+    replica_weight_hashes: list[int] = field(default_factory=list)  # 0: not sent
 
 
 class GradBuffer:
@@ -58,7 +64,7 @@ class GradBuffer:
         self.overlap = overlap
         self.device = torch.device(device)
         self.numel = sum(p.numel() for p in self.params)
-        self.meta_numel = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas
+        self.meta_numel = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas * (1 + HASH_LIMBS)
         self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
                                  device=self.device)
         self.reduced = torch.zeros_like(self.local)
@@ -119,10 +125,12 @@ class GradBuffer:
             self._works[b], self._failure = None, err
 
     # -- the reduction ------------------------------------------------------------------------
-    def reduce(self, totals: Totals, replica: int, time_wire: float) -> ReducedGradients:
-        """Out-of-place sum over the DP group of the gradients and the commit bookkeeping."""
+    def reduce(self, totals: Totals, replica: int, time_wire: float,
+               weight_hash: int = 0) -> ReducedGradients:
+        """Out-of-place sum over the DP group of the gradients and the commit bookkeeping;
+        `weight_hash` (64 bits, 0: none) travels in this replica's slot."""
         try:
-            self._write_tail(totals, replica, time_wire)
+            self._write_tail(totals, replica, time_wire, weight_hash)
             for b in range(len(self.buckets)):
                 self._launch(b)
             if self._failure is not None:
@@ -138,10 +146,14 @@ class GradBuffer:
             self._works, self._pending, self._failure = {}, [], None
         return self._read_tail()
 
-    def _write_tail(self, totals: Totals, replica: int, time_wire: float) -> None:
+    def _write_tail(self, totals: Totals, replica: int, time_wire: float, weight_hash: int) -> None:
         ints = [totals.microbatches, totals.tokens, totals.id_sum, totals.id_hash_sum]
-        host = [v for i in ints for v in _limbs(i)] + [0.0] * (_LOSS_SLOTS + self.replicas)
-        host[_INT_FIELDS * LIMBS + _LOSS_SLOTS + replica] = time_wire
+        host = [v for i in ints for v in _limbs(i)] + [0.0] * (self.meta_numel - _INT_FIELDS * LIMBS)
+        times = _INT_FIELDS * LIMBS + _LOSS_SLOTS
+        host[times + replica] = time_wire
+        hashes = times + self.replicas + replica * HASH_LIMBS
+        for k in range(HASH_LIMBS):
+            host[hashes + k] = float((weight_hash >> (HASH_LIMB_BITS * k)) & 0xFFFF)
         tail = self.reduced[self.numel:]
         tail.copy_(torch.tensor(host, dtype=torch.float32), non_blocking=True)
         # the loss may be a device tensor: split it there, so nothing waits for the device here
@@ -154,8 +166,12 @@ class GradBuffer:
         tail = self.reduced[self.numel:].double().tolist()  # the one host read the commit needs
         ints = [_from_limbs(tail[i * LIMBS:(i + 1) * LIMBS]) for i in range(_INT_FIELDS)]
         loss = tail[_INT_FIELDS * LIMBS] + tail[_INT_FIELDS * LIMBS + 1]
-        times = tail[_INT_FIELDS * LIMBS + _LOSS_SLOTS:]
-        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss), times)
+        times_at = _INT_FIELDS * LIMBS + _LOSS_SLOTS
+        times = tail[times_at:times_at + self.replicas]
+        limbs = tail[times_at + self.replicas:]
+        hashes = [sum(int(round(limbs[r * HASH_LIMBS + k])) << (HASH_LIMB_BITS * k)
+                      for k in range(HASH_LIMBS)) for r in range(self.replicas)]
+        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss), times, hashes)
 
     # -- views for the step, and recovery's undo ----------------------------------------------
     @property
