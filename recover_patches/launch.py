@@ -115,15 +115,33 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def preload(modules: str) -> None:
-    """Import the heavy modules once so every forked rank starts warm."""
+def preload(modules: str) -> bool:
+    """Import the heavy modules once so every forked rank starts warm. False when the imports
+    left the parent unfit to fork ranks from: then each rank execs a fresh interpreter."""
     if modules.strip().lower() in ("", "none"):
-        return
+        return True
     for name in modules.split(","):
         importlib.import_module(name.strip())
     if threading.active_count() > 1:
         # fork() copies only the calling thread; a lock held by another thread stays held forever.
         log(f"warning: {threading.active_count() - 1} thread(s) running before fork")
+    if not children_can_use_cuda():
+        log("warning: --preload touched CUDA; ranks start as fresh interpreters instead")
+        return False
+    return True
+
+
+def children_can_use_cuda() -> bool:
+    """A child forked after the parent touched CUDA (even `torch.cuda.is_available()` without
+    PYTORCH_NVML_BASED_CUDA_CHECK) cannot use CUDA at all. torch's own fork hook knows: ask a
+    probe child."""
+    torch = sys.modules.get("torch")
+    if torch is None or torch.version.cuda is None:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def exit_code_of(code: object) -> int:
@@ -210,12 +228,23 @@ def rank_env(args: argparse.Namespace, local_rank: int, extra: dict[str, str]) -
     return env
 
 
-def fork_rank(script: str, script_args: list[str], env: dict[str, str]) -> int:
+def exec_rank(script: str, script_args: list[str], env: dict[str, str]) -> NoReturn:
+    """Body of a forked child that must not reuse the parent's interpreter: exec a fresh one."""
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        os.execve(sys.executable, [sys.executable, script, *script_args], {**os.environ, **env})
+    finally:
+        os._exit(127)  # only reached when exec itself failed
+
+
+def fork_rank(script: str, script_args: list[str], env: dict[str, str], warm: bool = True) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        run_rank(script, script_args, env)
+        if warm:
+            run_rank(script, script_args, env)
+        exec_rank(script, script_args, env)
     return pid
 
 
@@ -338,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: threads are sized at init
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() leaves forks usable
     if args.master_port == 0:
         args.master_port = free_port(args.master_addr)
-    preload(args.preload)
+    warm = preload(args.preload)
 
     coordinator = None
     extra_env: dict[str, str] = {}
@@ -361,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     ranks = [Rank(rank=args.node_rank * args.nproc_per_node + i,
-                  pid=fork_rank(args.script, args.script_args, rank_env(args, i, extra_env)))
+                  pid=fork_rank(args.script, args.script_args, rank_env(args, i, extra_env), warm))
              for i in range(args.nproc_per_node)]
     link = None
     if coordinator is not None:

@@ -160,6 +160,16 @@ def test_published_config_validates_on_its_gpu_world(name, paths, monkeypatch):
         "local", "nccl", "torch.float16")
 
 
+@pytest.mark.parametrize("installed, fused", [(set(), False), ({"transformer_engine"}, True)])
+def test_rope_fusion_on_gpu_needs_transformer_engine(monkeypatch, installed, fused):
+    # megatron-core raises at model build for the fused rope kernel without TE (seen on an H100)
+    fake_find_spec(monkeypatch, installed)
+    args = validate_args(parse_args(TINY + ["--position-embedding-type", "rope"]), 1, device="cuda")
+    assert args.rope_fusion is fused
+    args = validate_args(parse_args(TINY + ["--no-rope-fusion"]), 1, device="cuda")
+    assert args.rope_fusion is False
+
+
 @pytest.mark.parametrize("name", [*PUBLISHED, "tiny_cpu"])
 def test_config_with_cpu_sizes_validates_on_cpu(name, paths):
     arrays = read_config_arrays(name)

@@ -106,6 +106,26 @@ def test_env_argv_and_preload(tmp_path):
     assert not any(alive(pid) for pid in rank_pids(tmp_path))
 
 
+def test_a_cold_rank_is_a_fresh_interpreter(tmp_path):
+    # The fallback when a preload touched CUDA: the forked child execs python instead of reusing
+    # the parent's modules (this test process has xml.dom.minidom; the warm test above inherits it).
+    import xml.dom.minidom  # noqa: F401
+    from recover_patches.launch import fork_rank
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    pid = fork_rank(str(script), [str(tmp_path), "{}"], env, warm=False)
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert os.waitstatus_to_exitcode(status) == 0
+    info = json.loads((tmp_path / "start.0").read_text())
+    assert info["pid"] == pid and info["RANK"] == "0" and info["name"] == "__main__"
+    assert info["preloaded"] is False and info["argv"][1:] == [str(tmp_path), "{}"]
+
+
 def test_multi_node_rank_numbering(tmp_path):
     # The port is only passed on here (nothing listens in these ranks); the last flag wins.
     proc = start_launcher(tmp_path, 2, {}, "--nnodes", "3", "--node-rank", "2", "--master-port", "1234")

@@ -70,7 +70,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        ("bias-dropout-fusion", "the fused bias + dropout + add"),
                        ("gradient-accumulation-fusion", "the fused weight-gradient accumulation")):
         g.add_argument(f"--no-{name}", action="store_false", dest=name.replace("-", "_"),
-                       help=f"Do not use {what}. Fused kernels are GPU-only: always off on CPU.")
+                       help=f"Do not use {what}. Fused kernels are GPU-only: always off on CPU "
+                            "(rope fusion also needs transformer-engine).")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Recompute the attention core in backward (--recompute-granularity selective).")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],

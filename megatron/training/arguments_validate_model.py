@@ -169,6 +169,10 @@ def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
             raise ArgumentError("--transformer-impl", "transformer_engine is not installed",
                                 "pip install 'recover[gpu]' (transformer-engine) or use "
                                 "--transformer-impl local")
+    if not te_available:
+        # megatron-core's fused rotary kernel is transformer-engine's; without it the default
+        # (fusion on) would stop every run, so it resolves to the unfused kernel (same numbers).
+        args.rope_fusion = False
     if args.apply_layernorm_1p and args.transformer_impl == "local":
         raise ArgumentError("--apply-layernorm-1p", "--apply-layernorm-1p needs transformer_engine "
                             "norms (megatron-core's torch LayerNorm has no zero-centred gamma)",

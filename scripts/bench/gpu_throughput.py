@@ -75,6 +75,8 @@ def megatron_arm(args, groups, vocab, train_ds):
     from megatron.training.model import build_model
     from recover_patches.sampler import MicrobatchSampler
 
+    # build() installed ReCoVer's device-aware buffer; megatron-core insists on making its own.
+    parallel_state._GLOBAL_MEMORY_BUFFER = None
     parallel_state.initialize_model_parallel(1, 1)
     model = build_model(args, groups.pg_collection(), 0, 0, vocab, "cuda")
     model = Float16Module(model.config, model)
@@ -114,6 +116,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="runs/gpu")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, print each arm's top kernels and host ops for one iteration")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_throughput.py needs a CUDA GPU")
@@ -142,6 +146,8 @@ def main() -> None:
             if i >= opts.warmup:
                 times[name].append(time.perf_counter() - start)
                 peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated())
+    if opts.profile:
+        profile(arms, m, opts.warmup + opts.iters)
     device = torch.cuda.get_device_name()
     peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
     flops = model_flops(args, tokens, vocab)
@@ -165,6 +171,19 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_throughput.json").write_text(json.dumps({**result, "samples_s": times}, indent=1))
     plot(times, out / "gpu_throughput.png", device)
+
+
+def profile(arms, m: int, first: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for offset, (name, run) in enumerate(arms.items()):
+        i = first + offset
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(list(range(i * m, (i + 1) * m)), i + 1)
+            torch.cuda.synchronize()
+        print(f"--- {name}: one iteration")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=60))
 
 
 def plot(times: dict[str, list[float]], path: Path, device: str) -> None:
