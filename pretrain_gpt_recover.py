@@ -2,6 +2,10 @@
 
     python -m recover_patches.launch --nproc-per-node 4 pretrain_gpt_recover.py <Megatron flags>
 
+A rank whose replica breaks waits as a spare (--recover-spares on) until its replica is re-formed,
+with replacement processes the launcher starts for the dead ranks (--max-replacements); a
+replacement process (RECOVER_INCARNATION > 0) starts as such a spare.
+
 Exit status: 0 done (also: a survivor of a broken replica that left cleanly), 2 user error,
 3 the job stopped because too few complete replicas remain (or a rank died with --recover off, or
 the replicas' weights differ under --check-weight-hash-across-dp-replicas-interval): restart from
@@ -67,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     except FaultSpecError as err:
         return _user_error(str(err))
 
+    incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # > 0: a replacement process
+    if incarnation and not (args.recover and (args.coordinator_addr
+                                               or os.environ.get("RECOVER_COORDINATOR"))):
+        return _user_error("RECOVER_INCARNATION: a replacement process needs in-job recovery "
+                           "(--recover on) and the coordinator. Fix: start it with "
+                           "`python -m recover_patches.launch --max-replacements K`")
     membership = None
     if args.coordinator_addr:  # the flags win over the launcher's env
         os.environ["RECOVER_COORDINATOR"] = args.coordinator_addr
@@ -91,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer, build_stage,
                                             link_for)
     from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
+    from megatron.training.state_transfer import receive_state, send_state
+    from recover_patches.recovery.grow import GrowBack, JobComplete, JobStopped
     from recover_patches.recovery.iteration import ReplicaLost, TooFewReplicas
     from recover_patches.rng import install_rng_tracker
     from recover_patches.topology import Topology
@@ -102,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
-    rank, world = init_default_group(args.distributed_backend, args.distributed_timeout_minutes)
+    rank, world = init_default_group(args.distributed_backend, args.distributed_timeout_minutes,
+                                     joining=incarnation > 0)
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size)
     make_group = (torch_group_factory if membership is None else resilient_group_factory(
-        membership, args.recover_timeout, args.distributed_backend))
+        membership, args.recover_timeout, args.distributed_backend, connect=incarnation == 0))
     groups = build_groups(topology, rank, make_group)
     tracker = install_rng_tracker(device, args.seed)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
@@ -132,18 +145,47 @@ def main(argv: list[str] | None = None) -> int:
         metrics=MetricsWriter(args.metrics_file, args.tensorboard_dir),
         agreement=StoreAgreement(membership, timeout=args.recover_timeout) if recovering else None,
         log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"))
+    if recovering:
+        assert membership is not None and trainer.agreement is not None
+        trainer.grow = GrowBack(
+            live=trainer.live, agreement=trainer.agreement, membership=membership,
+            abandon=groups.abandon, rebuild=groups.rebuild,
+            send_state=lambda replica: send_state(trainer, replica),
+            receive_state=lambda replica: receive_state(trainer, replica), hook=trainer.hook)
     if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):
         groups.tp.before_op = lambda op: trainer.hook("tp_allreduce")
     restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
+    spare, load = incarnation > 0, True
     try:
-        trainer.train()
+        while True:
+            try:
+                if spare:
+                    assert trainer.grow is not None
+                    _say(rank, "waiting as a spare until this rank's replica is re-formed")
+                    trainer.record_join(trainer.grow.wait_as_spare())
+                    load = False  # the state came from a live replica
+                trainer.train(load)
+                break
+            except ReplicaLost as err:  # raised only by recovery, which needs the membership client
+                assert membership is not None
+                if not args.recover_spares:
+                    _say(rank, f"{err}; this replica is broken, leaving cleanly (the others go on)")
+                    membership.close(leave=True)
+                    os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
+                _say(rank, f"{err}; this replica is broken")
+                spare = True
+    except JobComplete as err:  # a spare never needed
+        assert membership is not None
+        _say(rank, f"{err}: exiting")
+        membership.close(leave=True)
+        os._exit(0)
+    except JobStopped as err:
+        assert membership is not None
+        _say(rank, f"stopping: the job stopped while this rank waited as a spare ({err})")
+        membership.close(leave=True)
+        os._exit(EXIT_RESTART)
     except CheckpointError as err:  # found only when reading the files (e.g. a damaged archive)
         return _user_error(str(err))
-    except ReplicaLost as err:  # raised only by recovery, which needs the membership client
-        assert membership is not None
-        _say(rank, f"{err}; this replica is broken, leaving cleanly (the others go on)")
-        membership.close(leave=True)
-        os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
     except WeightMismatch as err:  # every rank raises it together (the replica group agrees)
         _say(rank, f"stopping: {err}. Restart with --load {restart_from}")
         if membership is not None:

@@ -19,7 +19,10 @@ Kinds:
          weight check across replicas must notice).
 inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
 kill, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
-microbatch, if the spec gives one). Faults for other ranks are ignored.
+microbatch, if the spec gives one). Faults for other ranks are ignored. Phase `join` with
+iter=I is a donor rank about to send its state to a joining replica after iteration I - 1. A
+replacement process (launch --max-replacements) gets its rank's specs again; a one-shot fault at
+an iteration it joins after never fires.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 KINDS = ("kill", "hang", "exit", "slow", "inf", "corrupt")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
-          "recovery")
+          "recovery", "join")
 ENV_VAR = "RECOVER_INJECT_FAULT"
 FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K] (slow: seconds=S instead of iter) "
           f"with kind in {'|'.join(KINDS)} and phase in {'|'.join(PHASES)}")

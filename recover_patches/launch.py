@@ -21,6 +21,12 @@ RECOVER_JOB_TOKEN. The launcher reports every child's exit to the coordinator th
 it, and SIGKILLs any of its children the coordinator has declared dead (a hung rank is fenced, so
 it can never wake up and rejoin a job that moved on).
 
+Replacements (``--max-replacements K``, needs the coordinator): when a rank of this node dies
+(a signal, or an exit status other than 0, 2 and 3) before the job declared completion, the
+launcher forks a new process for the same rank and GPU (RECOVER_INCARNATION = previous + 1), at
+most K times in the job's life. It registers as a spare and joins when its replica can be
+re-formed (DESIGN §15).
+
 Exit status rule:
   * 0 if every rank of this node exited 0;
   * otherwise still 0 if the job declared itself complete through the coordinator
@@ -47,7 +53,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 LOG_PREFIX = "[recover.launch]"
 DEFAULT_PRELOAD = "torch,megatron.core"
@@ -81,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared secret of this job (default: env RECOVER_JOB_TOKEN or generated)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--max-replacements", type=int, default=0,
+                   help="start a replacement process when a rank of this node dies, at most this "
+                        "many times (needs the coordinator); it rejoins as a spare")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -100,6 +109,9 @@ def validate(args: argparse.Namespace) -> None:
         raise LaunchUsageError("--term-grace must be >= 0")
     if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
         raise LaunchUsageError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+    if args.max_replacements < 0 or (args.max_replacements and args.no_coordinator):
+        raise LaunchUsageError("--max-replacements needs a value >= 0 and the coordinator "
+                               "(drop --no-coordinator)")
     if not args.no_coordinator and args.nnodes > 1:
         if args.coordinator_port == 0 and not os.environ.get("RECOVER_COORDINATOR"):
             raise LaunchUsageError("with --nnodes > 1 give every node the same --coordinator-port "
@@ -200,6 +212,8 @@ class Rank:
     rank: int
     pid: int
     status: int | None = None  # raw waitpid status once exited
+    incarnation: int = 0  # > 0: a replacement process for this rank
+    replaced: bool = False
 
     @property
     def exit_code(self) -> int | None:
@@ -251,13 +265,18 @@ def fork_rank(script: str, script_args: list[str], env: dict[str, str], warm: bo
 class Supervisor:
     """Waits for the ranks, forwards termination signals, feeds the coordinator link."""
 
-    def __init__(self, ranks: list[Rank], term_grace: float, link=None):
+    NOT_REPLACED = (0, 2, 3)  # a clean leave, a user error, the job's own restart status
+
+    def __init__(self, ranks: list[Rank], term_grace: float, link=None,
+                 respawn: Callable[[Rank], Rank] | None = None, max_replacements: int = 0):
         self.ranks = {r.pid: r for r in ranks}
         self.term_grace = term_grace
         self.link = link
+        self.respawn = respawn
+        self.replacements_left = max_replacements
         self.kill_deadline: float | None = None
         self.stop_signal: int | None = None
-        self.fenced: set[int] = set()
+        self.fenced: set[tuple[int, int]] = set()  # (rank, incarnation)
 
     def live(self) -> list[Rank]:
         return [r for r in self.ranks.values() if r.status is None]
@@ -297,6 +316,10 @@ class Supervisor:
         try:
             while True:
                 self._reap()
+                for r in self.live():  # replacements started since
+                    if not polling and r.pid not in pidfds:
+                        pidfds[r.pid] = os.pidfd_open(r.pid)
+                        poller.register(pidfds[r.pid], select.POLLIN)
                 for r in self.ranks.values():
                     if r.status is not None and r.pid in pidfds:
                         fd = pidfds.pop(r.pid)
@@ -309,7 +332,7 @@ class Supervisor:
                     self._signal_all(signal.SIGKILL)
                     self.kill_deadline = float("inf")
                 if self.link is not None:
-                    self._fence(self.link.dead_ranks())
+                    self._fence(self.link.dead_incarnations())
                 timeout = 0.01 if polling else (0.2 if self.link is not None else 5.0)
                 if self.kill_deadline is not None:
                     timeout = max(0.0, min(timeout, self.kill_deadline - time.monotonic()))
@@ -330,18 +353,35 @@ class Supervisor:
                 continue
             r.status = status
             if self.link is not None:
-                self.link.report_exit(r.rank, r.exit_code)
+                self.link.report_exit(r.rank, r.exit_code, r.incarnation)
+            if self._should_replace(r):
+                self.replacements_left -= 1
+                assert self.respawn is not None
+                new = self.respawn(r)
+                r.replaced = True
+                self.ranks[new.pid] = new
+                log(f"rank {r.rank} ({describe(r.exit_code or 0)}): started replacement pid "
+                    f"{new.pid} (incarnation {new.incarnation}, {self.replacements_left} left)")
 
-    def _fence(self, dead: frozenset[int]) -> None:
+    def _should_replace(self, r: Rank) -> bool:
+        return (self.respawn is not None and self.replacements_left > 0
+                and self.stop_signal is None and r.exit_code not in self.NOT_REPLACED
+                and self.link is not None and self.link.completion() is None)
+
+    def _fence(self, dead: dict[int, int]) -> None:
         for r in self.live():
-            if r.rank in dead and r.rank not in self.fenced:
-                self.fenced.add(r.rank)
+            if dead.get(r.rank, -1) >= r.incarnation and (r.rank, r.incarnation) not in self.fenced:
+                self.fenced.add((r.rank, r.incarnation))
                 log(f"rank {r.rank} declared dead by the coordinator: SIGKILL")
                 os.kill(r.pid, signal.SIGKILL)
 
 
 def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) -> int:
-    failed = [r for r in ranks if r.exit_code != 0]
+    failed = [r for r in ranks if r.exit_code != 0 and not r.replaced]
+    for r in ranks:
+        if r.replaced:
+            log(f"rank {r.rank} (pid {r.pid}) {describe(r.exit_code or 0)}: replaced")
+    ranks = [r for r in ranks if not r.replaced]
     for r in failed:
         log(f"rank {r.rank} (pid {r.pid}) failed: {describe(r.exit_code)}")
     if not failed:
@@ -393,13 +433,24 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [Rank(rank=args.node_rank * args.nproc_per_node + i,
                   pid=fork_rank(args.script, args.script_args, rank_env(args, i, extra_env), warm))
              for i in range(args.nproc_per_node)]
+
+    def respawn(dead: Rank) -> Rank:
+        env = rank_env(args, dead.rank - args.node_rank * args.nproc_per_node, extra_env)
+        env["RECOVER_INCARNATION"] = str(dead.incarnation + 1)
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        try:
+            pid = fork_rank(args.script, args.script_args, env, warm)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        return Rank(rank=dead.rank, pid=pid, incarnation=dead.incarnation + 1)
+
     link = None
     if coordinator is not None:
         try:
             link = coordinator.connect()
         except RuntimeError as e:  # includes CoordinatorError: supervise without it
             log(f"cannot reach the coordinator ({e}); supervising without it")
-    sup = Supervisor(ranks, args.term_grace, link)
+    sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
@@ -409,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if coordinator is not None:
             completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
-    status = summarize(ranks, completion)
+    status = summarize(list(sup.ranks.values()), completion)
     if sup.stop_signal is not None:
         return 128 + sup.stop_signal
     return status

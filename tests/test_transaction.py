@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from recover_patches.collectives.errors import PeerFailure
+from recover_patches.recovery.agreement import Decision
 from recover_patches.recovery.iteration import (IterationTransaction, LiveReplicas, ReplicaLost,
                                                 TooFewReplicas)
 from recover_patches.recovery.grad_buffer import ReducedGradients
@@ -60,11 +61,14 @@ class FakeJob:
         return plan
 
     # agreement
-    def commit_vote(self, key, members, reduced_ok):
+    def latest_epoch(self):
+        return 0
+
+    def commit_vote(self, key, members, reduced_ok, news=False):
         fails = self.round in self.script
         if not reduced_ok or fails:
-            return False
-        return True
+            return Decision.ABORT
+        return Decision.COMMIT
 
     def agree_on_epoch(self, key, since):
         self.dead |= self.script[self.round][1]

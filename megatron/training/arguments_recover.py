@@ -25,6 +25,10 @@ def add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="A collective that makes no progress for this long declares its peers failed.")
     g.add_argument("--recover-min-replicas", type=int, default=1,
                    help="Stop cleanly (for checkpoint-restart) when fewer replicas than this survive.")
+    g.add_argument("--recover-spares", default="on", choices=["on", "off"],
+                   help="on: the live ranks of a broken replica wait as spares (no collectives) and "
+                        "re-form it with replacement processes (launch --max-replacements); off: "
+                        "they leave with status 0.")
     g.add_argument("--inject-fault", action="append", default=[], metavar="SPEC",
                    help="Inject a deterministic fault (repeatable): kind:rank=R,iter=I,phase=P[,microbatch=K] "
                         "with kind kill|hang|exit|slow; iterations are numbered from 1 as in the log "
@@ -44,3 +48,5 @@ def apply_recover_env_defaults(args: argparse.Namespace) -> None:
     # "on"/"off" strings are a trap in Python code (`if "off":` is true): callers get a bool.
     if isinstance(args.recover, str):
         args.recover = args.recover == "on"
+    if isinstance(args.recover_spares, str):
+        args.recover_spares = args.recover_spares == "on"

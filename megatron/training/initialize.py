@@ -19,10 +19,17 @@ from recover_patches.topology import Coord, Topology
 GroupFactory = Callable[[str, Sequence[int]], dist.ProcessGroup]
 
 
-def init_default_group(backend: str, timeout_minutes: float) -> tuple[int, int]:
-    """Bootstrap group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+def init_default_group(backend: str, timeout_minutes: float, joining: bool = False) -> tuple[int, int]:
+    """Bootstrap group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A
+    replacement process (`joining`) cannot enter the job's bootstrap rendezvous, which ended long
+    ago: it gets torch's communication-free "fake" group of the same rank and size, so that
+    `dist.get_rank()` (read by megatron-core) is right; all its traffic uses layer-1 groups."""
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        if joining:
+            rank, world = env_rank_world()
+            dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -99,9 +106,11 @@ def env_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def resilient_group_factory(membership, timeout: float, backend: str = "gloo") -> GroupFactory:
+def resilient_group_factory(membership, timeout: float, backend: str = "gloo",
+                            connect: bool = True) -> GroupFactory:
     """Layer 1 groups over `backend` (nccl on a GPU, gloo on CPU): every operation completes or
-    raises PeerFailure within `timeout`."""
+    raises PeerFailure within `timeout`. connect=False (a replacement process): the groups get
+    their backends only when the process joins (`ParallelGroups.rebuild`)."""
     from recover_patches.collectives.process_group import ResilientProcessGroup
 
     def make(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -109,5 +118,5 @@ def resilient_group_factory(membership, timeout: float, backend: str = "gloo") -
         # need not wait for the coordinator to name the dead rank (a group broken only because a
         # peer abandoned it never gets a verdict at all).
         return ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
-                                     backend=backend, verdict_timeout=0.25)
+                                     backend=backend, verdict_timeout=0.25, connect=connect)
     return make

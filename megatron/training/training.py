@@ -27,6 +27,7 @@ from recover_patches.faults import FaultInjector
 from recover_patches.p2p import StageLink
 from recover_patches.recovery.agreement import StoreAgreement
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients
+from recover_patches.recovery.grow import GrowBack, JoinRecord
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
 from recover_patches.recovery.reduce import Totals
 from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
@@ -72,6 +73,7 @@ class Trainer:
     checkpointer: Any = None  # megatron.training.checkpointing.Checkpointer (it imports us)
     agreement: StoreAgreement | None = None  # recovery on
     log_failure: Callable[[PeerFailure, str], None] | None = None  # printed by every rank
+    grow: GrowBack | None = None  # spares and replacements rejoin (recovery on, coordinator)
     state: TrainState = field(default_factory=TrainState)
     # recent records on every rank, so a new logging rank can write what a dead one missed
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
@@ -82,7 +84,7 @@ class Trainer:
         self.device = self.grads.device
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
                                  replica_ranks=topo.replica_ranks,
-                                 min_replicas=self.args.recover_min_replicas)
+                                 min_replicas=self.args.recover_min_replicas, replicas=topo.dp)
         self.timer = MicrobatchTimer(pipeline_depth=topo.pp)
         self.timings: dict[int, float | None] = {}
         self._execute_seconds = 0.0
@@ -230,9 +232,10 @@ class Trainer:
         m = global_batch_size_at(self.args, self.state.consumed_samples) // mbs
         return list(range(first, first + m))
 
-    def train(self) -> deque:
+    def train(self, load: bool = True) -> deque:
+        """The loop. load=False: a joined spare, whose state came from a live replica."""
         args = self.args
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and load:
             self.checkpointer.load(self)
         transaction = self.transaction()
         while self.state.iteration < args.train_iters:
@@ -242,6 +245,8 @@ class Trainer:
             self.state.iteration += 1
             self.state.consumed_samples += len(ids) * args.micro_batch_size
             self.record(outcome, time.perf_counter() - start)
+            if self.grow is not None and (outcome.sync or self.live.joinable()):
+                self.record_join(self.grow.at_boundary(self.state.iteration, outcome.sync))
             if self.checkpointer is not None:
                 self.checkpointer.after_iteration(self)
             if args.eval_interval and self.valid_stage is not None \
@@ -289,6 +294,25 @@ class Trainer:
             skipped = self.state.skipped_iterations
             print_rank_line(log_line(rec, args.train_iters, skipped - self._skipped_at_last_line))
             self._skipped_at_last_line = skipped
+
+    def record_join(self, join: JoinRecord) -> None:
+        """Every rank of a join logs it (survivors: their pause; donors: the bandwidth)."""
+        if not join.joined and not join.dropped:
+            return
+        pause, transfer = join.seconds.get("pause", 0.0), join.seconds.get("transfer", 0.0)
+        moved = ""
+        if join.bytes_sent:
+            moved = (f", {join.bytes_sent / 2**20:.2f} MiB sent in {transfer * 1000:.0f} ms, "
+                     f"{join.bytes_sent / 2**20 / max(transfer, 1e-9):.1f} MiB/s")
+        elif join.bytes_received:
+            moved = f", {join.bytes_received / 2**20:.2f} MiB received"
+        print_rank_line(
+            f" [recover] rank {self.groups.rank}: after iteration {join.iteration}, epoch "
+            f"{join.epoch}: replicas {join.joined} joined (state from replica {join.donor}{moved}), "
+            f"dropped {join.dropped}; live {join.live}; pause {pause * 1000:.0f} ms, "
+            f"{join.attempts} attempt(s)")
+        if self.is_logging_rank:
+            self.metrics.write({"iteration": join.iteration, "join": vars(join)})
 
     def evaluate(self) -> float:
         """Forward-only loss over `--eval-iters` global batches of the validation set."""

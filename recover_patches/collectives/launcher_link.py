@@ -31,7 +31,7 @@ class LauncherLink:
         self.store = dist.PrefixStore(P.job_prefix(token), raw)
         self.broken = False
         self._epoch = -1
-        self._dead: frozenset[int] = frozenset()
+        self._dead: dict[int, int] = {}  # dead rank -> the incarnation declared dead
 
     def _guard(self, action, default):
         if self.broken:
@@ -44,18 +44,22 @@ class LauncherLink:
                   file=sys.stderr, flush=True)
             return default
 
-    def report_exit(self, rank: int, code: int) -> None:
-        self._guard(lambda: P.post_report(self.store, P.Report.make("exit", rank=rank, code=code)),
-                    None)
+    def report_exit(self, rank: int, code: int, incarnation: int = 0) -> None:
+        self._guard(lambda: P.post_report(self.store, P.Report.make(
+            "exit", rank=rank, code=code, incarnation=incarnation)), None)
 
-    def dead_ranks(self) -> frozenset[int]:
+    def dead_incarnations(self) -> dict[int, int]:
+        """Dead ranks of the latest epoch, each with the incarnation declared dead."""
         def read():
             epoch = int(self.store.get(P.EPOCH))
             if epoch != self._epoch:
-                self._dead = frozenset(json.loads(self.store.get(P.epoch_key(epoch)))["dead"])
+                self._dead = P.dead_incarnations(json.loads(self.store.get(P.epoch_key(epoch))))
                 self._epoch = epoch
             return self._dead
         return self._guard(read, self._dead)
+
+    def dead_ranks(self) -> frozenset[int]:
+        return frozenset(self.dead_incarnations())
 
     def completion(self) -> tuple[int, frozenset[int]] | None:
         def read():

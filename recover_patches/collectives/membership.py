@@ -29,11 +29,13 @@ class MembershipClient:
     """One per rank. `store` is the coordinator's store under this job's prefix."""
 
     def __init__(self, host: str, port: int, token: str, rank: int, world_size: int, *,
-                 connect_timeout: float = 30.0, source: str = "RECOVER_COORDINATOR"):
+                 connect_timeout: float = 30.0, source: str = "RECOVER_COORDINATOR",
+                 incarnation: int = 0):
         self.rank = rank
         self.world_size = world_size
+        self.incarnation = incarnation  # > 0: a replacement process for this rank's slot
         raw = P.connect(host, port, connect_timeout, source)
-        P.handshake(raw, token, "rank", rank, connect_timeout)
+        P.handshake(raw, token, "rank", rank, connect_timeout, incarnation)
         self.store: dist.Store = dist.PrefixStore(P.job_prefix(token), raw)
         config = json.loads(self.store.get(P.CONFIG))
         if config["world_size"] != world_size:
@@ -46,7 +48,7 @@ class MembershipClient:
         self._beat_store = self._connection(host, port, token, connect_timeout, source)
         self._changed = threading.Condition()
         self._listeners: list[EpochListener] = []
-        self._epoch, self._dead = self._read_latest(self.store)
+        self._epoch, self._dead, self._record = self._read_latest(self.store)
         self._stop = threading.Event()
         self._beat_store.add(P.heartbeat_key(rank), 1)
         self._threads = [threading.Thread(target=target, name=f"recover-{what}-{rank}", daemon=True)
@@ -63,7 +65,8 @@ class MembershipClient:
 
     @classmethod
     def from_env(cls, **kwargs) -> "MembershipClient":
-        """RECOVER_COORDINATOR=host:port, RECOVER_JOB_TOKEN, RANK, WORLD_SIZE (set by the launcher)."""
+        """RECOVER_COORDINATOR=host:port, RECOVER_JOB_TOKEN, RANK, WORLD_SIZE, and
+        RECOVER_INCARNATION for a replacement process (all set by the launcher)."""
         env = os.environ
         missing = [k for k in ("RECOVER_COORDINATOR", "RECOVER_JOB_TOKEN", "RANK", "WORLD_SIZE")
                    if not env.get(k)]
@@ -73,7 +76,7 @@ class MembershipClient:
                 "(which starts the coordinator) or export them")
         host, port = P.parse_address(env["RECOVER_COORDINATOR"], "RECOVER_COORDINATOR")
         return cls(host, port, env["RECOVER_JOB_TOKEN"], int(env["RANK"]), int(env["WORLD_SIZE"]),
-                   **kwargs)
+                   incarnation=int(env.get("RECOVER_INCARNATION", "0")), **kwargs)
 
     # --- the current view -------------------------------------------------------------------
     def epoch(self) -> int:
@@ -86,6 +89,11 @@ class MembershipClient:
         """Epoch and its dead set, read together."""
         with self._changed:
             return self._epoch, self._dead
+
+    def joining(self) -> frozenset[int]:
+        """Ranks the current epoch made members again (a grow epoch), else empty."""
+        with self._changed:
+            return frozenset(self._record.get("joining", ()))
 
     def add_listener(self, listener: EpochListener) -> None:
         with self._changed:
@@ -108,6 +116,22 @@ class MembershipClient:
     def report_failure(self, suspects: Iterable[int], where: str) -> None:
         P.post_report(self.store, P.Report.make("suspect", rank=self.rank,
                                                 suspects=sorted(set(suspects)), where=where))
+
+    def wait_as_spare(self, replica_slots: Iterable[int]) -> None:
+        """Tell the coordinator this rank waits to re-form the replica of `replica_slots` (its
+        own slots included); a grow epoch follows once every slot has a waiting process."""
+        P.post_report(self.store, P.Report.make("spare", rank=self.rank, incarnation=self.incarnation,
+                                                slots=sorted(replica_slots)))
+
+    def job_complete(self) -> bool:
+        """Whether the job declared completion (one store check: for waiting spares)."""
+        return self.store.check([P.COMPLETE])
+
+    def job_stopped(self) -> str | None:
+        """Why the job stopped before completion (no member left), else None."""
+        if not self.store.check([P.STOPPED]):
+            return None
+        return self.store.get(P.STOPPED).decode()
 
     def leave(self) -> None:
         """This rank quits cleanly (e.g. a survivor of a broken replica): no new epoch for it."""
@@ -143,10 +167,10 @@ class MembershipClient:
 
     # --- the background threads -------------------------------------------------------------
     @staticmethod
-    def _read_latest(store: dist.Store) -> tuple[int, frozenset[int]]:
+    def _read_latest(store: dist.Store) -> tuple[int, frozenset[int], dict]:
         epoch = int(store.get(P.EPOCH))
         record = json.loads(store.get(P.epoch_key(epoch)))
-        return epoch, frozenset(record["dead"])
+        return epoch, frozenset(record["dead"]), record
 
     def _beat(self) -> None:
         try:
@@ -169,16 +193,18 @@ class MembershipClient:
             print(f"[recover.membership] rank {self.rank}: lost the coordinator: {error}",
                   file=sys.stderr, flush=True)
 
-    def _adopt(self, epoch: int, dead: frozenset[int]) -> None:
+    def _adopt(self, epoch: int, dead: frozenset[int], record: dict) -> None:
         with self._changed:
             if epoch <= self._epoch:
                 return
-            self._epoch, self._dead = epoch, dead
+            self._epoch, self._dead, self._record = epoch, dead, record
             listeners = list(self._listeners)
             self._changed.notify_all()
         for listener in listeners:
             listener(epoch, dead)
-        if self.rank in dead:
+        # an epoch names the incarnation it declares dead: a replacement waiting for the dead
+        # slot it took over is not the one fenced
+        if self.rank in dead and P.dead_incarnations(record)[self.rank] >= self.incarnation:
             # Fenced: the job moved on without us. Going on could only corrupt its state.
             print(f"[recover.membership] rank {self.rank} was declared dead in epoch {epoch}: exiting",
                   file=sys.stderr, flush=True)

@@ -53,7 +53,7 @@ class _Pending:
 class ResilientProcessGroup(dist.ProcessGroup):
     def __init__(self, name: str, members: Sequence[int], *, membership, timeout: float,
                  backend: str = "gloo", build_timeout: float = 60.0,
-                 verdict_timeout: float | None = None):
+                 verdict_timeout: float | None = None, connect: bool = True):
         members = tuple(int(m) for m in members)
         if membership.rank not in members or len(set(members)) != len(members):
             raise ValueError(f"group {name!r}: members {members} must be distinct and include this "
@@ -76,7 +76,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._pending: set[_Pending] = set()
         self._attempts: dict[int, int] = {}
         membership.add_listener(self._on_epoch)
-        self._build(membership.epoch(), members)
+        if connect:
+            self._build(membership.epoch(), members)
+        else:  # a spare's group: no backend until the join rebuilds it with the others
+            self._failure = PeerFailure(-1, (), f"{name}.join", "not joined yet", confirmed=False)
+            self._register()
 
     # --- what torch and megatron ask of a group --------------------------------------------
     def rank(self) -> int:

@@ -7,13 +7,15 @@ neither read nor disturb this job's state even before it is refused.
 Under the job prefix:
   config           JSON {world_size, heartbeat_interval, heartbeat_timeout}
   epoch            the latest epoch number e (written after epoch/<e>)
-  epoch/<e>        JSON {epoch, dead: [global ranks], reason}
+  epoch/<e>        JSON {epoch, dead: [global ranks], reason, dead_incarnations: {rank: k} (k > 0
+                   only), joining: [ranks a grow epoch made members again]}
   hb/<rank>        heartbeat counter (a rank adds 1 every interval)
   notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
                    its own queue to end its watcher
   reports/count    number of reports; reports/<n> is the n-th report (JSON, see `Report`)
   complete         JSON {epoch, dead} stamped by the coordinator when the job declares completion
   finished         set once every rank of the world has exited or been declared dead
+  stopped          why the job stopped before completion (no member left): waiting spares leave
   pg/<name>/...    process-group rendezvous keys (one fresh sub-prefix per build)
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ HELLO_COUNT = "recover/hello/count"
 OK = "ok"
 STOP = "stop"
 CONFIG, EPOCH, REPORTS_COUNT, COMPLETE, FINISHED = "config", "epoch", "reports/count", "complete", "finished"
+STOPPED = "stopped"
 
 
 def hello_key(n: int) -> str:
@@ -40,6 +43,11 @@ def hello_key(n: int) -> str:
 
 def reply_key(n: int) -> str:
     return f"recover/hello/{n}/reply"
+
+
+def dead_incarnations(record: dict) -> dict[int, int]:
+    """Which incarnation of each dead rank an epoch record declared dead."""
+    return {r: int(record.get("dead_incarnations", {}).get(str(r), 0)) for r in record["dead"]}
 
 
 def epoch_key(epoch: int) -> str:
@@ -86,10 +94,12 @@ def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
         ) from e
 
 
-def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float) -> None:
+def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
+              incarnation: int = 0) -> None:
     """Present the job token; raise JobTokenRefused with the coordinator's reason if refused."""
     n = store.add(HELLO_COUNT, 1)
-    store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank}))
+    store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank,
+                                        "incarnation": incarnation}))
     try:
         store.wait([reply_key(n)], timedelta(seconds=timeout))
     except RuntimeError as e:
@@ -101,8 +111,10 @@ def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: floa
 
 
 class Report(dict):
-    """One report to the coordinator. kinds: exit (by a launcher: rank, code), suspect (by a rank:
-    suspects, where), leave (a rank quitting cleanly), complete (the job finished its work)."""
+    """One report to the coordinator. kinds: exit (by a launcher: rank, code, incarnation),
+    suspect (by a rank: suspects, where), leave (a rank quitting cleanly), spare (a rank waiting
+    to re-form its replica: incarnation, slots = the replica's ranks), complete (the job finished
+    its work)."""
 
     @classmethod
     def make(cls, kind: str, **fields) -> "Report":

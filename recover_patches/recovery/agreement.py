@@ -13,14 +13,29 @@ Both rely on the coordinator (outside the training ranks) and its TCPStore being
 """
 from __future__ import annotations
 
+import enum
 import json
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from recover_patches.collectives import protocol
 from recover_patches.collectives.errors import PeerFailure
 
-COMMIT, ABORT = "commit", "abort"
+
+
+class Decision(enum.Enum):
+    """The outcome of a commit vote, the same on every member."""
+    ABORT = "abort"
+    COMMIT = "commit"
+    COMMIT_AND_SYNC = "commit+sync"  # committed, and a member saw a newer membership epoch: all
+    #                                  members meet at the iteration boundary (grow / rebuild)
+
+    @property
+    def committed(self) -> bool:
+        return self is not Decision.ABORT
+
+
+COMMIT, ABORT = Decision.COMMIT.value, Decision.ABORT.value
 
 
 class RecoveryStalled(RuntimeError):
@@ -40,21 +55,32 @@ class StoreAgreement:
         time.sleep(pause)
         return min(pause * 2, self.max_poll)
 
-    def commit_vote(self, key: str, members: Iterable[int], reduced_ok: bool) -> bool:
-        """True iff every member's reduction for `key` completed (then all of them step)."""
+    def latest_epoch(self) -> int:
+        """The newest membership epoch this rank has heard of (no store operation)."""
+        return self.membership.epoch()
+
+    def commit_vote(self, key: str, members: Iterable[int], reduced_ok: bool,
+                    news: bool = False) -> Decision:
+        """A commit iff every member's reduction for `key` completed (then all of them step).
+        `news`: this rank saw a newer membership epoch; it costs one store operation, taken only
+        by the last voter when nobody has news, and turns the commit into COMMIT_AND_SYNC."""
         members = frozenset(members)
         prefix = f"recover/commit/{key}/"
         decision_key = prefix + "decision"
         if reduced_ok:
+            if news:  # before the count: the last voter then sees it
+                self.store.set(prefix + "news", "1")
             self.store.set(prefix + f"done/{self.rank}", "1")
             if self.store.add(prefix + "count", 1) == len(members):
-                self.store.compare_set(decision_key, "", COMMIT)
+                sync = news or self.store.check([prefix + "news"])
+                self.store.compare_set(decision_key, "", (Decision.COMMIT_AND_SYNC if sync
+                                                          else Decision.COMMIT).value)
         else:  # our own reduction failed: nobody can have all members done
             self.store.compare_set(decision_key, "", ABORT)
         deadline, pause = time.monotonic() + self.timeout, self.poll
         while True:
             if self.store.check([decision_key]):
-                return self.store.get(decision_key).decode() == COMMIT
+                return Decision(self.store.get(decision_key).decode())
             dead = self.membership.dead_ranks() & members
             if any(not self.store.check([prefix + f"done/{d}"]) for d in dead):
                 self.store.compare_set(decision_key, "", ABORT)
@@ -62,8 +88,9 @@ class StoreAgreement:
             if time.monotonic() > deadline:
                 # Give up by *deciding* abort: walking away undecided would let the others
                 # commit later while this rank recovers. If commit won the race, follow it.
-                if self.store.compare_set(decision_key, "", ABORT).decode() == COMMIT:
-                    return True
+                decided = Decision(self.store.compare_set(decision_key, "", ABORT).decode())
+                if decided.committed:
+                    return decided
                 missing = [m for m in sorted(members) if not self.store.check([prefix + f"done/{m}"])]
                 raise PeerFailure(self.membership.epoch(), missing, "commit.vote",
                                   f"members {missing} neither finished nor died in "
@@ -112,3 +139,22 @@ class StoreAgreement:
             self.store.set(f"recover/flag/{key}", "1")
         self.barrier(f"flag/{key}", members, epoch)
         return self.store.check([f"recover/flag/{key}"])
+
+    # --- growing back: the live ranks tell waiting spares where to meet ----------------------
+    def announce_join(self, epoch: int, record: dict) -> dict:
+        """Publish what the live ranks decided for `epoch` (the first announcement wins; every
+        caller gets the stored one back)."""
+        key = f"recover/join/{epoch}"
+        self.store.compare_set(key, "", json.dumps(record))
+        return json.loads(self.store.get(key).decode())
+
+    def wait_for_join(self, epoch: int, give_up: Callable[[], bool]) -> dict | None:
+        """A spare waits (cheaply: store checks backing off to 50 ms) for the live ranks'
+        announcement for `epoch`; None once `give_up()` is true (a newer epoch, job done)."""
+        key, pause = f"recover/join/{epoch}", self.poll
+        while not self.store.check([key]):
+            if give_up():
+                return None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return json.loads(self.store.get(key).decode())

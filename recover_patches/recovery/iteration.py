@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from recover_patches.collectives.errors import PeerFailure
+from recover_patches.recovery.agreement import Decision
 from recover_patches.recovery.grad_buffer import ReducedGradients
 from recover_patches.recovery.reduce import Totals, check_commit
 from recover_patches.schedule import ScheduleResult
@@ -39,7 +40,10 @@ class TooFewReplicas(Exception):
 
 
 class Agreement(Protocol):
-    def commit_vote(self, key: str, members: list[int], reduced_ok: bool) -> bool: ...
+    def latest_epoch(self) -> int: ...
+
+    def commit_vote(self, key: str, members: list[int], reduced_ok: bool,
+                    news: bool = False) -> Decision: ...
 
     def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]: ...
 
@@ -54,12 +58,20 @@ class LiveReplicas:
     epoch: int  # the last agreed membership epoch
     replica_ranks: Callable[[int], list[int]]
     min_replicas: int = 1
+    replicas: int = 0  # all replicas of the layout (DP): the ones not live may grow back
+    dead: frozenset[int] = frozenset()  # the agreed epoch's dead ranks
 
-    def members(self) -> list[int]:
-        return [rank for r in self.live_replicas for rank in self.replica_ranks(r)]
+    def members(self, replicas: list[int] | None = None) -> list[int]:
+        chosen = self.live_replicas if replicas is None else replicas
+        return [rank for r in chosen for rank in self.replica_ranks(r)]
 
     def broken(self, dead: frozenset[int]) -> set[int]:
         return {r for r in self.live_replicas if dead & set(self.replica_ranks(r))}
+
+    def joinable(self) -> list[int]:
+        """Replicas not live whose every rank the agreed epoch counts as a member again."""
+        return [r for r in range(self.replicas) if r not in self.live_replicas
+                and not self.dead & set(self.replica_ranks(r))]
 
 
 @dataclass
@@ -85,6 +97,7 @@ class IterationOutcome:
     step: dict  # what the step reports: loss, grad_norm, lr, ...
     seconds: dict[str, float] = field(default_factory=dict)  # execute / reduce / step
     recoveries: list[RecoveryRecord] = field(default_factory=list)
+    sync: bool = False  # a member saw a newer membership epoch: meet at the boundary
 
 
 @dataclass
@@ -129,8 +142,10 @@ class IterationTransaction:
                 reduced = self.reduce(local)  # 3: out of place
                 seconds["reduce"] += time.perf_counter() - clock
                 phase = "commit"
-                if self.agreement is None or self.agreement.commit_vote(
-                        f"{iteration}/after{self._attempts}", m.members(), reduced_ok=True):  # 4
+                decision = Decision.COMMIT if self.agreement is None else self.agreement.commit_vote(
+                    f"{iteration}/after{self._attempts}", m.members(), reduced_ok=True,
+                    news=self.agreement.latest_epoch() > m.epoch)
+                if decision.committed:  # 4
                     final = {g: (r if r in m.live_replicas else None) for g, r in owner.items()}
                     final.update({g: r for r, q in replanned.items() for g in q})
                     committed = [g for g in ids if final[g] is not None]
@@ -140,7 +155,8 @@ class IterationTransaction:
                     seconds["step"] = time.perf_counter() - clock
                     assignment = {r: [g for g in committed if final[g] == r] for r in m.live_replicas}
                     return IterationOutcome(iteration, committed, assignment, reduced.totals,
-                                            report, seconds, recoveries)
+                                            report, seconds, recoveries,
+                                            sync=decision is Decision.COMMIT_AND_SYNC)
                 failure = PeerFailure(m.epoch, (), "commit.vote", "another member's reduction failed")
                 if self.on_failure is not None:
                     self.on_failure(failure, phase)
@@ -186,7 +202,7 @@ class IterationTransaction:
                 clock = time.perf_counter()
                 lost_replicas = sorted(m.broken(dead))
                 m.live_replicas = [r for r in m.live_replicas if r not in lost_replicas]
-                m.epoch = epoch
+                m.epoch, m.dead = epoch, dead
                 if len(m.live_replicas) < max(1, m.min_replicas):  # all survivors say so
                     raise TooFewReplicas(f"{len(m.live_replicas)} complete replica(s) left, "
                                          f"{max(1, m.min_replicas)} required")

@@ -1,0 +1,194 @@
+"""Growing back (DESIGN §15): spares and replacement processes re-form replicas at an iteration
+boundary, and a live donor replica hands them its state.
+
+Who waits: the surviving ranks of a broken replica (instead of leaving) and replacement processes
+a launcher started for dead ranks. Each tells the coordinator it waits to re-form its replica;
+once every rank of that replica has a waiting process, the coordinator publishes a *grow epoch*
+in which those ranks count as members again.
+
+When: the live ranks learn of the epoch through the commit vote (COMMIT_AND_SYNC: some member saw
+a newer epoch) or, if the epoch was agreed during a recovery, from `LiveReplicas.joinable()`.
+Both are the same on every live rank, so all of them call `at_boundary` after the same iteration.
+
+How (one attempt, both sides):
+    1. live ranks agree on the epoch, drop replicas it broke, announce {iteration, live, donor}
+       under the epoch (the first announcement wins); spares wait for that announcement
+    2. everyone in the new membership meets (store barrier), rebuilds every group
+    3. each rank of the donor replica sends its slot's state to the same slot of each joining
+       replica over the rebuilt data-parallel group
+    4. a commit vote over all of them: the join took effect everywhere or nowhere
+A failure anywhere (a joiner or the donor dies) aborts the attempt on every rank; the live ranks
+retry with the newer epoch (another donor, or without the broken joiners), spares go back to
+waiting. Live ranks never change their training state in a join, so an aborted one costs only
+time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
+from recover_patches.recovery.agreement import Decision, StoreAgreement
+from recover_patches.recovery.iteration import LiveReplicas, ReplicaLost, TooFewReplicas
+
+
+class JobComplete(Exception):
+    """The job finished while this rank waited as a spare."""
+
+
+class JobStopped(Exception):
+    """The job stopped (no live replica left) while this rank waited as a spare."""
+
+
+class Membership(Protocol):
+    def epoch(self) -> int: ...
+
+    def view(self) -> tuple[int, frozenset[int]]: ...
+
+    def wait_for_epoch_after(self, epoch: int, timeout: float) -> int: ...
+
+    def wait_as_spare(self, replica_slots: list[int]) -> None: ...
+
+    def job_complete(self) -> bool: ...
+
+    def job_stopped(self) -> str | None: ...
+
+
+@dataclass
+class JoinRecord:
+    """One join, for logs and metrics (on every rank that took part)."""
+    iteration: int  # the join happened after this iteration
+    epoch: int
+    live: list[int]  # live replicas afterwards
+    joined: list[int]
+    dropped: list[int]  # replicas the agreed epoch broke (their survivors become spares)
+    donor: int
+    attempts: int
+    bytes_sent: int = 0  # this rank's share (donor ranks only)
+    bytes_received: int = 0  # joining ranks only
+    seconds: dict[str, float] = field(default_factory=dict)  # pause / transfer
+
+
+@dataclass
+class GrowBack:
+    live: LiveReplicas
+    agreement: StoreAgreement
+    membership: Membership
+    abandon: Callable[[], None]  # drop every group's backend (peers fail fast)
+    rebuild: Callable[[list[int], int], None]  # (live replicas, epoch): all groups
+    send_state: Callable[[int], int]  # (joining replica) -> bytes sent by this donor rank
+    receive_state: Callable[[int], int]  # (donor replica) -> bytes received
+    hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "join"
+    max_attempts: int = 64
+
+    # --- live ranks ---------------------------------------------------------------------------
+    def at_boundary(self, iteration: int, sync: bool) -> JoinRecord:
+        """Adopt the newer membership after `iteration`: drop broken replicas, bring in the
+        re-formed ones. Raises ReplicaLost (this replica broke) or TooFewReplicas."""
+        m, start = self.live, time.perf_counter()
+        for attempt in range(self.max_attempts):
+            try:
+                if sync or attempt > 0:
+                    epoch, dead = self.agreement.agree_on_epoch(f"boundary/{iteration}/{attempt}",
+                                                                m.epoch)
+                else:  # the agreed epoch already lets a replica re-form
+                    epoch, dead = m.epoch, m.dead
+                dropped = sorted(m.broken(dead))
+                m.live_replicas = [r for r in m.live_replicas if r not in dropped]
+                m.epoch, m.dead = epoch, dead
+                if len(m.live_replicas) < max(1, m.min_replicas):
+                    raise TooFewReplicas(f"{len(m.live_replicas)} complete replica(s) left, "
+                                         f"{max(1, m.min_replicas)} required")
+                if m.replica in dropped:
+                    mine = sorted(dead & set(m.replica_ranks(m.replica)))
+                    raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
+                plan = self.agreement.announce_join(epoch, {
+                    "iteration": iteration, "live": sorted(m.live_replicas + m.joinable()),
+                    "donor": min(m.live_replicas)})
+                joined = [r for r in plan["live"] if r not in m.live_replicas]
+                transfer, sent = self._meet(plan, epoch, joined)
+            except PeerFailure:
+                self.abandon()
+                continue
+            if sent is None:  # the vote aborted: someone failed; retry with the newer epoch
+                self.abandon()
+                continue
+            m.live_replicas = list(plan["live"])
+            return JoinRecord(iteration, epoch, list(m.live_replicas), joined, dropped,
+                              plan["donor"], attempt + 1, sent,
+                              {"pause": time.perf_counter() - start, "transfer": transfer})
+        raise RuntimeError(f"after iteration {iteration}: the membership change did not converge")
+
+    def _meet(self, plan: dict, epoch: int, joined: list[int]) -> tuple[float, int | None]:
+        """Steps 2-4 on a live rank: (transfer seconds, bytes sent or None if aborted)."""
+        members = self.live.members(plan["live"])
+        clock, sent = time.perf_counter(), 0
+        try:
+            self.agreement.barrier(f"join/{epoch}", members, epoch)
+            self.rebuild(plan["live"], epoch)
+            clock = time.perf_counter()
+            if self.live.replica == plan["donor"]:
+                for replica in joined:
+                    self.hook("join")
+                    sent += self.send_state(replica)
+        except PeerFailure:  # nobody waits for this rank's vote
+            self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=False)
+            raise
+        transfer = time.perf_counter() - clock
+        decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=True)
+        return transfer, (sent if decision is not Decision.ABORT else None)
+
+    # --- spares -------------------------------------------------------------------------------
+    def wait_as_spare(self) -> JoinRecord:
+        """Wait (no collectives; store checks backing off to 50 ms) until this rank's replica is
+        re-formed and joined; return the join. Raises JobComplete / JobStopped if the job ends
+        first."""
+        m, slots = self.live, self.live.replica_ranks(self.live.replica)
+        self.membership.wait_as_spare(slots)
+        seen = -1
+        while True:
+            self._check_job()
+            epoch, dead = self.membership.view()
+            if epoch == seen:
+                try:
+                    self.membership.wait_for_epoch_after(seen, 0.5)
+                except MembershipTimeout:
+                    pass
+                continue
+            seen = epoch
+            if dead & set(slots):  # not re-formed (again, after a failed join): keep waiting
+                self.membership.wait_as_spare(slots)
+                continue
+            plan = self.agreement.wait_for_join(
+                epoch, give_up=lambda: self.membership.epoch() > epoch or self._job_over())
+            if plan is None or m.replica not in plan["live"]:
+                continue
+            start = time.perf_counter()
+            members = m.members(plan["live"])
+            try:
+                self.agreement.barrier(f"join/{epoch}", members, epoch)
+                self.rebuild(plan["live"], epoch)
+                received = self.receive_state(plan["donor"])
+                decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=True)
+            except PeerFailure:
+                self.abandon()
+                self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=False)
+                continue
+            if decision is Decision.ABORT:
+                self.abandon()
+                continue
+            m.live_replicas, m.epoch, m.dead = list(plan["live"]), epoch, dead
+            return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],
+                              plan["donor"], 1, bytes_received=received,
+                              seconds={"pause": time.perf_counter() - start})
+
+    def _job_over(self) -> bool:
+        return self.membership.job_complete() or self.membership.job_stopped() is not None
+
+    def _check_job(self) -> None:
+        if self.membership.job_complete():
+            raise JobComplete("the job completed while this rank waited as a spare")
+        stopped = self.membership.job_stopped()
+        if stopped is not None:
+            raise JobStopped(stopped)
