@@ -19,8 +19,8 @@ Kinds:
          weight check across replicas must notice).
 inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
 kill, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
-microbatch, if the spec gives one). Faults for other ranks are ignored. Phase `join` with
-iter=I is a donor rank about to send its state to a joining replica after iteration I - 1. A
+microbatch, if the spec gives one). Faults for other ranks are ignored. iter=any matches the
+first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1. A
 replacement process (launch --max-replacements) gets its rank's specs again; a one-shot fault at
 an iteration it joins after never fires.
 """
@@ -37,6 +37,7 @@ KINDS = ("kill", "hang", "exit", "slow", "inf", "corrupt")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
           "recovery", "join")
 ENV_VAR = "RECOVER_INJECT_FAULT"
+ANY = -1  # iter=any: the first matching call, whatever the iteration
 FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K] (slow: seconds=S instead of iter) "
           f"with kind in {'|'.join(KINDS)} and phase in {'|'.join(PHASES)}")
 
@@ -61,6 +62,8 @@ class Fault:
             return False
         if self.microbatch is not None and microbatch != self.microbatch:
             return False
+        if self.iteration == ANY:
+            return True
         return iteration >= self.iteration if self.kind == "slow" else iteration == self.iteration
 
 
@@ -85,15 +88,17 @@ def parse_spec(spec: str) -> Fault:
     if required - set(fields):
         raise bad(f"missing {sorted(required - set(fields))}")
     try:
-        fault = Fault(kind=kind, rank=int(fields["rank"]), iteration=int(fields.get("iter", 0)),
+        iteration = ANY if fields.get("iter") == "any" else int(fields.get("iter", 0))
+        fault = Fault(kind=kind, rank=int(fields["rank"]), iteration=iteration,
                       phase=fields.get("phase", "forward"),
                       microbatch=int(fields["microbatch"]) if "microbatch" in fields else None,
                       seconds=float(fields.get("seconds", 0.0)), code=int(fields.get("code", 1)))
     except ValueError:
-        raise bad("rank, iter, microbatch and code must be integers, seconds a number") from None
+        raise bad("rank, iter (or iter=any), microbatch and code must be integers, seconds a "
+                  "number") from None
     if fault.phase not in PHASES:
         raise bad(f"unknown phase {fault.phase!r}")
-    if min(fault.rank, fault.iteration) < 0 or (fault.microbatch or 0) < 0 or fault.seconds < 0:
+    if fault.rank < 0 or fault.iteration < ANY or (fault.microbatch or 0) < 0 or fault.seconds < 0:
         raise bad("values must not be negative")
     return fault
 

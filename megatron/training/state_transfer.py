@@ -34,6 +34,9 @@ def live_state(trainer) -> dict:
 def apply_live_state(trainer, state: dict) -> None:
     trainer.model.load_state_dict(state["model"], strict=True)
     trainer.optimizer.load_state_dict(state["optimizer"])
+    # megatron-core's scheduler *adds* the saved step count to its own (made for fresh ones, as
+    # at a checkpoint load): a spare that trained before its replica broke must start from 0
+    trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
     trainer.state.iteration = state["iteration"]
     trainer.state.consumed_samples = state["consumed_samples"]

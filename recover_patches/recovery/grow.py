@@ -116,8 +116,8 @@ class GrowBack:
                 continue
             m.live_replicas = list(plan["live"])
             return JoinRecord(iteration, epoch, list(m.live_replicas), joined, dropped,
-                              plan["donor"], attempt + 1, sent,
-                              {"pause": time.perf_counter() - start, "transfer": transfer})
+                              plan["donor"], attempt + 1, bytes_sent=sent,
+                              seconds={"pause": time.perf_counter() - start, "transfer": transfer})
         raise RuntimeError(f"after iteration {iteration}: the membership change did not converge")
 
     def _meet(self, plan: dict, epoch: int, joined: list[int]) -> tuple[float, int | None]:
