@@ -383,7 +383,7 @@ def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) 
             log(f"rank {r.rank} (pid {r.pid}) {describe(r.exit_code or 0)}: replaced")
     ranks = [r for r in ranks if not r.replaced]
     for r in failed:
-        log(f"rank {r.rank} (pid {r.pid}) failed: {describe(r.exit_code)}")
+        log(f"rank {r.rank} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
     if not failed:
         log(f"all {len(ranks)} rank(s) exited 0")
         return 0

@@ -18,6 +18,11 @@ def read(path: Path) -> dict[int, dict]:
     return {r["iteration"]: r for r in records if "lm_loss" in r}
 
 
+def read_joins(path: Path) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["join"] for r in records if "join" in r and r["join"]["joined"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reference", type=Path, required=True)
@@ -41,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     for i, rec in failures:
         print(f"  iteration {i}: dead ranks {rec['dead']}, lost replicas {rec['lost_replicas']}, "
               f"{len(rec['lost_ids'])} microbatches recomputed by the survivors")
+    joins = read_joins(args.run)
+    for join in joins:
+        print(f"  after iteration {join['iteration']}: replica(s) {join['joined']} re-formed and "
+              f"joined (state from replica {join['donor']}, survivors paused "
+              f"{join['seconds']['pause'] * 1000:.0f} ms)")
 
     import matplotlib
     matplotlib.use("Agg")
@@ -55,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
                    label="failure (ranks killed)" if n == 0 else None)
         ax.annotate(f"ranks {rec['dead']} lost", (i, ax.get_ylim()[1]), rotation=90,
                     va="top", ha="right", fontsize=8, color="red")
+    for n, join in enumerate(joins):
+        ax.axvline(join["iteration"] + 0.5, color="green", alpha=0.6, linewidth=1,
+                   label="replica re-formed and joined" if n == 0 else None)
+    live = ax.twinx()  # how many replicas did the work: shrinks at a failure, grows at a join
+    live.step(sorted(run), [len(run[i]["live_replicas"]) for i in sorted(run)], where="post",
+              color="gray", alpha=0.5, linewidth=1)
+    live.set_ylabel("live replicas (gray)")
+    live.set_ylim(0, max(len(r["live_replicas"]) for r in run.values()) + 1)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
     ax.set_title(f"Same trajectory despite failures (max rel. diff {worst[0]:.1e})")

@@ -2,8 +2,9 @@
 # The embedded default: a tiny GPT trained on real text (the Python standard library's own source,
 # read at run time) with a GPT-2-style byte-level BPE trained on it, on 4 CPU ranks as
 # (TP, PP, DP) = (1, 2, 2). It runs twice: failure-free (cached after the first time), then with a
-# rank SIGKILLed mid-iteration -- the survivors finish that iteration and go on, and the plot
-# overlays both loss curves. Usage: bash scripts/demo.sh [extra pretrain flags for both runs]
+# rank SIGKILLed mid-iteration -- the survivors finish that iteration and go on, the launcher
+# starts a replacement that re-forms the broken replica with its waiting survivor, and the plot
+# overlays both loss curves with the live replicas. Usage: bash scripts/demo.sh [extra pretrain flags for both runs]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -16,7 +17,7 @@ mkdir -p "$RUN"
 train() {  # $1 = metrics file, then extra flags
     local metrics="$1"; shift
     rm -f "$metrics"
-    python -m recover_patches.launch --nproc-per-node 4 pretrain_gpt_recover.py \
+    python -m recover_patches.launch --nproc-per-node 4 --max-replacements 1 pretrain_gpt_recover.py \
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
         --seq-length 64 --max-position-embeddings 64 \
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 \

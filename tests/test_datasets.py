@@ -2,7 +2,6 @@
 
 import argparse
 import collections
-import time
 
 import numpy
 import pytest
@@ -112,13 +111,12 @@ def test_corrupt_idx(prefix, damage):
     assert error.flag == "--data-path" and "corrupt" in error.message
 
 
+@pytest.mark.timeout(60)  # a hang fails by the timeout; no wall-clock assertion on a shared machine
 def test_zero_document_split_fails_fast_instead_of_hanging(tmp_path):
     # 3 documents with --split 98,1,1: valid and test round to 0 documents each. megatron-core's
     # GPTDataset would loop forever here (it keeps adding empty epochs to reach the sample count).
     small = make_prefix(tmp_path, "small", documents_in_range(0, count=3))
-    start = time.monotonic()
     error = data_error(make_args(data_path=[small], split="98,1,1"))
-    assert time.monotonic() - start < 1.0
     assert error.flag == "--split" and "valid" in error.message and "0 of the 3" in error.message
     with pytest.raises(DataError):  # build_datasets validates too: it never reaches megatron-core
         build_datasets(make_args(data_path=[small], split="98,1,1"), TOKENIZER)

@@ -168,11 +168,9 @@ def test_sigterm_is_forwarded_then_sigkill_after_grace(tmp_path):
     except AssertionError:
         finish(proc, tmp_path, timeout=1)
         raise
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc, tmp_path)
     assert code == 128 + signal.SIGTERM
-    assert time.monotonic() - t0 < 5
     assert "rank 0" in err and "killed by signal SIGTERM" in err
     assert "rank 1" in err and "killed by signal SIGKILL" in err
     assert not any(alive(pid) for pid in rank_pids(tmp_path))

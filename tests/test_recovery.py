@@ -62,7 +62,8 @@ KILLS = {
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(KILLS))
 def test_killed_ranks_keep_the_trajectory(reference, tmp_path, name):
-    run = run_job(tmp_path, *KILLS[name])
+    spares = name != "p2p"  # the survivors of a broken replica wait as spares, or leave
+    run = run_job(tmp_path, *KILLS[name], "--recover-spares", "on" if spares else "off")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = assert_same_trajectory(run, reference)
     recoveries = [rec for r in records for rec in r["recoveries"]]
@@ -70,7 +71,12 @@ def test_killed_ranks_keep_the_trajectory(reference, tmp_path, name):
     for rec in recoveries:
         assert rec["lost_ids"] and set(rec["seconds"]) >= {"detection", "rebuild"}
     assert len(records[-1]["live_replicas"]) == 4 - len(KILLS[name]) // 2
-    assert "[recover] iteration" in run.stdout and "leaving cleanly" in run.stdout
+    assert "[recover] iteration" in run.stdout
+    if spares:  # no replacement was started: they wait until the job completes, then exit 0
+        assert "waiting as a spare" in run.stdout and "leaving cleanly" not in run.stdout
+        assert "the job completed while this rank waited as a spare: exiting" in run.stdout
+    else:
+        assert "leaving cleanly" in run.stdout and "waiting as a spare" not in run.stdout
 
 
 @pytest.mark.timeout(600)
@@ -103,6 +109,8 @@ def test_losing_every_replica_stops_cleanly(tmp_path):
                  tmp_path / "metrics.jsonl", launcher_args=[], timeout=300)
     assert run.returncode == 1, run.stdout[-3000:]
     assert "0 complete replica(s) left" in run.stdout and "Restart with --load" in run.stdout
+    # replica 0's surviving rank 2 waited as a spare; with no live member left it stops too
+    assert "rank 2: stopping: the job stopped while this rank waited as a spare" in run.stdout
     assert "exit code 3" in run.stderr + run.stdout
     assert [r["iteration"] for r in train_records(run)] == [1, 2, 3]
 

@@ -81,6 +81,17 @@ def test_spares_and_healthy_leftovers_reform_a_replica():
     assert without_spare.final_replicas == 3
 
 
+def test_a_join_pauses_every_replica_for_the_join_pause():
+    # the replica joins at 0.6 h; a 36 s (0.01 h) pause then costs 0.01 h of full-rate tokens
+    base = dict(tp=2, spare_gpus=1, failure_times_hours=(0.5,), rejoin_seconds=360.0)
+    paused = simulate(small(**base, join_pause_seconds=36.0), "recover")
+    free = simulate(small(**base), "recover")
+    nominal = small().nominal_tokens_per_hour
+    assert paused.tokens_at(0.6) == pytest.approx(free.tokens_at(0.6), rel=1e-9)
+    assert free.tokens - paused.tokens == pytest.approx(0.01 * nominal, rel=1e-6)
+    assert slope(paused, 0.6, 0.61) == pytest.approx(0.0, abs=1e-6)
+
+
 @pytest.mark.parametrize("spares, repair, resume_at, replicas_after", [
     (1, None, 0.9, 2),      # a spare replaces the failed GPU: restart at once, full size
     (0, 0.5, 1.4, 2),       # no spare: idle until the GPU is repaired

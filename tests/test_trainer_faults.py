@@ -59,8 +59,9 @@ HANGS = {"p2p": 0, "dp_reduce": 7}
 FAILURE = re.compile(r"\[recover\] rank (\d+): peer failure in (\w+): (\S+) failed in epoch \d+; "
                      r"suspects( \(unconfirmed\))?: (\[[\d, ]*\]|unknown)")
 EPOCH = re.compile(r"\[recover\] rank (\d+): membership epoch (\d+): dead ranks \[([\d, ]*)\]")
+# the survivors of a broken replica say so, then wait as spares (or leave, with spares off)
 LEAVING = re.compile(r"\[recover\] rank (\d+): replica (\d+) lost rank\(s\) \[([\d, ]*)\]; "
-                     r"this replica is broken, leaving cleanly")
+                     r"this replica is broken")
 COORDINATOR_EPOCH = re.compile(r"\[recover\.coordinator\] epoch 1: dead ranks \[([\d, ]*)\]")
 BOOTSTRAP_OVER = re.compile(r"\[strict-groups\] rank (\d+): bootstrap over after (\d+) operation")
 

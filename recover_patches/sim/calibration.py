@@ -28,6 +28,8 @@ class MeasuredCosts:
     recovery_seconds: float          # in-job recovery (detect + rebuild + recompute)
     checkpoint_save_seconds: float
     restart_seconds: float           # a killed job's relaunch + checkpoint load until it trains again
+    join_pause_seconds: float | None = None  # survivors' pause per join (benchmark --replacements)
+    OPTIONAL = ("join_pause_seconds",)
 
     @classmethod
     def from_json(cls, path: Path) -> "MeasuredCosts":
@@ -39,6 +41,8 @@ class MeasuredCosts:
         values = {}
         for name in (f.name for f in dataclasses.fields(cls)):
             value = data.get(name)
+            if value is None and name in cls.OPTIONAL:
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
                     or value < 0 or (name == "iteration_seconds" and value == 0):
                 raise SimConfigError(f"--calibration {path}: field {name} is missing or not a valid "
@@ -56,4 +60,6 @@ def calibrate(config: SimConfig, costs: MeasuredCosts, mode: str = "per_iteratio
     return dataclasses.replace(
         config, recovery_seconds=costs.recovery_seconds * scale,
         checkpoint_save_seconds=costs.checkpoint_save_seconds * scale,
-        checkpoint_load_seconds=0.0, restart_seconds=costs.restart_seconds * scale)
+        checkpoint_load_seconds=0.0, restart_seconds=costs.restart_seconds * scale,
+        join_pause_seconds=(config.join_pause_seconds if costs.join_pause_seconds is None
+                            else costs.join_pause_seconds * scale))

@@ -29,6 +29,8 @@ class SimConfig:
     repair_hours: float | None = None   # a failed GPU returns healthy after this; None = never
     recovery_seconds: float = 30.0      # (assumption) ReCoVer/drop: detect + rebuild DP groups + re-plan
     rejoin_seconds: float = 120.0       # (assumption) a re-formed replica gets state from a peer
+    join_pause_seconds: float = 0.0     # survivors' pause when a replica joins (measured: the
+    #                                     trainer's join meets at an iteration boundary)
     checkpoint_save_seconds: float = 60.0    # (assumption) job paused while a checkpoint is written
     checkpoint_load_seconds: float = 120.0   # (assumption) reading the checkpoint back after a restart
     restart_seconds: float = 300.0           # (assumption) reschedule, relaunch, initialise
@@ -43,7 +45,7 @@ class SimConfig:
             raise SimConfigError(f"spare_gpus must be an integer >= 0, got {self.spare_gpus!r}")
         for name in ("iteration_seconds", "tokens_per_iteration", "run_hours"):
             _require(name, getattr(self, name), positive=True)
-        for name in ("recovery_seconds", "rejoin_seconds", "checkpoint_save_seconds",
+        for name in ("recovery_seconds", "rejoin_seconds", "join_pause_seconds", "checkpoint_save_seconds",
                      "checkpoint_load_seconds", "restart_seconds"):
             _require(name, getattr(self, name), positive=False)
         for name in ("gpu_mtbf_hours", "checkpoint_interval_hours"):

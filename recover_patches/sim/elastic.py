@@ -14,8 +14,10 @@ Both keep running on the surviving replicas after a failure; they differ in what
 Work is tracked as a fluid between events (an iteration is tiny against hours of simulated time).
 Replica re-forming (when spares or repair are configured): a broken replica's healthy GPUs return to the
 pool, its failed GPU goes to repair; whenever the pool holds tp*pp GPUs and fewer than D replicas are
-live or joining, a replica is formed and joins `rejoin_seconds` later without pausing the survivors
-(assumption: state transfer overlaps training; the group rebuild is folded into rejoin_seconds).
+live or joining, a replica is formed and joins `rejoin_seconds` later (the replacement's start-up
+and wait for the grow epoch, overlapping training), then every replica pauses `join_pause_seconds`
+(the trainer's join: agreement, group rebuild and state transfer at an iteration boundary; 0 models
+a transfer that overlaps training).
 Re-entrant recovery: a failure during recovery starts the recovery pause again.
 """
 
@@ -35,7 +37,7 @@ def simulate_elastic(config: SimConfig, trace: FailureTrace, shrink_batch: bool)
     iteration_hours, per_iteration = config.iteration_hours, config.tokens_per_iteration
     recovery_hours, rejoin_hours = config.recovery_seconds / 3600.0, config.rejoin_seconds / 3600.0
     pool = GpuPool(config.spare_gpus, config.repair_hours)
-    live, joining = full, []            # joining: heap of times re-formed replicas become live
+    live, joining = full, list[float]()  # joining: heap of times re-formed replicas become live
     tokens = iterations = 0.0
     now, paused_until, next_failure = 0.0, 0.0, 0
     failures, min_live = 0, full
@@ -78,6 +80,7 @@ def simulate_elastic(config: SimConfig, trace: FailureTrace, shrink_batch: bool)
         elif now == join_at:
             heapq.heappop(joining)
             live += 1
+            paused_until = max(paused_until, now + config.join_pause_seconds / 3600.0)
         else:
             pool.collect(now)
 

@@ -9,6 +9,9 @@ budget per arm, under the same seeded schedule of SIGKILLs of a random live rank
   recover             --recover-policy redistribute (ReCoVer)
   drop                --recover-policy drop (replica dropping: the batch shrinks)
   checkpoint_restart  --recover off: a death stops the job (exit 3); relaunched with --load
+With --replacements K the launcher of the recover and drop arms starts up to K replacement
+processes for killed ranks, which rejoin in the running job (DESIGN §15): both ReCoVer and
+checkpoint-restart (which always relaunches every rank) then get their dead ranks back.
 All three failure arms get the same --save/--save-interval, set by Young/Daly
 (sqrt(2 * save time * failure interval)) from a short calibration launch, and all three are
 relaunched from their latest checkpoint when the whole job stops (ReCoVer and drop only when no
@@ -67,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=None,
                    help="iterations between checkpoints; default: Young/Daly from a calibration launch")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free arm")
+    p.add_argument("--replacements", type=int, default=0,
+                   help="launch --max-replacements for the recover and drop arms: killed ranks "
+                        "come back in the running job, as checkpoint-restart's do at a relaunch")
     p.add_argument("--device-ms", type=float, default=0.0,
                    help="emulate one device per rank: every rank sleeps this long per microbatch "
                         "forward (--inject-fault slow), so a replica's compute no longer shares the "
@@ -82,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "2 replicas; pass e.g. --nproc 4 --tp 1 --pp 1")
     if args.device_ms < 0:
         p.error(f"--device-ms must be >= 0, got {args.device_ms}")
+    if args.replacements < 0:
+        p.error(f"--replacements must be >= 0, got {args.replacements}")
     if args.save_interval is not None and args.save_interval < 1:
         p.error(f"--save-interval must be >= 1, got {args.save_interval}; omit it to use Young/Daly")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
@@ -139,11 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"failure schedule (seed {args.seed}): kills due at "
           + ", ".join(f"{t:.1f}" for t in schedule.times) + " s", flush=True)
     specs = [] if args.no_reference else [ArmSpec("reference", STRATEGY_FLAGS["recover"], None, False)]
-    specs += [ArmSpec(name, flags, save_interval) for name, flags in STRATEGY_FLAGS.items()]
+    grow = ["--max-replacements", str(args.replacements)] if args.replacements else []
+    specs += [ArmSpec(name, flags, save_interval,
+                      launcher_args=grow if name != "checkpoint_restart" else [])
+              for name, flags in STRATEGY_FLAGS.items()]
     runs: dict[str, ArmRun] = {}
     for spec in specs:
         print(f"running {spec.name} for {args.budget:g} s ...", flush=True)
         runs[spec.name] = ArmRunner(spec, jargs, args.nproc, args.out_dir, schedule, args.budget).execute()
+    if args.replacements:
+        pauses = join_pauses(args.out_dir / "recover")
+        print(f"recover: {len(pauses)} join(s), survivors' pause "
+              + ", ".join(f"{p * 1000:.0f} ms" for p in pauses), flush=True)
     write_results(args, runs, measured, save_interval, schedule)  # raw data first, whatever follows
     summaries = {name: summarize(run, args.budget, MICROBATCHES) for name, run in runs.items()}
     write_results(args, runs, measured, save_interval, schedule, summaries)
@@ -157,8 +172,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def join_pauses(arm_dir: Path) -> list[float]:
+    """The survivors' pause of every join the arm's logging rank recorded (--replacements)."""
+    pauses = []
+    for path in sorted(arm_dir.glob("metrics.*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the last line of a killed launch may be cut
+            if "join" in record and record["join"]["joined"]:
+                pauses.append(record["join"]["seconds"]["pause"])
+    return pauses
+
+
 def write_results(args, runs, measured, save_interval, schedule, summaries=None) -> None:
-    results = {"budget": args.budget, "device_ms": args.device_ms, "failure_interval": args.failure_interval, "seed": args.seed,
+    results = {"budget": args.budget, "device_ms": args.device_ms, "replacements": args.replacements, "failure_interval": args.failure_interval, "seed": args.seed,
                "nproc": args.nproc, "tp": args.tp, "pp": args.pp, "microbatches": MICROBATCHES,
                "save_interval": save_interval, "schedule": asdict(schedule), "measured": measured,
                "arms": {name: {"summary": asdict(summaries[name]) if summaries else None,
@@ -174,12 +203,16 @@ def write_outputs(args, runs, summaries, measured, save_interval, schedule) -> N
         calibration = {**measured, "recovery_seconds": statistics.median(recoveries),
                        "restart_seconds": statistics.median(restarts),
                        "source": "scripts/bench/effective_throughput.py on this machine"}
+        pauses = join_pauses(args.out_dir / "recover")
+        if pauses:
+            calibration["join_pause_seconds"] = statistics.median(pauses)
         (args.out_dir / "calibration.json").write_text(json.dumps(calibration, indent=1))
         print(f"calibration for the simulator written to {args.out_dir / 'calibration.json'}")
     out = args.plot or args.out_dir / "committed_tokens.png"
     plot(runs, summaries, out, f"tiny GPT, {args.nproc} ranks (TP {args.tp}, PP {args.pp}), "
          f"kill every ~{args.failure_interval:g} s"
-         + (f", {args.device_ms:g} ms/microbatch emulated device" if args.device_ms else ""))
+         + (f", {args.device_ms:g} ms/microbatch emulated device" if args.device_ms else "")
+         + (f", up to {args.replacements} replacements" if args.replacements else ""))
     print(f"plot written to {out}")
 
 

@@ -32,6 +32,7 @@ class ArmSpec:
     save_interval: int | None   # iterations between checkpoints; None = no checkpoints
     inject_failures: bool = True
     stop_after_records: int | None = None  # calibration: stop once this many iterations ran
+    launcher_args: list[str] = field(default_factory=list)  # e.g. ["--max-replacements", "8"]
 
 
 @dataclass
@@ -104,7 +105,7 @@ class ArmRunner:
             if resumed_from:
                 args += ["--load", str(self.save_dir)]
         return [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(self.nproc),
-                "--master-port", "0", str(RANK_ENTRY), *args]
+                "--master-port", "0", *self.spec.launcher_args, str(RANK_ENTRY), *args]
 
     def one_attempt(self, k: int) -> bool:
         """Run launch k until it ends or the budget does; True if a relaunch makes sense."""

@@ -63,7 +63,8 @@ def report(name: str, description: str, results: dict[str, SimResult]) -> str:
                  f"{'' if config.failure_times_hours is None else ', and assumes Poisson failures, not this trace'})")
     lines.append(f"  costs: recovery {config.recovery_seconds:.3g} s, save {config.checkpoint_save_seconds:.3g} s,"
                  f" restart+load {config.restart_seconds + config.checkpoint_load_seconds:.3g} s,"
-                 f" iteration {config.iteration_seconds:.3g} s")
+                 f" iteration {config.iteration_seconds:.3g} s, replica re-forming {config.rejoin_seconds:.3g} s"
+                 f" + a {config.join_pause_seconds:.3g} s pause per join")
     if not results["drop"].trajectory_matches_reference:
         lines.append("  note: drop shrank the global batch, so its training trajectory differs from "
                      "the failure-free reference (recover and checkpoint_restart keep it)")
