@@ -78,7 +78,7 @@ class FakeJob:
     def barrier(self, key, members, epoch):
         self.barriers.append((key, sorted(members)))
 
-    def rebuild(self, live, epoch):
+    def rebuild(self, live, epoch, key=""):
         self.rebuilt.append((list(live), epoch))
 
     def abandon(self):

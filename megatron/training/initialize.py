@@ -67,14 +67,14 @@ class ParallelGroups:
         for g in self.all_groups():
             g.abandon("recovery started")
 
-    def rebuild(self, live_replicas: Sequence[int], epoch: int) -> None:
+    def rebuild(self, live_replicas: Sequence[int], epoch: int, key: str = "") -> None:
         """New backends for the agreed epoch: the DP group keeps one rank per live replica; the
         groups inside this replica keep their members (all alive) but get fresh backends, so no
         message of an abandoned round can ever be matched in the next one."""
         c, topo = self.coord, self.topology
         for g in self.all_groups():
             members = topo.dp_ranks(c.tp, c.pp, live_replicas) if g is self.dp else g.members
-            g.rebuild(epoch, members)
+            g.rebuild(epoch, members, key)
 
     def pg_collection(self) -> ProcessGroupCollection:
         pgs = ProcessGroupCollection()

@@ -245,7 +245,7 @@ class Trainer:
             self.state.iteration += 1
             self.state.consumed_samples += len(ids) * args.micro_batch_size
             self.record(outcome, time.perf_counter() - start)
-            if self.grow is not None and (outcome.sync or self.live.joinable()):
+            if self.grow is not None and self.grow.due(outcome.sync):
                 self.record_join(self.grow.at_boundary(self.state.iteration, outcome.sync))
             if self.checkpointer is not None:
                 self.checkpointer.after_iteration(self)
@@ -297,7 +297,7 @@ class Trainer:
 
     def record_join(self, join: JoinRecord) -> None:
         """Every rank of a join logs it (survivors: their pause; donors: the bandwidth)."""
-        if not join.joined and not join.dropped:
+        if not join.joined and not join.dropped and not join.abandoned:
             return
         pause, transfer = join.seconds.get("pause", 0.0), join.seconds.get("transfer", 0.0)
         moved = ""
@@ -309,7 +309,9 @@ class Trainer:
         print_rank_line(
             f" [recover] rank {self.groups.rank}: after iteration {join.iteration}, epoch "
             f"{join.epoch}: replicas {join.joined} joined (state from replica {join.donor}{moved}), "
-            f"dropped {join.dropped}; live {join.live}; pause {pause * 1000:.0f} ms, "
+            f"dropped {join.dropped}"
+            f"{f', join of {join.abandoned} abandoned' if join.abandoned else ''}; live {join.live}; "
+            f"pause {pause * 1000:.0f} ms, "
             f"{join.attempts} attempt(s)")
         if self.is_logging_rank:
             self.metrics.write({"iteration": join.iteration, "join": vars(join)})

@@ -8,8 +8,11 @@ Rules, and why:
     milliseconds, so all of them stop using the old backend together. A group none of whose
     members died simply adopts the new epoch and carries on: the TP/PP groups of a healthy replica
     never see another replica's failure (DESIGN §3), so its in-flight microbatches are not torn.
-  * `rebuild(e, members)` is strict: if any epoch after e has started, it raises PeerFailure, so
-    all survivors abandon a recovery attempt together and retry with the newer epoch.
+  * `rebuild(e, members, key)` is strict: if any epoch after e has started, it raises PeerFailure,
+    so all survivors abandon a recovery attempt together and retry with the newer epoch. `key`
+    names the agreed step that rebuilds (a recovery attempt, a join): the rendezvous lives under
+    (epoch, key), so processes with different histories -- a replacement that never saw the
+    earlier rebuilds of this epoch -- meet in the same place.
   * An operation that errors (a peer's socket closed) or times out is reported to the coordinator;
     the group waits up to `verdict_timeout` for the coordinator's verdict (a new epoch naming the
     dead) so that PeerFailure names the right rank even when gloo cannot.
@@ -74,7 +77,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._dead_at_build: frozenset[int] = frozenset()
         self._failure: PeerFailure | None = None
         self._pending: set[_Pending] = set()
-        self._attempts: dict[int, int] = {}
+        self._attempts: dict[tuple[int, str], int] = {}
         membership.add_listener(self._on_epoch)
         if connect:
             self._build(membership.epoch(), members)
@@ -142,7 +145,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         raise NotImplementedError("recv from any source cannot notice a dead peer: name the source")
 
     # --- lifecycle --------------------------------------------------------------------------
-    def rebuild(self, epoch: int, members: Sequence[int]) -> None:
+    def rebuild(self, epoch: int, members: Sequence[int], key: str = "") -> None:
         """Replace the inner backend by one for `members` in membership `epoch` (all the members
         call this with the same arguments). Raises PeerFailure if the rebuild is interrupted by a
         newer epoch or a member never shows up."""
@@ -150,7 +153,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if self.membership.rank not in members:
             raise ValueError(f"group {self.name!r}: rank {self.membership.rank} rebuilt without itself")
         self._discard()
-        self._build(epoch, members)
+        self._build(epoch, members, key)
 
     def shutdown(self) -> None:
         """Stop using this group: discard the backend, forget the listener and the registration."""
@@ -164,7 +167,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     abort = shutdown
 
     # --- internals --------------------------------------------------------------------------
-    def _build(self, epoch: int, members: tuple[int, ...]) -> None:
+    def _build(self, epoch: int, members: tuple[int, ...], key: str = "") -> None:
         current, dead = self.membership.view()
         if current < epoch:
             self.membership.wait_for_epoch_after(epoch - 1, self.verdict_timeout)
@@ -172,15 +175,19 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if current > epoch:  # strict: every survivor restarts recovery with the newer epoch
             raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.name}.rebuild",
                               f"epoch {current} already started")
-        attempt = self._attempts.get(epoch, 0)
-        self._attempts[epoch] = attempt + 1
-        prefix = f"pg/{self.name}/e{epoch}.{attempt}/"
+        attempt = self._attempts.get((epoch, key), 0)
+        self._attempts[(epoch, key)] = attempt + 1
+        prefix = f"pg/{self.name}/e{epoch}/{key}.{attempt}/"
         with self._cond:
             self._epoch, self._dead_at_build, self.members = epoch, dead, members
         self._rendezvous(prefix, epoch, members)
-        inner = backends.build(self.backend_kind, dist.PrefixStore(prefix + "backend/",
-                               self.membership.store), members.index(self.membership.rank),
-                               len(members), self.build_timeout, self.timeout)
+        try:
+            inner = backends.build(self.backend_kind, dist.PrefixStore(prefix + "backend/",
+                                   self.membership.store), members.index(self.membership.rank),
+                                   len(members), self.build_timeout, self.timeout)
+        except RuntimeError as e:  # a member vanished between the rendezvous and the connect
+            raise PeerFailure(epoch, (), f"{self.name}.rebuild", f"backend set-up failed: {e}",
+                              confirmed=False) from e
         with self._cond:
             self._inner, self._failure = inner, None
         self._register()

@@ -10,17 +10,18 @@ When: the live ranks learn of the epoch through the commit vote (COMMIT_AND_SYNC
 a newer epoch) or, if the epoch was agreed during a recovery, from `LiveReplicas.joinable()`.
 Both are the same on every live rank, so all of them call `at_boundary` after the same iteration.
 
-How (one attempt, both sides):
+How (one attempt per membership epoch, both sides):
     1. live ranks agree on the epoch, drop replicas it broke, announce {iteration, live, donor}
        under the epoch (the first announcement wins); spares wait for that announcement
     2. everyone in the new membership meets (store barrier), rebuilds every group
     3. each rank of the donor replica sends its slot's state to the same slot of each joining
        replica over the rebuilt data-parallel group
     4. a commit vote over all of them: the join took effect everywhere or nowhere
-A failure anywhere (a joiner or the donor dies) aborts the attempt on every rank; the live ranks
-retry with the newer epoch (another donor, or without the broken joiners), spares go back to
-waiting. Live ranks never change their training state in a join, so an aborted one costs only
-time.
+If the vote aborts (a joiner or the donor failed, or timed out), every live rank abandons the
+join alike and rebuilds its groups among the live replicas; spares go back to waiting and report
+again, and the coordinator's next grow epoch brings the next attempt -- or, if someone died, the
+death epoch does (another donor, or without the broken joiners). Live ranks never change their
+training state in a join, so an aborted one costs only time.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class JoinRecord:
     attempts: int
     bytes_sent: int = 0  # this rank's share (donor ranks only)
     bytes_received: int = 0  # joining ranks only
+    abandoned: list[int] = field(default_factory=list)  # replicas whose join aborted
     seconds: dict[str, float] = field(default_factory=dict)  # pause / transfer
 
 
@@ -76,20 +78,27 @@ class GrowBack:
     agreement: StoreAgreement
     membership: Membership
     abandon: Callable[[], None]  # drop every group's backend (peers fail fast)
-    rebuild: Callable[[list[int], int], None]  # (live replicas, epoch): all groups
+    rebuild: Callable[[list[int], int, str], None]  # (live replicas, epoch, agreed key)
     send_state: Callable[[int], int]  # (joining replica) -> bytes sent by this donor rank
     receive_state: Callable[[int], int]  # (donor replica) -> bytes received
     hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "join"
     max_attempts: int = 64
+    failed: set[int] = field(default_factory=set)  # epochs whose join aborted: one try each
 
     # --- live ranks ---------------------------------------------------------------------------
+    def due(self, sync: bool) -> bool:
+        """After a commit: a member saw a newer epoch, or the agreed one lets a replica re-form
+        (and no join failed at it already). The same answer on every live rank."""
+        return sync or (bool(self.live.joinable()) and self.live.epoch not in self.failed)
+
     def at_boundary(self, iteration: int, sync: bool) -> JoinRecord:
         """Adopt the newer membership after `iteration`: drop broken replicas, bring in the
         re-formed ones. Raises ReplicaLost (this replica broke) or TooFewReplicas."""
         m, start = self.live, time.perf_counter()
+        agree = sync
         for attempt in range(self.max_attempts):
             try:
-                if sync or attempt > 0:
+                if agree:
                     epoch, dead = self.agreement.agree_on_epoch(f"boundary/{iteration}/{attempt}",
                                                                 m.epoch)
                 else:  # the agreed epoch already lets a replica re-form
@@ -103,41 +112,50 @@ class GrowBack:
                 if m.replica in dropped:
                     mine = sorted(dead & set(m.replica_ranks(m.replica)))
                     raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
+                joining = [] if epoch in self.failed else m.joinable()
                 plan = self.agreement.announce_join(epoch, {
-                    "iteration": iteration, "live": sorted(m.live_replicas + m.joinable()),
+                    "iteration": iteration, "live": sorted(m.live_replicas + joining),
                     "donor": min(m.live_replicas)})
                 joined = [r for r in plan["live"] if r not in m.live_replicas]
                 transfer, sent = self._meet(plan, epoch, joined)
-            except PeerFailure:
+                if sent is None:  # aborted on every member alike: go on without the joiners
+                    self.failed.add(epoch)
+                    self.abandon()
+                    self.agreement.barrier(f"join/{epoch}/fallback", m.members(), epoch)
+                    self.rebuild(m.live_replicas, epoch, f"join/{epoch}/fallback")
+                    joined, abandoned = [], joined
+                else:
+                    abandoned = []
+                    m.live_replicas = list(plan["live"])
+            except PeerFailure:  # a newer epoch (or a hung peer: the agreement says which)
                 self.abandon()
+                agree = True
                 continue
-            if sent is None:  # the vote aborted: someone failed; retry with the newer epoch
-                self.abandon()
-                continue
-            m.live_replicas = list(plan["live"])
             return JoinRecord(iteration, epoch, list(m.live_replicas), joined, dropped,
-                              plan["donor"], attempt + 1, bytes_sent=sent,
-                              seconds={"pause": time.perf_counter() - start, "transfer": transfer})
+                              plan["donor"], attempt + 1, bytes_sent=sent or 0,
+                              seconds={"pause": time.perf_counter() - start, "transfer": transfer},
+                              abandoned=abandoned)
         raise RuntimeError(f"after iteration {iteration}: the membership change did not converge")
 
     def _meet(self, plan: dict, epoch: int, joined: list[int]) -> tuple[float, int | None]:
-        """Steps 2-4 on a live rank: (transfer seconds, bytes sent or None if aborted)."""
+        """Steps 2-4 on a live rank: (transfer seconds, bytes sent, or None if the vote aborted;
+        a failure here is voted as an abort, so every member ends the attempt alike)."""
         members = self.live.members(plan["live"])
         clock, sent = time.perf_counter(), 0
         try:
             self.agreement.barrier(f"join/{epoch}", members, epoch)
-            self.rebuild(plan["live"], epoch)
+            self.rebuild(plan["live"], epoch, f"join/{epoch}")
             clock = time.perf_counter()
             if self.live.replica == plan["donor"]:
                 for replica in joined:
                     self.hook("join")
                     sent += self.send_state(replica)
-        except PeerFailure:  # nobody waits for this rank's vote
-            self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=False)
-            raise
+            ok = True
+        except PeerFailure:
+            ok = False
         transfer = time.perf_counter() - clock
-        decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=True)
-        return transfer, (sent if decision is not Decision.ABORT else None)
+        decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok)
+        return transfer, (sent if decision.committed else None)
 
     # --- spares -------------------------------------------------------------------------------
     def wait_as_spare(self) -> JoinRecord:
@@ -162,21 +180,24 @@ class GrowBack:
                 continue
             plan = self.agreement.wait_for_join(
                 epoch, give_up=lambda: self.membership.epoch() > epoch or self._job_over())
-            if plan is None or m.replica not in plan["live"]:
+            if plan is None:
+                continue
+            if m.replica not in plan["live"]:  # the live ranks gave up on this epoch's join
+                self.membership.wait_as_spare(slots)
                 continue
             start = time.perf_counter()
             members = m.members(plan["live"])
+            received, ok = 0, True
             try:
                 self.agreement.barrier(f"join/{epoch}", members, epoch)
-                self.rebuild(plan["live"], epoch)
+                self.rebuild(plan["live"], epoch, f"join/{epoch}")
                 received = self.receive_state(plan["donor"])
-                decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=True)
             except PeerFailure:
+                ok = False
+            decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok)
+            if decision is Decision.ABORT:  # every member saw the same: wait for the next grow
                 self.abandon()
-                self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=False)
-                continue
-            if decision is Decision.ABORT:
-                self.abandon()
+                self.membership.wait_as_spare(slots)
                 continue
             m.live_replicas, m.epoch, m.dead = list(plan["live"]), epoch, dead
             return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],

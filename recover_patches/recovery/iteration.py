@@ -109,7 +109,7 @@ class IterationTransaction:
     step: Stepper
     agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
     abandon: Callable[[], None] = lambda: None  # drop every group's backend: peers fail fast
-    rebuild: Callable[[list[int], int], None] | None = None  # (live replicas, epoch): all groups
+    rebuild: Callable[[list[int], int, str], None] | None = None  # (live, epoch, agreed key)
     snapshot: Callable[[], Any] = lambda: None  # local gradients, to undo an aborted round
     restore: Callable[[Any], None] = lambda state: None
     drop_lost: bool = False  # the replica-dropping baseline: skip lost ids instead of recomputing
@@ -193,11 +193,13 @@ class IterationTransaction:
         assert self.agreement is not None and self.rebuild is not None  # recovery is on
         self.abandon()
         timing = {"detection": 0.0, "rebuild": 0.0}
+        seen_dead: set[int] = set()  # over all attempts: a grow epoch may clear a dead rank again
         for _ in range(self.max_attempts):
             key = f"{iteration}/{self._attempts}"
             self._attempts += 1
             try:
                 epoch, dead = self.agreement.agree_on_epoch(key, m.epoch)
+                seen_dead |= dead
                 timing["detection"] += time.perf_counter() - clock
                 clock = time.perf_counter()
                 lost_replicas = sorted(m.broken(dead))
@@ -211,7 +213,7 @@ class IterationTransaction:
                     raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
                 self.hook("recovery")
                 self.agreement.barrier(key, m.members(), epoch)
-                self.rebuild(m.live_replicas, epoch)
+                self.rebuild(m.live_replicas, epoch, f"recover/{key}")
                 timing["rebuild"] += time.perf_counter() - clock
                 break
             except PeerFailure as err:  # someone else died during recovery: next attempt
@@ -223,6 +225,6 @@ class IterationTransaction:
         lost = [g for g in ids if owner[g] not in m.live_replicas]
         replanned = {} if self.drop_lost or not lost else {
             r: list(q) for r, q in self.plan(lost, m.live_replicas).items()}
-        return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(dead),
+        return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
                               sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
                               timing)
