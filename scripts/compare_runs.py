@@ -68,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     for n, join in enumerate(joins):
         ax.axvline(join["iteration"] + 0.5, color="green", alpha=0.6, linewidth=1,
                    label="replica re-formed and joined" if n == 0 else None)
-    live = ax.twinx()  # how many replicas did the work: shrinks at a failure, grows at a join
-    live.step(sorted(run), [len(run[i]["live_replicas"]) for i in sorted(run)], where="post",
-              color="gray", alpha=0.5, linewidth=1)
-    live.set_ylabel("live replicas (gray)")
-    live.set_ylim(0, max(len(r["live_replicas"]) for r in run.values()) + 1)
+    if all("live_replicas" in r for r in run.values()):
+        live = ax.twinx()  # how many replicas did the work: shrinks at a failure, grows at a join
+        counts = [len(run[i]["live_replicas"]) for i in sorted(run)]
+        live.step(sorted(run), counts, where="post", color="gray", alpha=0.5, linewidth=1)
+        live.set_ylabel("live replicas (gray)")
+        live.set_ylim(0, max(counts) + 1)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
     ax.set_title(f"Same trajectory despite failures (max rel. diff {worst[0]:.1e})")
