@@ -5,8 +5,10 @@ The state is what a checkpoint of the slot holds -- weights, fp32 main params an
 (optimizer state dict, loss scaler included), LR schedule, iteration, consumed samples, RNG --
 plus what only a live job has: the per-replica microbatch times the quota plan is computed from
 (every rank must plan alike from the next iteration on) and the skipped-iteration count. It goes
-as one serialized buffer over the rebuilt data-parallel group: two p2p messages (size, bytes).
-Exact bytes: after the join every replica's weights are bitwise identical.
+over the rebuilt data-parallel group as a small serialized skeleton (the non-tensor state, and the
+dtype and shape of each tensor), then the tensors, one message per dtype: no pickling of the
+weights, no copy beyond one concatenation per dtype. Exact bytes: after the join every
+replica's weights are bitwise identical.
 """
 from __future__ import annotations
 
@@ -53,26 +55,73 @@ def _peer(trainer, replica: int) -> int:
     return dist.get_group_rank(trainer.groups.dp, topo.rank(c.tp, replica, c.pp))
 
 
+def _strip(obj, tensors: list[torch.Tensor]):
+    """The state with every tensor replaced by its index in `tensors` (a small skeleton)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach().contiguous())
+        return {_TENSOR: len(tensors) - 1}
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _dress(obj, tensors: list[torch.Tensor]):
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            return tensors[obj[_TENSOR]]
+        return {k: _dress(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_dress(v, tensors) for v in obj)
+    return obj
+
+
+_TENSOR = "__recover_tensor__"
+
+
 def send_state(trainer, to_replica: int) -> int:
-    """Donor side: returns the bytes sent. PeerFailure if the joiner or the group fails."""
+    """Donor side: a small serialized skeleton (sizes, dtypes, the non-tensor state), then every
+    tensor as it is -- no pickling of the weights. Returns the bytes sent. PeerFailure if the
+    joiner or the group fails."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(live_state(trainer), tensors)
     buffer = io.BytesIO()
-    torch.save(live_state(trainer), buffer)
-    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(trainer.device)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=trainer.device)
-    peer = _peer(trainer, to_replica)
-    dist.send(size, group=trainer.groups.dp, group_dst=peer)
-    dist.send(payload, group=trainer.groups.dp, group_dst=peer)
-    return payload.numel()
+    torch.save({"skeleton": skeleton, "specs": [(str(t.dtype), tuple(t.shape), t.device.type)
+                                                for t in tensors]}, buffer)
+    header = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(trainer.device)
+    size = torch.tensor([header.numel()], dtype=torch.int64, device=trainer.device)
+    group, peer = trainer.groups.dp, _peer(trainer, to_replica)
+    dist.send(size, group=group, group_dst=peer)
+    dist.send(header, group=group, group_dst=peer)
+    for dtype in _dtypes(tensors):  # one message per dtype: few large sends, one copy
+        flat = torch.cat([t.reshape(-1).to(trainer.device) for t in tensors if t.dtype == dtype])
+        dist.send(flat, group=group, group_dst=peer)
+    return header.numel() + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _dtypes(tensors: list[torch.Tensor]) -> list[torch.dtype]:
+    """The dtypes of the non-empty tensors, in first-seen order (both sides compute the same)."""
+    return list(dict.fromkeys(t.dtype for t in tensors if t.numel()))
 
 
 def receive_state(trainer, from_replica: int) -> int:
     """Joiner side: receive the donor's state and take it on; returns the bytes received."""
-    peer = _peer(trainer, from_replica)
+    group, peer = trainer.groups.dp, _peer(trainer, from_replica)
     size = torch.zeros(1, dtype=torch.int64, device=trainer.device)
-    dist.recv(size, group=trainer.groups.dp, group_src=peer)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=trainer.device)
-    dist.recv(payload, group=trainer.groups.dp, group_src=peer)
-    state = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu",
-                       weights_only=True)
-    apply_live_state(trainer, state)
-    return payload.numel()
+    dist.recv(size, group=group, group_src=peer)
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=trainer.device)
+    dist.recv(header, group=group, group_src=peer)
+    meta = torch.load(io.BytesIO(header.cpu().numpy().tobytes()), weights_only=True)
+    tensors = [torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
+                           device=trainer.device) for dtype, shape, _ in meta["specs"]]
+    for dtype in _dtypes(tensors):
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype and t.numel()]
+        flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=dtype,
+                           device=trainer.device)
+        dist.recv(flat, group=group, group_src=peer)
+        for i, part in zip(members, flat.split([tensors[i].numel() for i in members])):
+            tensors[i] = part.view(tensors[i].shape)
+    tensors = [t.cpu() if where == "cpu" else t for t, (_, _, where) in zip(tensors, meta["specs"])]
+    apply_live_state(trainer, _dress(meta["skeleton"], tensors))
+    return header.numel() + sum(t.numel() * t.element_size() for t in tensors)
