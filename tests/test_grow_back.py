@@ -67,6 +67,7 @@ def test_a_replacement_rejoins_and_the_trajectory_is_the_failure_free_one(tmp_pa
     records = assert_failure_free_trajectory(run, reference["dp4"])
     live = [len(r["live_replicas"]) for r in records]
     assert live[:2] == [4, 4] and live[2] == 3 and live[-1] == 4, live  # 4 -> 3 -> 4
+    assert len(joins(run)) == 1, run.stdout[-3000:] + run.stderr[-3000:]
     [join] = joins(run)
     assert join["joined"] == [2] and join["donor"] == 0 and join["bytes_sent"] > 0
     assert "started replacement" in run.stderr and "all 4 rank(s) exited 0" in run.stderr
@@ -87,12 +88,14 @@ def test_a_pipeline_replica_is_re_formed_from_its_waiting_survivor(tmp_path, ref
 
 
 def test_a_join_that_loses_its_donor_is_retried_and_the_donor_comes_back(tmp_path, reference):
+    # slower than the others: two replacements start one after the other before the job ends
     run = run_job(tmp_path, *CHECKED, *faults("kill:rank=2,iter=3,phase=forward",
                                               "kill:rank=0,iter=any,phase=join",
-                                              "slow:rank=1,seconds=0.15,iter=4,phase=forward"),
+                                              "slow:rank=1,seconds=0.3,iter=4,phase=forward"),
                   replacements=2)
     assert run.returncode == 0, run.stderr[-3000:]
     records = assert_failure_free_trajectory(run, reference["dp4"])
+    assert len(joins(run)) == 2, run.stdout[-3000:] + run.stderr[-3000:]
     first, second = joins(run)
     assert first["joined"] == [2] and first["dropped"] == [0] and first["donor"] == 1
     assert first["attempts"] == 2  # the attempt with donor 0 was abandoned

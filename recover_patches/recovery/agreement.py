@@ -158,3 +158,11 @@ class StoreAgreement:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         return json.loads(self.store.get(key).decode())
+
+    def abandon_join(self, epoch: int) -> None:
+        """The live ranks went on without the joiners of `epoch` (no newer epoch explained the
+        failure): the spares report again for the next grow epoch."""
+        self.store.set(f"recover/join/{epoch}/abandoned", "1")
+
+    def join_abandoned(self, epoch: int) -> bool:
+        return self.store.check([f"recover/join/{epoch}/abandoned"])

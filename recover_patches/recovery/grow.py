@@ -121,6 +121,7 @@ class GrowBack:
                 if sent is None:  # aborted on every member alike: go on without the joiners
                     self.failed.add(epoch)
                     self.abandon()
+                    self.agreement.abandon_join(epoch)
                     self.agreement.barrier(f"join/{epoch}/fallback", m.members(), epoch)
                     self.rebuild(m.live_replicas, epoch, f"join/{epoch}/fallback")
                     joined, abandoned = [], joined
@@ -195,14 +196,24 @@ class GrowBack:
             except PeerFailure:
                 ok = False
             decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok)
-            if decision is Decision.ABORT:  # every member saw the same: wait for the next grow
+            if decision is Decision.ABORT:
                 self.abandon()
-                self.membership.wait_as_spare(slots)
+                self._after_abort(epoch, slots)
                 continue
             m.live_replicas, m.epoch, m.dead = list(plan["live"]), epoch, dead
             return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],
                               plan["donor"], 1, bytes_received=received,
                               seconds={"pause": time.perf_counter() - start})
+
+    def _after_abort(self, epoch: int, slots: list[int]) -> None:
+        """A death explains most aborted joins: its epoch follows, and the live ranks retry with
+        it. Only if they give up on this epoch's join do the spares report again (reporting
+        at once would start a grow epoch that interrupts the live ranks' retry, forever)."""
+        while self.membership.epoch() == epoch and not self._job_over():
+            if self.agreement.join_abandoned(epoch):
+                self.membership.wait_as_spare(slots)
+                return
+            time.sleep(0.05)
 
     def _job_over(self) -> bool:
         return self.membership.job_complete() or self.membership.job_stopped() is not None
