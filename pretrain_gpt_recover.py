@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     assert trainer.grow is not None
                     _say(rank, "waiting as a spare until this rank's replica is re-formed")
                     trainer.record_join(trainer.grow.wait_as_spare())
+                    trainer.finish_iteration()  # with the others: the join iteration's save/eval
                     load = False  # the state came from a live replica
                 trainer.train(load)
                 break

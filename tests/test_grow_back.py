@@ -60,11 +60,16 @@ def assert_failure_free_trajectory(run, reference):
 
 
 def test_a_replacement_rejoins_and_the_trajectory_is_the_failure_free_one(tmp_path, reference):
-    run = run_job(tmp_path, *CHECKED, *faults("kill:rank=2,iter=3,phase=forward",
-                                              "slow:rank=1,seconds=0.15,iter=4,phase=forward"),
-                  replacements=1)
+    # saving and evaluating every iteration: the joiner takes part in the join iteration's too
+    run = run_job(tmp_path, *CHECKED, "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                  "--eval-interval", "1",
+                  *faults("kill:rank=2,iter=3,phase=forward",
+                          "slow:rank=1,seconds=0.15,iter=4,phase=forward"), replacements=1)
     assert run.returncode == 0, run.stderr[-3000:]
     records = assert_failure_free_trajectory(run, reference["dp4"])
+    assert "abandoned" not in run.stdout, run.stdout[-3000:]  # no checkpoint or join gave up
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    assert len([r for r in run.records if "valid_lm_loss" in r]) == ITERS
     live = [len(r["live_replicas"]) for r in records]
     assert live[:2] == [4, 4] and live[2] == 3 and live[-1] == 4, live  # 4 -> 3 -> 4
     assert len(joins(run)) == 1, run.stdout[-3000:] + run.stderr[-3000:]

@@ -6,8 +6,8 @@ The state is what a checkpoint of the slot holds -- weights, fp32 main params an
 plus what only a live job has: the per-replica microbatch times the quota plan is computed from
 (every rank must plan alike from the next iteration on) and the skipped-iteration count. It goes
 over the rebuilt data-parallel group as a small serialized skeleton (the non-tensor state, and the
-dtype and shape of each tensor), then the tensors, one message per dtype: no pickling of the
-weights, no copy beyond one concatenation per dtype. Exact bytes: after the join every
+dtype and shape of each tensor), then the tensors, one buffer per dtype sent in 64 MiB messages:
+no pickling of the weights, no copy beyond one concatenation per dtype. Exact bytes: after the join every
 replica's weights are bitwise identical.
 """
 from __future__ import annotations
@@ -78,6 +78,9 @@ def _dress(obj, tensors: list[torch.Tensor]):
 
 
 _TENSOR = "__recover_tensor__"
+# Elements per message (64 MiB of fp32): each p2p operation must finish within --recover-timeout,
+# which a multi-GiB state in one message would not on a slow link.
+CHUNK = 1 << 24
 
 
 def send_state(trainer, to_replica: int) -> int:
@@ -94,9 +97,10 @@ def send_state(trainer, to_replica: int) -> int:
     group, peer = trainer.groups.dp, _peer(trainer, to_replica)
     dist.send(size, group=group, group_dst=peer)
     dist.send(header, group=group, group_dst=peer)
-    for dtype in _dtypes(tensors):  # one message per dtype: few large sends, one copy
+    for dtype in _dtypes(tensors):  # one buffer per dtype: few large sends, one copy
         flat = torch.cat([t.reshape(-1).to(trainer.device) for t in tensors if t.dtype == dtype])
-        dist.send(flat, group=group, group_dst=peer)
+        for chunk in flat.split(CHUNK):
+            dist.send(chunk, group=group, group_dst=peer)
     return header.numel() + sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -119,7 +123,8 @@ def receive_state(trainer, from_replica: int) -> int:
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype and t.numel()]
         flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=dtype,
                            device=trainer.device)
-        dist.recv(flat, group=group, group_src=peer)
+        for chunk in flat.split(CHUNK):
+            dist.recv(chunk, group=group, group_src=peer)
         for i, part in zip(members, flat.split([tensors[i].numel() for i in members])):
             tensors[i] = part.view(tensors[i].shape)
     tensors = [t.cpu() if where == "cpu" else t for t, (_, _, where) in zip(tensors, meta["specs"])]

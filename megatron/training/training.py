@@ -247,12 +247,18 @@ class Trainer:
             self.record(outcome, time.perf_counter() - start)
             if self.grow is not None and self.grow.due(outcome.sync):
                 self.record_join(self.grow.at_boundary(self.state.iteration, outcome.sync))
-            if self.checkpointer is not None:
-                self.checkpointer.after_iteration(self)
-            if args.eval_interval and self.valid_stage is not None \
-                    and self.state.iteration % args.eval_interval == 0:
-                self.evaluate()
+            self.finish_iteration()
         return self.history
+
+    def finish_iteration(self) -> None:
+        """What every live rank does together after an iteration (and its join, if any): save if
+        due, evaluate if due. A spare that just joined runs it too, for the join's iteration."""
+        args = self.args
+        if self.checkpointer is not None:
+            self.checkpointer.after_iteration(self)
+        if args.eval_interval and self.valid_stage is not None \
+                and self.state.iteration % args.eval_interval == 0:
+            self.evaluate()
 
     def record(self, outcome: IterationOutcome, seconds: float) -> None:
         args = self.args

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,8 @@ class ArmRunner:
         self.run = ArmRun(spec)
 
     def execute(self) -> ArmRun:
+        # a fresh start: an earlier, interrupted run's checkpoints and metrics would be resumed
+        shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
         self.next_kill = 0

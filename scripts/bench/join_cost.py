@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,18 +50,23 @@ def main() -> int:
            "--master-port", "0", "--max-replacements", "1", str(REPO / "pretrain_gpt_recover.py"),
            *MODELS[opts.model].split(), *COMMON.split(), "--metrics-file", str(metrics)]
     print(f"running the {opts.model} job (kill rank 1 at iteration 2, one replacement) ...", flush=True)
-    start = time.monotonic()
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    start, log = time.monotonic(), opts.out_dir / f"log_{opts.model}.txt"
+    with open(log, "w") as out:  # streamed: a stuck job can be read while it runs
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        try:
+            code = proc.wait(timeout=1800)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     wall = time.monotonic() - start
-    (opts.out_dir / f"log_{opts.model}.txt").write_text(run.stdout + run.stderr)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     joins = [r["join"] for r in records if "join" in r]
     train = [r for r in records if "lm_loss" in r]
-    if run.returncode != 0 or len(joins) != 1:
-        print(run.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"expected exit 0 and one join, got {run.returncode} and {len(joins)} "
-                         f"(log in {opts.out_dir})")
+    if code != 0 or len(joins) != 1:
+        raise SystemExit(f"expected exit 0 and one join, got {code} and {len(joins)} (log: {log})")
     join = joins[0]
     after = [r["ms_per_iteration"] / 1000 for r in train if r["iteration"] > join["iteration"] + 1]
     iteration = statistics.median(after)
