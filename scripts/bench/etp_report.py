@@ -102,7 +102,7 @@ def plot(runs: dict[str, ArmRun], summaries: dict[str, ArmSummary], out: Path, t
             axes.axvline(kill.at, color=line.get_color(), alpha=0.25, linewidth=0.8)
     axes.set_xlabel("wall-clock seconds (vertical lines: SIGKILL of a rank)")
     axes.set_ylabel("committed tokens (thousands)")
-    axes.set_title(title)
+    axes.set_title(title, fontsize=9, wrap=True)  # long run descriptions stay inside the figure
     axes.legend(loc="upper left")
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
