@@ -125,8 +125,11 @@ def receive_state(trainer, from_replica: int) -> int:
                            device=trainer.device)
         for chunk in flat.split(CHUNK):
             dist.recv(chunk, group=group, group_src=peer)
+        # copies, not views: a view would pin the whole buffer (weights included) for as long
+        # as the optimizer keeps its moments, i.e. forever
         for i, part in zip(members, flat.split([tensors[i].numel() for i in members])):
-            tensors[i] = part.view(tensors[i].shape)
+            tensors[i] = part.view(tensors[i].shape).clone()
+        del flat
     tensors = [t.cpu() if where == "cpu" else t for t, (_, _, where) in zip(tensors, meta["specs"])]
     apply_live_state(trainer, _dress(meta["skeleton"], tensors))
     return header.numel() + sum(t.numel() * t.element_size() for t in tensors)
