@@ -4,7 +4,9 @@
 
 A rank whose replica breaks waits as a spare (--recover-spares on) until its replica is re-formed,
 with replacement processes the launcher starts for the dead ranks (--max-replacements); a
-replacement process (RECOVER_INCARNATION > 0) starts as such a spare.
+replacement process (RECOVER_INCARNATION > 0) starts as such a spare. A standby process
+(RECOVER_STANDBY, from `launch --standby`) first waits for the coordinator to give it a dead
+rank's slot, then starts as that slot's replacement.
 
 Exit status: 0 done (also: a survivor of a broken replica that left cleanly), 2 user error,
 3 the job stopped because too few complete replicas remain (or a rank died with --recover off, or
@@ -45,21 +47,59 @@ def _report_epochs(membership, rank: int) -> None:
     membership.add_listener(report)
 
 
+def _wait_as_standby(standby: str) -> int | None:
+    """A standby process waits for a slot; None once it has one (it is now that rank), else
+    the exit status: the job completed or stopped without needing it."""
+    from recover_patches.collectives.errors import CoordinatorError
+    from recover_patches.collectives.standby import JobEnded, become, wait_for_slot
+    print(f"[recover] standby {standby}: waiting for the slot of a dead rank", flush=True)
+    try:
+        outcome = wait_for_slot(standby)
+    except CoordinatorError as err:
+        print(f"[recover] standby {standby}: stopping: {err}", flush=True)
+        return EXIT_RESTART
+    if outcome is JobEnded.COMPLETE:
+        print(f"[recover] standby {standby}: the job completed without needing it: exiting",
+              flush=True)
+        return 0
+    if outcome is JobEnded.STOPPED:
+        print(f"[recover] standby {standby}: the job stopped (no live replica to re-form): "
+              "exiting", flush=True)
+        return EXIT_RESTART
+    become(outcome)
+    _say(outcome.rank, f"standby {standby} takes this rank (incarnation {outcome.incarnation})")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from megatron.training.arguments import parse_and_validate
     from megatron.training.initialize import env_rank_world
 
-    rank, world = env_rank_world()
+    _, world = env_rank_world()
     args = parse_and_validate(argv, world_size=world,
                               device="cuda" if torch.cuda.is_available() else "cpu")
+    if args.coordinator_addr:  # the flags win over the launcher's env
+        os.environ["RECOVER_COORDINATOR"] = args.coordinator_addr
+    if args.job_token:
+        os.environ["RECOVER_JOB_TOKEN"] = args.job_token
+    from recover_patches.collectives.standby import standby_id
+    if standby_id() is not None:
+        if not args.recover:
+            return _user_error("RECOVER_STANDBY: a standby process takes over a dead rank in the "
+                               "running job, which needs --recover on. Fix: drop --recover off or "
+                               "start no standby nodes")
+        if (ended := _wait_as_standby(str(standby_id()))) is not None:
+            return ended
+    rank, world = env_rank_world()
+    args.rank = rank
 
     from megatron.training.arguments_errors import UserError
     from megatron.training.datasets import build_datasets, validate_data
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
     from megatron.training.checkpointing import CheckpointError, Checkpointer
-    from recover_patches.collectives.errors import CoordinatorError, PeerFailure
+    from recover_patches.collectives.errors import CoordinatorError, PeerFailure, SlotTaken
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:  # user errors first, before any process group exists or anything is written
         tokenizer = build_tokenizer(args)
@@ -78,14 +118,13 @@ def main(argv: list[str] | None = None) -> int:
                            "(--recover on) and the coordinator. Fix: start it with "
                            "`python -m recover_patches.launch --max-replacements K`")
     membership = None
-    if args.coordinator_addr:  # the flags win over the launcher's env
-        os.environ["RECOVER_COORDINATOR"] = args.coordinator_addr
-    if args.job_token:
-        os.environ["RECOVER_JOB_TOKEN"] = args.job_token
     if os.environ.get("RECOVER_COORDINATOR"):
         from recover_patches.collectives.membership import MembershipClient
         try:
             membership = MembershipClient.from_env()
+        except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
+            _say(rank, f"{err}: leaving")
+            return 0
         except CoordinatorError as err:
             return _user_error(f"--coordinator-addr / RECOVER_COORDINATOR: {err}")
         _report_epochs(membership, rank)

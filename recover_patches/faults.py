@@ -9,6 +9,9 @@ Kinds:
   kill   SIGKILL this process (a crash: no cleanup, no exit handlers);
   hang   SIGSTOP this process (a hang: every thread stops, heartbeats too; if someone sends
          SIGCONT, training just continues);
+  node   SIGKILL this process's whole process group: its launcher and everything the launcher
+         started (a lost node). Start each node's launcher in its own process group (a shell job,
+         `setsid`, srun); the group of a launcher that started the coordinator holds it too;
   exit   os._exit(C) (default C=1) after flushing stdout/stderr: a process that quits abruptly
          with a status, e.g. a failing node-health check;
   slow   sleep S seconds at every matching call from iteration I on (default I=0, phase forward),
@@ -18,7 +21,7 @@ Kinds:
   corrupt  silent data corruption: the trainer's action changes one weight of this rank (the
          weight check across replicas must notice).
 inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
-kill, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
+kill, node, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored. iter=any matches the
 first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1. A
 replacement process (launch --max-replacements) gets its rank's specs again; a one-shot fault at
@@ -33,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "slow", "inf", "corrupt")
+KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
           "recovery", "join")
 ENV_VAR = "RECOVER_INJECT_FAULT"
@@ -147,6 +150,8 @@ class FaultInjector:
             self.actions[fault.kind]()
         elif fault.kind == "kill":
             self._kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "node":
+            self._kill(-os.getpgrp(), signal.SIGKILL)
         elif fault.kind == "hang":
             self._kill(os.getpid(), signal.SIGSTOP)
         else:

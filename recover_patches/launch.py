@@ -27,6 +27,14 @@ launcher forks a new process for the same rank and GPU (RECOVER_INCARNATION = pr
 most K times in the job's life. It registers as a spare and joins when its replica can be
 re-formed (DESIGN §15).
 
+Standby nodes (``--standby``, needs a running coordinator): the launcher starts
+``--nproc-per-node`` processes without a rank (RECOVER_STANDBY names each). Each waits until the
+coordinator gives it the slot of a dead rank that no local replacement is coming for (a lost
+node's), then runs as that rank's replacement on this node's GPU; it exits 0 if the job completes
+without needing it. ``--nnodes`` is the number of training nodes (the world size is unchanged),
+``--node-rank`` this standby node's index (it only names the processes). With
+``--max-replacements K`` a standby process that dies is followed by a new standby process.
+
 Exit status rule:
   * 0 if every rank of this node exited 0;
   * otherwise still 0 if the job declared itself complete through the coordinator
@@ -90,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replacements", type=int, default=0,
                    help="start a replacement process when a rank of this node dies, at most this "
                         "many times (needs the coordinator); it rejoins as a spare")
+    p.add_argument("--standby", action="store_true",
+                   help="a standby node: start only processes that wait to take over the slots of "
+                        "dead ranks (needs a running coordinator)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -98,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace) -> None:
     if args.nproc_per_node < 1:
         raise LaunchUsageError("--nproc-per-node must be >= 1")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise LaunchUsageError("--node-rank must be in [0, --nnodes); got "
+    if args.nnodes < 1 or args.node_rank < 0 or (args.node_rank >= args.nnodes and not args.standby):
+        raise LaunchUsageError("--node-rank must be in [0, --nnodes) (>= 0 with --standby); got "
                                f"--node-rank {args.node_rank} --nnodes {args.nnodes}")
     if args.nnodes > 1 and args.master_port == 0:
         raise LaunchUsageError("--master-port 0 works on one node only: give every node the same port")
@@ -112,6 +123,11 @@ def validate(args: argparse.Namespace) -> None:
     if args.max_replacements < 0 or (args.max_replacements and args.no_coordinator):
         raise LaunchUsageError("--max-replacements needs a value >= 0 and the coordinator "
                                "(drop --no-coordinator)")
+    if args.standby and (args.no_coordinator or not (args.coordinator_port or os.environ.get(
+            "RECOVER_COORDINATOR")) or not (args.job_token or os.environ.get("RECOVER_JOB_TOKEN"))):
+        raise LaunchUsageError("--standby joins a running job: give it the job's --coordinator-port "
+                               "(with --master-addr) or RECOVER_COORDINATOR=host:port, and its "
+                               "--job-token (or RECOVER_JOB_TOKEN); drop --no-coordinator")
     if not args.no_coordinator and args.nnodes > 1:
         if args.coordinator_port == 0 and not os.environ.get("RECOVER_COORDINATOR"):
             raise LaunchUsageError("with --nnodes > 1 give every node the same --coordinator-port "
@@ -209,11 +225,17 @@ def run_rank(script: str, script_args: list[str], env: dict[str, str]) -> NoRetu
 
 @dataclass
 class Rank:
-    rank: int
+    rank: int  # -1: a standby process not given a slot (yet)
     pid: int
     status: int | None = None  # raw waitpid status once exited
     incarnation: int = 0  # > 0: a replacement process for this rank
     replaced: bool = False
+    local: int = 0  # LOCAL_RANK: its GPU on this node
+    standby: str | None = None  # RECOVER_STANDBY of a standby process
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank}" if self.rank >= 0 else f"standby {self.standby}"
 
     @property
     def exit_code(self) -> int | None:
@@ -227,9 +249,9 @@ def describe(code: int) -> str:
 
 
 def rank_env(args: argparse.Namespace, local_rank: int, extra: dict[str, str]) -> dict[str, str]:
+    """The child's environment. A standby process gets no RANK: the coordinator gives it one."""
     world = args.nnodes * args.nproc_per_node
     env = {
-        "RANK": str(args.node_rank * args.nproc_per_node + local_rank),
         "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
@@ -238,6 +260,8 @@ def rank_env(args: argparse.Namespace, local_rank: int, extra: dict[str, str]) -
         "MASTER_PORT": str(args.master_port),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
+    if not args.standby:
+        env["RANK"] = str(args.node_rank * args.nproc_per_node + local_rank)
     env.update(extra)
     return env
 
@@ -332,6 +356,7 @@ class Supervisor:
                     self._signal_all(signal.SIGKILL)
                     self.kill_deadline = float("inf")
                 if self.link is not None:
+                    self._learn_slots()
                     self._fence(self.link.dead_incarnations())
                 timeout = 0.01 if polling else (0.2 if self.link is not None else 5.0)
                 if self.kill_deadline is not None:
@@ -352,16 +377,34 @@ class Supervisor:
             if pid == 0:
                 continue
             r.status = status
+            if r.rank < 0 and self.link is not None:
+                self._learn_slots()  # it may have been given a slot just before it ended
+            replacing = self._should_replace(r)
             if self.link is not None:
-                self.link.report_exit(r.rank, r.exit_code, r.incarnation)
-            if self._should_replace(r):
+                if r.rank >= 0:  # the coordinator gives its slot away only if none is coming
+                    # (a standby node's new process is a new standby, not this slot's)
+                    self.link.report_exit(r.rank, r.exit_code, r.incarnation,
+                                          replacing and r.standby is None)
+                else:
+                    self.link.report_standby_exit(str(r.standby))
+            if replacing:
                 self.replacements_left -= 1
                 assert self.respawn is not None
                 new = self.respawn(r)
                 r.replaced = True
                 self.ranks[new.pid] = new
-                log(f"rank {r.rank} ({describe(r.exit_code or 0)}): started replacement pid "
-                    f"{new.pid} (incarnation {new.incarnation}, {self.replacements_left} left)")
+                log(f"{r.name} ({describe(r.exit_code or 0)}): started replacement pid "
+                    f"{new.pid} ({new.name}, incarnation {new.incarnation}, "
+                    f"{self.replacements_left} left)")
+
+    def _learn_slots(self) -> None:
+        """Which slot each standby process was given: fencing and exit reports go by slot."""
+        waiting = {r.standby: r for r in self.ranks.values() if r.rank < 0 and r.standby}
+        if not waiting or self.link is None:
+            return
+        for standby, (rank, incarnation) in self.link.assignments(list(waiting)).items():
+            waiting[standby].rank, waiting[standby].incarnation = rank, incarnation
+            log(f"standby {standby} (pid {waiting[standby].pid}) took rank {rank}")
 
     def _should_replace(self, r: Rank) -> bool:
         return (self.respawn is not None and self.replacements_left > 0
@@ -372,7 +415,7 @@ class Supervisor:
         for r in self.live():
             if dead.get(r.rank, -1) >= r.incarnation and (r.rank, r.incarnation) not in self.fenced:
                 self.fenced.add((r.rank, r.incarnation))
-                log(f"rank {r.rank} declared dead by the coordinator: SIGKILL")
+                log(f"{r.name} declared dead by the coordinator: SIGKILL")
                 os.kill(r.pid, signal.SIGKILL)
 
 
@@ -380,12 +423,13 @@ def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) 
     failed = [r for r in ranks if r.exit_code != 0 and not r.replaced]
     for r in ranks:
         if r.replaced:
-            log(f"rank {r.rank} (pid {r.pid}) {describe(r.exit_code or 0)}: replaced")
+            log(f"{r.name} (pid {r.pid}) {describe(r.exit_code or 0)}: replaced")
     ranks = [r for r in ranks if not r.replaced]
     for r in failed:
-        log(f"rank {r.rank} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
+        log(f"{r.name} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
     if not failed:
-        log(f"all {len(ranks)} rank(s) exited 0")
+        log(f"all {len(ranks)} "
+            f"{'standby process(es)' if any(r.standby for r in ranks) else 'rank(s)'} exited 0")
         return 0
     if completion is not None:
         epoch, dead = completion
@@ -430,19 +474,31 @@ def main(argv: list[str] | None = None) -> int:
     # the instant before it installs its own, and the launcher must not die between two forks.
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    ranks = [Rank(rank=args.node_rank * args.nproc_per_node + i,
-                  pid=fork_rank(args.script, args.script_args, rank_env(args, i, extra_env), warm))
+    started = 0  # standby processes started: each gets a new name
+
+    def start(local: int, rank: int, incarnation: int) -> Rank:
+        nonlocal started
+        env = rank_env(args, local, extra_env)
+        standby = None
+        if args.standby:  # the coordinator gives it a slot (and an incarnation) later
+            standby = f"{args.node_rank}.{started}"
+            env["RECOVER_STANDBY"] = standby
+            started += 1
+            rank, incarnation = -1, 0
+        elif incarnation:
+            env["RECOVER_INCARNATION"] = str(incarnation)
+        pid = fork_rank(args.script, args.script_args, env, warm)
+        return Rank(rank=rank, pid=pid, incarnation=incarnation, local=local, standby=standby)
+
+    ranks = [start(i, args.node_rank * args.nproc_per_node + i, 0)
              for i in range(args.nproc_per_node)]
 
     def respawn(dead: Rank) -> Rank:
-        env = rank_env(args, dead.rank - args.node_rank * args.nproc_per_node, extra_env)
-        env["RECOVER_INCARNATION"] = str(dead.incarnation + 1)
         signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
         try:
-            pid = fork_rank(args.script, args.script_args, env, warm)
+            return start(dead.local, dead.rank, dead.incarnation + 1)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-        return Rank(rank=dead.rank, pid=pid, incarnation=dead.incarnation + 1)
 
     link = None
     if coordinator is not None:

@@ -11,7 +11,8 @@ class Recorder:
         self.calls = []
 
     def actions(self):
-        return dict(kill=lambda pid, sig: self.calls.append(("kill", sig)),
+        return dict(kill=lambda pid, sig: self.calls.append(("kill", sig) if pid > 0
+                                                            else ("killpg", -pid, sig)),
                     exit=lambda code: self.calls.append(("exit", code)),
                     sleep=lambda s: self.calls.append(("sleep", s)))
 
@@ -63,6 +64,14 @@ def test_one_shot_faults_fire_once_at_their_point_only(monkeypatch):
     inj.at("p2p", 4, 1)
     inj.at("optimizer", 5)
     assert rec.calls == [("kill", signal.SIGKILL), ("kill", signal.SIGSTOP), ("exit", 9)]
+
+
+def test_a_node_fault_kills_the_whole_process_group(monkeypatch):
+    import os
+    rec = Recorder()
+    inj = injector(["node:rank=2,iter=3,phase=forward"], 2, rec, monkeypatch)
+    inj.at("forward", 3, 0)
+    assert rec.calls == [("killpg", os.getpgrp(), signal.SIGKILL)]
 
 
 def test_slow_applies_at_every_call_from_its_iteration(monkeypatch):

@@ -8,9 +8,16 @@ process to start (it only costs time: the numbers do not change).
 """
 from __future__ import annotations
 
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+
 import pytest
 
-from tests._launch_util import TINY_GPT, launch
+from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
 
 ITERS, M = 14, 8
 COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even"]
@@ -106,3 +113,53 @@ def test_a_join_that_loses_its_donor_is_retried_and_the_donor_comes_back(tmp_pat
     assert first["attempts"] == 2  # the attempt with donor 0 was abandoned
     assert second["joined"] == [0] and second["live"] == [0, 1, 2, 3]
     assert records[-1]["live_replicas"] == [0, 1, 2, 3]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_standby_node_takes_over_a_lost_nodes_ranks(tmp_path, reference):
+    # Two training nodes of two ranks and one standby node of two processes, all on this machine.
+    # Node 1 (ranks 2 and 3, two whole replicas) dies with its launcher at iteration 3: only
+    # heartbeats tell; the standby processes take its slots and re-form both replicas.
+    metrics = tmp_path / "metrics.jsonl"
+    token, master, coordinator = secrets.token_hex(8), free_port(), free_port()
+    common = ["--nproc-per-node", "2", "--nnodes", "2", "--master-port", str(master),
+              "--coordinator-port", str(coordinator), "--job-token", token,
+              "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"]
+    script = [str(REPO / "pretrain_gpt_recover.py"), *COMMON, *CHECKED, "--metrics-file", str(metrics),
+              *faults("node:rank=3,iter=3,phase=forward",
+                      "slow:rank=1,seconds=0.25,iter=4,phase=forward")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = {}
+    try:
+        for name, where in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
+                            ("standby", ["--node-rank", "0", "--standby"])):
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "recover_patches.launch", *common, *where, *script],
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)
+        out = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    stdout = "".join(o for o, _ in out.values())
+    stderr = "".join(e for _, e in out.values())
+    assert procs["node0"].returncode == 0 and procs["standby"].returncode == 0, stderr[-4000:]
+    assert procs["node1"].returncode == -signal.SIGKILL  # the lost node
+    run = type("Run", (), {"records": read_metrics(metrics), "stdout": stdout})()
+    records = assert_failure_free_trajectory(run, reference["dp4"])
+    live = [len(r["live_replicas"]) for r in records]
+    assert live[:2] == [4, 4] and 2 in live and live[-1] == 4, live
+    assert sorted(rank for join in joins(run) for rank in join["joined"]) == [2, 3]
+    for rank in (2, 3):
+        assert f"takes rank {rank}" in stderr, stderr[-4000:]  # the coordinator's assignment
+    assert "no heartbeat" in stderr and "all 2 standby process(es) exited 0" in out["standby"][1]

@@ -180,6 +180,7 @@ def test_sigterm_is_forwarded_then_sigkill_after_grace(tmp_path):
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
     (["--nnodes", "2", "--node-rank", "1", "--master-port", "0"], "--master-port"),
     (["--heartbeat-interval", "3", "--heartbeat-timeout", "1"], "--heartbeat-interval"),
+    (["--standby"], "--standby joins a running job"),  # --no-coordinator, no port, no token
 ])
 def test_usage_errors_exit_2_and_start_nothing(tmp_path, flags, needle):
     proc = start_launcher(tmp_path, 2, {}, *flags)

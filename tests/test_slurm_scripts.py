@@ -124,6 +124,20 @@ def test_sbatch_starts_one_launcher_per_node_with_shared_settings(stubs, tmp_pat
         assert cmd[script + 1:] == expected + ["--train-iters", "7"]
 
 
+def test_spare_nodes_start_standby_launchers_for_the_training_nodes_world(stubs, tmp_path):
+    env = clean_env(stubs, SLURM_NNODES="3", SLURM_JOB_NODELIST="node[01-03]", SLURM_JOB_ID="5",
+                    SLURM_SUBMIT_DIR=str(REPO), CONFIG="tiny_cpu", CKPT_DIR="/ckpt", DRY_RUN="1",
+                    SPARE_NODES="1", STUB_HOSTS="node01 node02 node03",
+                    STUB_SRUN_LOG=str(tmp_path / "srun.args"))
+    result = run_bash(SBATCH, env)
+    assert result.returncode == 0, result.stderr
+    commands = [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
+    assert [("--standby" in c, flag(c, "--node-rank"), flag(c, "--nnodes")) for c in commands] == [
+        (False, "0", "2"), (False, "1", "2"), (True, "0", "2")]
+    assert {flag(c, "--coordinator-port") for c in commands} == {str(20000 + 5 + 1)}
+    assert "standby node 0/1" in result.stderr
+
+
 def test_sbatch_refuses_a_missing_config_before_srun(stubs, tmp_path):
     srun_log = tmp_path / "srun.args"
     env = clean_env(stubs, SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(REPO), STUB_SRUN_LOG=str(srun_log))
@@ -146,6 +160,7 @@ NODE_ENV = {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "nod
     ({"CONFIG": "no_such_config"}, "CONFIG=no_such_config"),
     ({"CONFIG": "gpt3_175b"}, "DATA_PATH"),  # the config needs it and nobody set it
     ({"STUB_HOSTS": " "}, "SLURM_JOB_NODELIST"),
+    ({"SPARE_NODES": "2"}, "SPARE_NODES=2"),  # no node would train
 ])
 def test_launch_node_user_errors_exit_2_naming_the_setting(stubs, change, named):
     settings = {**NODE_ENV, **change}

@@ -11,6 +11,10 @@ What does NOT start an epoch, and why:
   * a clean `leave` (surviving ranks of a broken replica) and any exit after the job declared
     completion: those ranks are recorded as gone without aborting everyone's work.
 
+It also brings slots back (DESIGN §15, rules in `membership_state.py`): a grow epoch once a broken
+replica's slots all have waiting processes, and dead slots no local replacement is coming for
+handed to standby processes (`launch --standby`).
+
 Run by hand (e.g. SLURM, on the first node):
     RECOVER_JOB_TOKEN=... python -m recover_patches.collectives.coordinator --port 29400 --world-size N
 """
@@ -22,12 +26,13 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
+from recover_patches.collectives.membership_state import MembershipState
 
 TICK = 0.02  # seconds between polls of the store: bounds detection latency, costs ~nothing
 
@@ -43,133 +48,16 @@ class CoordinatorConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
 
+    @property
+    def standby_grace(self) -> float:
+        """How long a dead slot's launcher may take to report a local replacement before the slot
+        goes to a standby: it fences and reports within a fraction of a second when it is alive."""
+        return max(1.0, 2 * self.heartbeat_interval)
 
-@dataclass
-class MembershipState:
-    """Pure bookkeeping, no I/O: what the coordinator believes about every rank.
-
-    A rank number is a *slot* (its place in the TP x PP x DP layout); the process holding it is
-    an *incarnation* (0 = the one started with the job). A launcher may start a replacement
-    (incarnation k + 1) for a slot whose process died; it registers, reports as a spare, and a
-    *grow epoch* clears the slots of a replica once every one of them has a waiting process."""
-
-    world_size: int
-    epoch: int = 0
-    dead: set[int] = field(default_factory=set)        # slots without a member, published
-    pending_dead: dict[int, str] = field(default_factory=dict)  # rank -> reason, not yet published
-    gone: set[int] = field(default_factory=set)        # left cleanly / exited after completion
-    exited: set[int] = field(default_factory=set)      # the slot's current incarnation exited
-    completed_at: int | None = None
-    incarnation: dict[int, int] = field(default_factory=dict)  # slot -> registered incarnation
-    dead_incarnation: dict[int, int] = field(default_factory=dict)  # dead slot -> who died
-    spares: dict[int, tuple[int, ...]] = field(default_factory=dict)  # waiting -> its replica
-    joining: tuple[int, ...] = ()  # slots the last published epoch brought back
-
-    def refuse_reason(self, rank: int, incarnation: int = 0) -> str | None:
-        if not 0 <= rank < self.world_size:
-            return f"rank {rank} is outside the job's world size {self.world_size}"
-        current = self.incarnation.get(rank, 0)
-        if incarnation > current:
-            return None  # a replacement for a process its launcher saw end
-        if rank in self.dead or rank in self.pending_dead:
-            return f"rank {rank} was declared dead in this job and cannot rejoin"
-        if incarnation < current:
-            return f"rank {rank} incarnation {incarnation} was replaced by incarnation {current}"
-        return None
-
-    def on_register(self, rank: int, incarnation: int) -> None:
-        current = self.incarnation.get(rank, 0)
-        if incarnation > current:
-            if rank not in self.dead:  # its launcher replaced it: the old one is gone for sure
-                self.mark_dead(rank, f"replaced by incarnation {incarnation}")
-            self.incarnation[rank] = incarnation
-            self.exited.discard(rank)
-            self.gone.discard(rank)
-
-    def _is_member_slot(self, rank: int) -> bool:
-        """The slot's current incarnation is (or was) a member, not a waiting replacement."""
-        return rank not in self.dead and rank not in self.pending_dead
-
-    def mark_dead(self, rank: int, reason: str) -> None:
-        self.spares.pop(rank, None)
-        if rank not in self.dead and rank not in self.gone and rank not in self.pending_dead:
-            self.pending_dead[rank] = reason
-
-    def on_exit(self, rank: int, code: int, incarnation: int = 0) -> None:
-        if incarnation != self.incarnation.get(rank, 0):
-            return  # a replaced incarnation's late report
-        self.exited.add(rank)
-        self.spares.pop(rank, None)
-        if rank in self.gone or not self._is_member_slot(rank):
-            return
-        if self.completed_at is not None:
-            self.gone.add(rank)
-        else:
-            self.mark_dead(rank, f"process exited ({'signal ' + str(-code) if code < 0 else 'code ' + str(code)})")
-
-    def on_leave(self, rank: int) -> None:
-        self.spares.pop(rank, None)
-        if rank not in self.dead:
-            self.gone.add(rank)
-
-    def on_spare(self, rank: int, incarnation: int, replica_slots: tuple[int, ...]) -> None:
-        if incarnation == self.incarnation.get(rank, 0) and rank not in self.exited:
-            self.spares[rank] = tuple(sorted(replica_slots))
-
-    def next_epoch(self) -> tuple[int, str] | None:
-        """Publishable epoch if deaths are pending: (epoch number, reason)."""
-        if not self.pending_dead:
-            return None
-        reason = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.pending_dead.items()))
-        for r in self.pending_dead:
-            self.dead_incarnation[r] = self.incarnation.get(r, 0)
-        self.dead |= set(self.pending_dead)
-        self.pending_dead.clear()
-        self.joining = ()
-        self.epoch += 1
-        return self.epoch, reason
-
-    def members_alive(self) -> list[int]:
-        """Ranks that may still be training (not dead, gone, exited, nor waiting as spares)."""
-        out = self.dead | set(self.pending_dead) | self.gone | self.exited | set(self.spares)
-        return [r for r in range(self.world_size) if r not in out]
-
-    def stopped_reason(self) -> str | None:
-        """Why the job can no longer go on before completing: spares stop waiting then."""
-        if self.completed_at is None and not self.pending_dead and not self.members_alive():
-            return "no live replica is left to re-form replicas with"
-        return None
-
-    def next_grow(self) -> tuple[int, str] | None:
-        """A grow epoch once every slot of some replica has a waiting process: those slots are
-        members again. Never while deaths are pending (they go first), nor without a live
-        member to hand over the state."""
-        if self.pending_dead or self.completed_at is not None or not self.members_alive():
-            return None
-        ready = sorted({slots for slots in self.spares.values()
-                        if all(self.spares.get(s) == slots for s in slots)})
-        if not ready:
-            return None
-        joining = tuple(sorted(s for slots in ready for s in slots))
-        for s in joining:
-            self.spares.pop(s)
-            self.dead.discard(s)
-            self.dead_incarnation.pop(s, None)
-        self.joining = joining
-        self.epoch += 1
-        return self.epoch, "grow: " + "; ".join(f"ranks {list(slots)} re-form a replica"
-                                                for slots in ready)
-
-    def finished(self) -> bool:
-        """Every slot's latest incarnation exited, or died with no newer one registered."""
-        return all(r in self.exited or (r in self.dead and self.dead_incarnation.get(r, 0)
-                                        >= self.incarnation.get(r, 0))
-                   for r in range(self.world_size))
-
-    def record(self, epoch: int, reason: str) -> dict:
-        return {"epoch": epoch, "dead": sorted(self.dead), "reason": reason,
-                "dead_incarnations": {str(r): k for r, k in sorted(self.dead_incarnation.items()) if k},
-                "joining": list(self.joining)}
+    @property
+    def register_timeout(self) -> float:
+        """How long a standby given a slot may take to register before the slot goes to another."""
+        return self.heartbeat_timeout + 10.0
 
 
 class Coordinator:
@@ -177,7 +65,8 @@ class Coordinator:
         self.raw = server
         self.store = dist.PrefixStore(P.job_prefix(config.token), server)
         self.config = config
-        self.state = MembershipState(config.world_size)
+        self.state = MembershipState(config.world_size, standby_grace=config.standby_grace,
+                                     register_timeout=config.register_timeout)
         self.digest = P.token_digest(config.token)
         self.next_hello = 1
         self.next_report = 1
@@ -206,12 +95,25 @@ class Coordinator:
         for published in (self.state.next_epoch(), self.state.next_grow()):
             if published is not None:
                 self._publish(*published)
+        self._standbys()
         if self.state.finished() and not self.raw.check([P.FINISHED]):
             self.store.set(P.FINISHED, "1")
         if not self.stopped and (reason := self.state.stopped_reason()) is not None:
             self.stopped = True
             self.store.set(P.STOPPED, reason)
             log(f"job stopped: {reason}")
+
+    def _standbys(self) -> None:
+        """Hand orphaned slots to standby processes; send them home when none ever will be."""
+        for standby, slot, incarnation in self.state.assign_standbys():
+            assignment = json.dumps({"rank": slot, "incarnation": incarnation})
+            self.store.set(P.assigned_key(standby), assignment)
+            self.store.add(P.ASSIGNED_COUNT, 1)
+            self.store.queue_push(P.standby_key(standby), assignment)
+            log(f"standby {standby} takes rank {slot} (incarnation {incarnation})")
+        for standby in self.state.release_standbys():
+            ended = P.COMPLETE if self.state.completed_at is not None else P.STOPPED
+            self.store.queue_push(P.standby_key(standby), ended)
 
     def _handshakes(self) -> None:
         count = self.raw.add(P.HELLO_COUNT, 0)
@@ -223,7 +125,8 @@ class Coordinator:
                 reason = ("wrong job token (RECOVER_JOB_TOKEN / --job-token must be the one the "
                           "coordinator was started with)")
             elif hello["role"] == "rank":
-                reason = self.state.refuse_reason(hello["rank"], hello.get("incarnation", 0))
+                reason = self.state.refuse_reason(hello["rank"], hello.get("incarnation", 0),
+                                                  hello.get("standby"))
             if reason is None and hello["role"] == "rank":
                 self.state.on_register(hello["rank"], hello.get("incarnation", 0))
                 self.heartbeats[hello["rank"]] = (-1, time.monotonic())
@@ -242,12 +145,17 @@ class Coordinator:
             if kind == "exit":
                 if report.get("incarnation", 0) == self.state.incarnation.get(report["rank"], 0):
                     self.heartbeats.pop(report["rank"], None)
-                self.state.on_exit(report["rank"], report["code"], report.get("incarnation", 0))
+                self.state.on_exit(report["rank"], report["code"], report.get("incarnation", 0),
+                                   report.get("replacing", False))
             elif kind == "leave":
                 self.state.on_leave(report["rank"])
                 self.heartbeats.pop(report["rank"], None)
             elif kind == "spare":
                 self.state.on_spare(report["rank"], report["incarnation"], tuple(report["slots"]))
+            elif kind == "standby":
+                self.state.on_standby(report["id"])
+            elif kind == "standby_exit":
+                self.state.on_standby_exit(report["id"])
             elif kind == "complete":
                 self._complete(report["rank"])
             elif kind == "suspect":

@@ -48,5 +48,10 @@ class JobTokenRefused(CoordinatorError):
     """The coordinator refused this process: wrong job token, bad rank, or a rank already dead."""
 
 
+class SlotTaken(JobTokenRefused):
+    """A local replacement came too late: the coordinator gave its slot to a standby process.
+    Not an error of the job: the process leaves with status 0."""
+
+
 class MembershipTimeout(CoordinatorError):
     """No newer membership epoch was announced within the wait."""

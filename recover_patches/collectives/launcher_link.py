@@ -32,6 +32,7 @@ class LauncherLink:
         self.broken = False
         self._epoch = -1
         self._dead: dict[int, int] = {}  # dead rank -> the incarnation declared dead
+        self._assigned_count = 0  # assignments to standby processes seen so far
 
     def _guard(self, action, default):
         if self.broken:
@@ -44,9 +45,30 @@ class LauncherLink:
                   file=sys.stderr, flush=True)
             return default
 
-    def report_exit(self, rank: int, code: int, incarnation: int = 0) -> None:
+    def report_exit(self, rank: int, code: int, incarnation: int = 0,
+                    replacing: bool = False) -> None:
         self._guard(lambda: P.post_report(self.store, P.Report.make(
-            "exit", rank=rank, code=code, incarnation=incarnation)), None)
+            "exit", rank=rank, code=code, incarnation=incarnation, replacing=replacing)), None)
+
+    def report_standby_exit(self, standby: str) -> None:
+        self._guard(lambda: P.post_report(self.store, P.Report.make("standby_exit", id=standby)),
+                    None)
+
+    def assignments(self, standbys: list[str]) -> dict[str, tuple[int, int]]:
+        """The slots (rank, incarnation) the coordinator gave to any of `standbys`; one store
+        operation unless an assignment happened since the last call."""
+        def read():
+            count = self.store.add(P.ASSIGNED_COUNT, 0)
+            if count == self._assigned_count:
+                return {}
+            found = {}
+            for standby in standbys:
+                if self.store.check([P.assigned_key(standby)]):
+                    slot = json.loads(self.store.get(P.assigned_key(standby)))
+                    found[standby] = (int(slot["rank"]), int(slot["incarnation"]))
+            self._assigned_count = count  # the coordinator writes the key before the count
+            return found
+        return self._guard(read, {})
 
     def dead_incarnations(self) -> dict[int, int]:
         """Dead ranks of the latest epoch, each with the incarnation declared dead."""
@@ -161,7 +183,7 @@ def start_or_join_coordinator(args: Namespace, token: str) -> CoordinatorHandle:
     if os.environ.get("RECOVER_COORDINATOR"):
         host, port = P.parse_address(os.environ["RECOVER_COORDINATOR"], "RECOVER_COORDINATOR")
         return CoordinatorHandle(host, port, token, args.node_rank, args.nnodes, None)
-    if args.node_rank != 0:
+    if args.node_rank != 0 or args.standby:
         return CoordinatorHandle(args.master_addr, args.coordinator_port, token, args.node_rank,
                                  args.nnodes, None)
     pid, port = fork_coordinator(args.coordinator_port, token, world_size,

@@ -30,12 +30,12 @@ class MembershipClient:
 
     def __init__(self, host: str, port: int, token: str, rank: int, world_size: int, *,
                  connect_timeout: float = 30.0, source: str = "RECOVER_COORDINATOR",
-                 incarnation: int = 0):
+                 incarnation: int = 0, standby: str | None = None):
         self.rank = rank
         self.world_size = world_size
         self.incarnation = incarnation  # > 0: a replacement process for this rank's slot
         raw = P.connect(host, port, connect_timeout, source)
-        P.handshake(raw, token, "rank", rank, connect_timeout, incarnation)
+        P.handshake(raw, token, "rank", rank, connect_timeout, incarnation, standby)
         self.store: dist.Store = dist.PrefixStore(P.job_prefix(token), raw)
         config = json.loads(self.store.get(P.CONFIG))
         if config["world_size"] != world_size:
@@ -66,7 +66,8 @@ class MembershipClient:
     @classmethod
     def from_env(cls, **kwargs) -> "MembershipClient":
         """RECOVER_COORDINATOR=host:port, RECOVER_JOB_TOKEN, RANK, WORLD_SIZE, and
-        RECOVER_INCARNATION for a replacement process (all set by the launcher)."""
+        RECOVER_INCARNATION for a replacement process (all set by the launcher; RANK and
+        RECOVER_INCARNATION by the coordinator for a process started as standby RECOVER_STANDBY)."""
         env = os.environ
         missing = [k for k in ("RECOVER_COORDINATOR", "RECOVER_JOB_TOKEN", "RANK", "WORLD_SIZE")
                    if not env.get(k)]
@@ -76,7 +77,8 @@ class MembershipClient:
                 "(which starts the coordinator) or export them")
         host, port = P.parse_address(env["RECOVER_COORDINATOR"], "RECOVER_COORDINATOR")
         return cls(host, port, env["RECOVER_JOB_TOKEN"], int(env["RANK"]), int(env["WORLD_SIZE"]),
-                   incarnation=int(env.get("RECOVER_INCARNATION", "0")), **kwargs)
+                   incarnation=int(env.get("RECOVER_INCARNATION", "0")),
+                   standby=env.get("RECOVER_STANDBY") or None, **kwargs)
 
     # --- the current view -------------------------------------------------------------------
     def epoch(self) -> int:
@@ -204,7 +206,9 @@ class MembershipClient:
             listener(epoch, dead)
         # an epoch names the incarnation it declares dead: a replacement waiting for the dead
         # slot it took over is not the one fenced
-        if self.rank in dead and P.dead_incarnations(record)[self.rank] >= self.incarnation:
+        taken = record.get("joining_incarnations", {}).get(str(self.rank), self.incarnation)
+        if (self.rank in dead and P.dead_incarnations(record)[self.rank] >= self.incarnation) \
+                or taken != self.incarnation:  # another process of this slot re-forms its replica
             # Fenced: the job moved on without us. Going on could only corrupt its state.
             print(f"[recover.membership] rank {self.rank} was declared dead in epoch {epoch}: exiting",
                   file=sys.stderr, flush=True)

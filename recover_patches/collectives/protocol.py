@@ -16,6 +16,10 @@ Under the job prefix:
   complete         JSON {epoch, dead} stamped by the coordinator when the job declares completion
   finished         set once every rank of the world has exited or been declared dead
   stopped          why the job stopped before completion (no member left): waiting spares leave
+  standby/<id>     queue: the coordinator pushes a standby process its slot (JSON {rank,
+                   incarnation}), or "complete" / "stopped" when it will never be needed
+  assigned/<id>    the same JSON, read by the standby's launcher (which fences by slot);
+                   assigned/count counts assignments so a launcher reads keys only when it moved
   pg/<name>/...    process-group rendezvous keys (one fresh sub-prefix per build)
 """
 from __future__ import annotations
@@ -28,13 +32,15 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
-                                                JobTokenRefused)
+                                                JobTokenRefused, SlotTaken)
 
 HELLO_COUNT = "recover/hello/count"
 OK = "ok"
 STOP = "stop"
 CONFIG, EPOCH, REPORTS_COUNT, COMPLETE, FINISHED = "config", "epoch", "reports/count", "complete", "finished"
 STOPPED = "stopped"
+ASSIGNED_COUNT = "assigned/count"
+SLOT_TAKEN = "slot taken:"  # how a refusal starts when a standby process was given the slot
 
 
 def hello_key(n: int) -> str:
@@ -66,6 +72,14 @@ def report_key(n: int) -> str:
     return f"reports/{n}"
 
 
+def standby_key(standby_id: str) -> str:
+    return f"standby/{standby_id}"
+
+
+def assigned_key(standby_id: str) -> str:
+    return f"assigned/{standby_id}"
+
+
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -95,23 +109,28 @@ def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
 
 
 def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
-              incarnation: int = 0) -> None:
-    """Present the job token; raise JobTokenRefused with the coordinator's reason if refused."""
+              incarnation: int = 0, standby: str | None = None) -> None:
+    """Present the job token (and, for a process that started as a standby, its name); raise
+    JobTokenRefused with the coordinator's reason if refused."""
     n = store.add(HELLO_COUNT, 1)
     store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank,
-                                        "incarnation": incarnation}))
+                                        "incarnation": incarnation, "standby": standby}))
     try:
         store.wait([reply_key(n)], timedelta(seconds=timeout))
     except RuntimeError as e:
         raise CoordinatorUnreachable(f"the coordinator did not answer the handshake of {role} "
                                      f"{rank} within {timeout:g}s") from e
     reply = store.get(reply_key(n)).decode()
+    if reply.startswith(SLOT_TAKEN):
+        raise SlotTaken(f"coordinator refused {role} {rank}: {reply}")
     if reply != OK:
         raise JobTokenRefused(f"coordinator refused {role} {rank}: {reply}")
 
 
 class Report(dict):
-    """One report to the coordinator. kinds: exit (by a launcher: rank, code, incarnation),
+    """One report to the coordinator. kinds: exit (by a launcher: rank, code, incarnation,
+    replacing = whether it starts a replacement), standby (a standby process waiting for a slot:
+    id), standby_exit (by a launcher: a standby process that never got a slot ended: id),
     suspect (by a rank: suspects, where), leave (a rank quitting cleanly), spare (a rank waiting
     to re-form its replica: incarnation, slots = the replica's ranks), complete (the job finished
     its work)."""

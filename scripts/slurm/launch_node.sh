@@ -16,6 +16,10 @@
 #   CONFIG            a name in scripts/configs/ (tiny_cpu, gpt2_345m, gpt3_175b, ...) or a path to
 #                     such a file; it may need DATA_PATH, VOCAB_FILE, MERGE_FILE, CKPT_DIR, ...
 #   NPROC_PER_NODE    ranks per node (default: SLURM_GPUS_ON_NODE, else 8)
+#   SPARE_NODES       standby nodes (default 0): the last SPARE_NODES nodes of the allocation start
+#                     only standby processes (launch --standby), which take over the ranks of a lost
+#                     node and re-form its replicas; the world is (SLURM_NNODES - SPARE_NODES) x
+#                     NPROC_PER_NODE ranks
 #   MASTER_PORT       torch.distributed rendezvous port (default: 0 = any free port on one node,
 #                     20000 + SLURM_JOB_ID % 20000 on several nodes: the same on every node)
 #   COORDINATOR_PORT  coordinator port (default: 0 on one node, MASTER_PORT + 1 on several)
@@ -42,10 +46,20 @@ for var in SLURM_NNODES SLURM_NODEID SLURM_JOB_NODELIST; do
     [ -n "${!var:-}" ] || fail "$var is not set: run inside a SLURM allocation (sbatch \
 scripts/slurm/pretrain_gpt.sbatch) or export SLURM_NNODES, SLURM_NODEID and SLURM_JOB_NODELIST"
 done
-NNODES="$SLURM_NNODES"
+ALLOCATED="$SLURM_NNODES"
 NODE_RANK="$SLURM_NODEID"
-[[ "$NNODES" =~ ^[1-9][0-9]*$ && "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] || fail \
-    "SLURM_NNODES=$NNODES / SLURM_NODEID=$NODE_RANK are not a node count and a node index below it"
+[[ "$ALLOCATED" =~ ^[1-9][0-9]*$ && "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$ALLOCATED" ]] \
+    || fail "SLURM_NNODES=$ALLOCATED / SLURM_NODEID=$NODE_RANK are not a node count and a node \
+index below it"
+SPARE_NODES="${SPARE_NODES:-0}"
+[[ "$SPARE_NODES" =~ ^[0-9]+$ && "$SPARE_NODES" -lt "$ALLOCATED" ]] || fail "SPARE_NODES=$SPARE_NODES \
+must be a whole number below the $ALLOCATED node(s) of the allocation: at least one node trains"
+NNODES=$((ALLOCATED - SPARE_NODES))  # training nodes; the standby nodes come after them
+standby=()
+if [ "$NODE_RANK" -ge "$NNODES" ]; then
+    NODE_RANK=$((NODE_RANK - NNODES))  # this standby node's index: it names its processes
+    standby=(--standby)
+fi
 
 # The master address: the first host of the allocation, the same answer on every node.
 hosts=()
@@ -55,10 +69,10 @@ $SLURM_JOB_NODELIST\` printed no host: check SLURM_JOB_NODELIST and that scontro
 MASTER_ADDR="${hosts[0]}"
 
 # Ports: fixed (derived from the job id) when nodes must agree on them, free ones on a single node.
-if [ "$NNODES" -gt 1 ]; then
+if [ "$ALLOCATED" -gt 1 ]; then
     MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
     COORDINATOR_PORT="${COORDINATOR_PORT:-$((MASTER_PORT + 1))}"
-    [ -n "${RECOVER_JOB_TOKEN:-}" ] || fail "RECOVER_JOB_TOKEN is not set: with $NNODES nodes every \
+    [ -n "${RECOVER_JOB_TOKEN:-}" ] || fail "RECOVER_JOB_TOKEN is not set: with $ALLOCATED nodes every \
 launcher needs the same token; submit through scripts/slurm/pretrain_gpt.sbatch (it generates one) \
 or export RECOVER_JOB_TOKEN=\$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')"
 else
@@ -93,7 +107,7 @@ cmd=(
     "${PYTHON:-python3}" -m recover_patches.launch
     --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-    --coordinator-port "$COORDINATOR_PORT"
+    --coordinator-port "$COORDINATOR_PORT" "${standby[@]}"
     "${launch_extra[@]}"
     "$REPO/pretrain_gpt_recover.py"
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${BATCH_ARGS[@]}" "${OPT_ARGS[@]}"
@@ -105,8 +119,10 @@ export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # as Meg
 export RECOVER_JOB_TOKEN="${RECOVER_JOB_TOKEN:-}"
 [ -n "$RECOVER_JOB_TOKEN" ] || unset RECOVER_JOB_TOKEN  # one node: the launcher makes its own
 
-echo "[recover.slurm] node $NODE_RANK/$NNODES on $(hostname): master $MASTER_ADDR:$MASTER_PORT," \
-     "coordinator port $COORDINATOR_PORT, $NPROC_PER_NODE rank(s), config $config_file" >&2
+role="node $NODE_RANK/$NNODES"
+[ "${#standby[@]}" -eq 0 ] || role="standby node $NODE_RANK/$SPARE_NODES"
+echo "[recover.slurm] $role on $(hostname): master $MASTER_ADDR:$MASTER_PORT," \
+     "coordinator port $COORDINATOR_PORT, $NPROC_PER_NODE process(es), config $config_file" >&2
 if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${cmd[@]}"
     echo

@@ -160,3 +160,31 @@ def test_from_env_names_what_is_missing(monkeypatch):
     monkeypatch.setenv("RECOVER_JOB_TOKEN", TOKEN)
     with pytest.raises(CoordinatorConfigError, match="host:port"):
         MembershipClient.from_env()
+
+
+def test_a_standby_gets_a_slot_over_the_store_and_a_late_replacement_finds_it_taken(
+        coordinator, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from recover_patches.collectives.errors import SlotTaken
+    from recover_patches.collectives.standby import JobEnded, SlotAssignment, wait_for_slot
+    port, clients = coordinator
+    monkeypatch.setenv("RECOVER_COORDINATOR", f"127.0.0.1:{port}")
+    monkeypatch.setenv("RECOVER_JOB_TOKEN", TOKEN)
+    watcher = client(port, clients, 0)
+    link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(wait_for_slot, "9.0")
+        time.sleep(0.3)  # the first to wait is the first to get a slot
+        second = pool.submit(wait_for_slot, "9.1")
+        time.sleep(0.3)  # both wait: nothing is dead
+        assert not first.done() and not second.done()
+        link.report_exit(2, -9, replacing=False)  # its launcher starts no replacement
+        assert first.result(timeout=5) == SlotAssignment(2, 1)
+        assert link.assignments(["9.0", "9.1"]) == {"9.0": (2, 1)}  # what the launcher fences by
+        with pytest.raises(SlotTaken):  # the node's own replacement, had it come, is turned away
+            MembershipClient("127.0.0.1", port, TOKEN, 2, 3, connect_timeout=5, incarnation=1)
+        clients.append(MembershipClient("127.0.0.1", port, TOKEN, 2, 3, connect_timeout=5,
+                                        incarnation=1, standby="9.0"))  # the standby itself
+        watcher.declare_complete()
+        assert second.result(timeout=5) is JobEnded.COMPLETE  # never needed: sent home

@@ -1,0 +1,244 @@
+"""What the coordinator believes about every slot: pure bookkeeping, no I/O (DESIGN §5, §15).
+
+A rank number is a *slot* (its place in the TP x PP x DP layout); the process holding it is an
+*incarnation* (0 = the one started with the job). A slot's process comes back in one of two ways:
+  * its launcher starts a replacement (incarnation k + 1, `launch --max-replacements`);
+  * a *standby* process (a standby node's launcher, `launch --standby`) is given the slot. The
+    coordinator gives a dead slot to a standby only when no local replacement is coming: the
+    launcher reported the exit without one, or no exit was reported within `standby_grace` of the
+    death being published (the node is gone with its launcher). The standby then has
+    `register_timeout` to register with the incarnation it was given; otherwise the slot goes to
+    the next standby (a standby node may die too).
+Either way the new process registers, reports as a spare, and a *grow epoch* makes the slots of a
+replica members again once every one of them has a waiting process.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from recover_patches.collectives.protocol import SLOT_TAKEN
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A dead slot given to a standby process, which must register as `incarnation` by `deadline`."""
+    standby: str
+    incarnation: int
+    deadline: float
+
+
+@dataclass
+class MembershipState:
+    """The coordinator's view of every slot (see the module docstring)."""
+
+    world_size: int
+    standby_grace: float = 2.0
+    register_timeout: float = 20.0
+    clock: Callable[[], float] = time.monotonic
+    epoch: int = 0
+    dead: set[int] = field(default_factory=set)        # slots without a member, published
+    pending_dead: dict[int, str] = field(default_factory=dict)  # rank -> reason, not yet published
+    gone: set[int] = field(default_factory=set)        # left cleanly / exited after completion
+    exited: set[int] = field(default_factory=set)      # the slot's current incarnation exited
+    completed_at: int | None = None
+    incarnation: dict[int, int] = field(default_factory=dict)  # slot -> registered incarnation
+    dead_incarnation: dict[int, int] = field(default_factory=dict)  # dead slot -> who died
+    spares: dict[int, tuple[int, ...]] = field(default_factory=dict)  # waiting -> its replica
+    joining: tuple[int, ...] = ()  # slots the last published epoch brought back
+    standbys: list[str] = field(default_factory=list)  # standby processes waiting, oldest first
+    reserved: dict[int, Reservation] = field(default_factory=dict)  # dead slot -> its standby
+    dead_at: dict[int, float] = field(default_factory=dict)  # dead slot -> when it may be given away
+    # (slot, dead incarnation) -> whether its launcher said it starts a replacement
+    exit_replacing: dict[tuple[int, int], bool] = field(default_factory=dict)
+    issued: dict[int, int] = field(default_factory=dict)  # slot -> highest incarnation handed out
+    given_to_standby: set[int] = field(default_factory=set)  # slots a standby was ever given
+
+    def refuse_reason(self, rank: int, incarnation: int = 0,
+                      standby: str | None = None) -> str | None:
+        """Why a process may not register for `rank` (None: it may). `standby` names a standby
+        process that was given the slot; a launcher's replacement has none."""
+        if not 0 <= rank < self.world_size:
+            return f"rank {rank} is outside the job's world size {self.world_size}"
+        current = self.incarnation.get(rank, 0)
+        reservation = self.reserved.get(rank)
+        if reservation is not None and (standby, incarnation) != (reservation.standby,
+                                                                   reservation.incarnation):
+            return (f"{SLOT_TAKEN} rank {rank} was given to standby process {reservation.standby} "
+                    f"(incarnation {reservation.incarnation})")
+        if incarnation > current:
+            return None  # a replacement for a process its launcher saw end
+        if rank in self.given_to_standby:  # a local replacement numbered before the standby's
+            return f"{SLOT_TAKEN} rank {rank} was given to a standby process"
+        if rank in self.dead or rank in self.pending_dead:
+            return f"rank {rank} was declared dead in this job and cannot rejoin"
+        if incarnation < current:
+            return f"rank {rank} incarnation {incarnation} was replaced by incarnation {current}"
+        return None
+
+    def on_register(self, rank: int, incarnation: int) -> None:
+        current = self.incarnation.get(rank, 0)
+        if incarnation > current:
+            if rank not in self.dead:  # its launcher replaced it: the old one is gone for sure
+                self.mark_dead(rank, f"replaced by incarnation {incarnation}")
+            self.incarnation[rank] = incarnation
+            self.issued[rank] = max(self.issued.get(rank, 0), incarnation)
+            self.reserved.pop(rank, None)
+            self.exited.discard(rank)
+            self.gone.discard(rank)
+
+    def _is_member_slot(self, rank: int) -> bool:
+        """The slot's current incarnation is (or was) a member, not a waiting replacement."""
+        return rank not in self.dead and rank not in self.pending_dead
+
+    def mark_dead(self, rank: int, reason: str) -> None:
+        self.spares.pop(rank, None)
+        if rank in self.dead:
+            self._reopen(rank)
+        elif rank not in self.gone and rank not in self.pending_dead:
+            self.pending_dead[rank] = reason
+
+    def _reopen(self, rank: int) -> None:
+        """A dead slot's registered replacement died while waiting: the slot is open again."""
+        current = self.incarnation.get(rank, 0)
+        if current > self.dead_incarnation.get(rank, 0):
+            self.dead_incarnation[rank] = current
+            self.dead_at[rank] = self.clock()
+
+    def on_exit(self, rank: int, code: int, incarnation: int = 0, replacing: bool = False) -> None:
+        current = self.incarnation.get(rank, 0)
+        if incarnation > current:  # a replacement that died before registering
+            self.exit_replacing[(rank, current)] = replacing
+            return
+        if incarnation != current:
+            return  # a replaced incarnation's late report
+        self.exit_replacing[(rank, current)] = replacing
+        self.exited.add(rank)
+        self.spares.pop(rank, None)
+        if rank in self.dead:
+            self._reopen(rank)
+        if rank in self.gone or not self._is_member_slot(rank):
+            return
+        if self.completed_at is not None:
+            self.gone.add(rank)
+        else:
+            self.mark_dead(rank, f"process exited ({'signal ' + str(-code) if code < 0 else 'code ' + str(code)})")
+
+    def on_leave(self, rank: int) -> None:
+        self.spares.pop(rank, None)
+        if rank not in self.dead:
+            self.gone.add(rank)
+
+    def on_spare(self, rank: int, incarnation: int, replica_slots: tuple[int, ...]) -> None:
+        if incarnation == self.incarnation.get(rank, 0) and rank not in self.exited:
+            self.spares[rank] = tuple(sorted(replica_slots))
+
+    def next_epoch(self) -> tuple[int, str] | None:
+        """Publishable epoch if deaths are pending: (epoch number, reason)."""
+        if not self.pending_dead:
+            return None
+        reason = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.pending_dead.items()))
+        for r in self.pending_dead:
+            self.dead_incarnation[r] = self.incarnation.get(r, 0)
+            self.dead_at[r] = self.clock()
+        self.dead |= set(self.pending_dead)
+        self.pending_dead.clear()
+        self.joining = ()
+        self.epoch += 1
+        return self.epoch, reason
+
+    def members_alive(self) -> list[int]:
+        """Ranks that may still be training (not dead, gone, exited, nor waiting as spares)."""
+        out = self.dead | set(self.pending_dead) | self.gone | self.exited | set(self.spares)
+        return [r for r in range(self.world_size) if r not in out]
+
+    def stopped_reason(self) -> str | None:
+        """Why the job can no longer go on before completing: spares stop waiting then."""
+        if self.completed_at is None and not self.pending_dead and not self.members_alive():
+            return "no live replica is left to re-form replicas with"
+        return None
+
+    def next_grow(self) -> tuple[int, str] | None:
+        """A grow epoch once every slot of some replica has a waiting process: those slots are
+        members again. Never while deaths are pending (they go first), nor without a live
+        member to hand over the state."""
+        if self.pending_dead or self.completed_at is not None or not self.members_alive():
+            return None
+        ready = sorted({slots for slots in self.spares.values()
+                        if all(self.spares.get(s) == slots for s in slots)})
+        if not ready:
+            return None
+        joining = tuple(sorted(s for slots in ready for s in slots))
+        for s in joining:
+            self.spares.pop(s)
+            self.dead.discard(s)
+            self.dead_incarnation.pop(s, None)
+            self.dead_at.pop(s, None)
+        self.joining = joining
+        self.epoch += 1
+        return self.epoch, "grow: " + "; ".join(f"ranks {list(slots)} re-form a replica"
+                                                for slots in ready)
+
+    def finished(self) -> bool:
+        """Every slot's latest incarnation exited, or died with no newer one registered."""
+        return all(r in self.exited or (r in self.dead and r not in self.reserved
+                                        and self.dead_incarnation.get(r, 0)
+                                        >= self.incarnation.get(r, 0))
+                   for r in range(self.world_size))
+
+    # --- standby processes --------------------------------------------------------------------
+    def on_standby(self, standby: str) -> None:
+        if standby not in self.standbys:
+            self.standbys.append(standby)
+
+    def on_standby_exit(self, standby: str) -> None:
+        if standby in self.standbys:
+            self.standbys.remove(standby)
+
+    def _orphaned(self, slot: int, now: float) -> bool:
+        """A dead slot no process is coming back to unless a standby takes it."""
+        dead_incarnation = self.dead_incarnation.get(slot, 0)
+        if slot in self.reserved or self.incarnation.get(slot, 0) > dead_incarnation:
+            return False  # given to a standby already, or a replacement registered
+        replacing = self.exit_replacing.get((slot, dead_incarnation))
+        if replacing is None:  # no word from its launcher: gone with its node, or about to report
+            return now >= self.dead_at.get(slot, now) + self.standby_grace
+        return not replacing
+
+    def assign_standbys(self) -> list[tuple[str, int, int]]:
+        """Give orphaned dead slots to waiting standbys: [(standby, slot, incarnation)]. Slots
+        whose replica already has waiting spares go first (they re-form a replica soonest)."""
+        now = self.clock()
+        for slot, reservation in list(self.reserved.items()):
+            if now > reservation.deadline:  # never registered: its node may be gone too
+                del self.reserved[slot]
+                self.dead_at[slot] = now - self.standby_grace
+        if self.pending_dead or self.completed_at is not None or not self.standbys \
+                or not self.members_alive():  # nobody could hand a joining replica the state
+            return []
+        waiting_replicas = {s for slots in self.spares.values() for s in slots}
+        orphans = sorted((s for s in self.dead if self._orphaned(s, now)),
+                         key=lambda s: (s not in waiting_replicas, s))
+        given = []
+        for slot in orphans[:len(self.standbys)]:
+            standby = self.standbys.pop(0)
+            incarnation = max(self.issued.get(slot, 0), self.dead_incarnation.get(slot, 0)) + 1
+            self.issued[slot] = incarnation
+            self.reserved[slot] = Reservation(standby, incarnation, now + self.register_timeout)
+            self.given_to_standby.add(slot)
+            given.append((standby, slot, incarnation))
+        return given
+
+    def release_standbys(self) -> list[str]:
+        """Standbys to send home: the job completed or stopped, so none will ever get a slot."""
+        if self.completed_at is None and self.stopped_reason() is None:
+            return []
+        released, self.standbys = self.standbys, []
+        return released
+
+    def record(self, epoch: int, reason: str) -> dict:
+        return {"epoch": epoch, "dead": sorted(self.dead), "reason": reason,
+                "dead_incarnations": {str(r): k for r, k in sorted(self.dead_incarnation.items()) if k},
+                "joining": list(self.joining),
+                "joining_incarnations": {str(r): self.incarnation.get(r, 0) for r in self.joining}}
