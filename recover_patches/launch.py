@@ -53,26 +53,20 @@ import importlib
 import os
 import runpy
 import secrets
-import select
 import signal
 import socket
 import sys
 import threading
-import time
 import traceback
-from dataclasses import dataclass
-from typing import Callable, NoReturn
+from typing import NoReturn
 
-LOG_PREFIX = "[recover.launch]"
+from recover_patches.supervisor import LOG_PREFIX, Rank, Supervisor, log, summarize
+
 DEFAULT_PRELOAD = "torch,megatron.core"
 
 
 class LaunchUsageError(Exception):
     """A bad command line: reported in one message, exit status 2, nothing started."""
-
-
-def log(message: str) -> None:
-    print(f"{LOG_PREFIX} {message}", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,31 +217,6 @@ def run_rank(script: str, script_args: list[str], env: dict[str, str]) -> NoRetu
         os._exit(code)
 
 
-@dataclass
-class Rank:
-    rank: int  # -1: a standby process not given a slot (yet)
-    pid: int
-    status: int | None = None  # raw waitpid status once exited
-    incarnation: int = 0  # > 0: a replacement process for this rank
-    replaced: bool = False
-    local: int = 0  # LOCAL_RANK: its GPU on this node
-    standby: str | None = None  # RECOVER_STANDBY of a standby process
-
-    @property
-    def name(self) -> str:
-        return f"rank {self.rank}" if self.rank >= 0 else f"standby {self.standby}"
-
-    @property
-    def exit_code(self) -> int | None:
-        return None if self.status is None else os.waitstatus_to_exitcode(self.status)
-
-
-def describe(code: int) -> str:
-    if code < 0:
-        return f"killed by signal {signal.Signals(-code).name}"
-    return f"exit code {code}"
-
-
 def rank_env(args: argparse.Namespace, local_rank: int, extra: dict[str, str]) -> dict[str, str]:
     """The child's environment. A standby process gets no RANK: the coordinator gives it one."""
     world = args.nnodes * args.nproc_per_node
@@ -284,163 +253,6 @@ def fork_rank(script: str, script_args: list[str], env: dict[str, str], warm: bo
             run_rank(script, script_args, env)
         exec_rank(script, script_args, env)
     return pid
-
-
-class Supervisor:
-    """Waits for the ranks, forwards termination signals, feeds the coordinator link."""
-
-    NOT_REPLACED = (0, 2, 3)  # a clean leave, a user error, the job's own restart status
-
-    def __init__(self, ranks: list[Rank], term_grace: float, link=None,
-                 respawn: Callable[[Rank], Rank] | None = None, max_replacements: int = 0):
-        self.ranks = {r.pid: r for r in ranks}
-        self.term_grace = term_grace
-        self.link = link
-        self.respawn = respawn
-        self.replacements_left = max_replacements
-        self.kill_deadline: float | None = None
-        self.stop_signal: int | None = None
-        self.fenced: set[tuple[int, int]] = set()  # (rank, incarnation)
-
-    def live(self) -> list[Rank]:
-        return [r for r in self.ranks.values() if r.status is None]
-
-    def on_signal(self, signum: int, _frame) -> None:
-        if self.stop_signal is not None:  # second Ctrl-C: no more patience
-            self.kill_deadline = 0.0
-            return
-        self.stop_signal = signum
-        self.kill_deadline = time.monotonic() + self.term_grace
-        log(f"got {signal.Signals(signum).name}: sending SIGTERM to {len(self.live())} rank(s)")
-        self._signal_all(signal.SIGTERM)
-
-    def _signal_all(self, sig: int) -> None:
-        for r in self.live():
-            try:
-                os.kill(r.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def run(self) -> None:
-        """Block until every rank has exited; a signal or a child exit wakes the loop at once."""
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        os.set_blocking(wake_r, False)
-        old_wakeup = signal.set_wakeup_fd(wake_w)
-        poller = select.poll()
-        poller.register(wake_r, select.POLLIN)
-        pidfds: dict[int, int] = {}  # pid -> fd; an exited child's fd stays readable: unregister it
-        try:
-            for r in self.live():
-                pidfds[r.pid] = os.pidfd_open(r.pid)
-                poller.register(pidfds[r.pid], select.POLLIN)
-        except (OSError, AttributeError):  # no pidfd (kernel < 5.3): poll waitpid instead
-            pass
-        polling = len(pidfds) < len(self.live())
-        try:
-            while True:
-                self._reap()
-                for r in self.live():  # replacements started since
-                    if not polling and r.pid not in pidfds:
-                        pidfds[r.pid] = os.pidfd_open(r.pid)
-                        poller.register(pidfds[r.pid], select.POLLIN)
-                for r in self.ranks.values():
-                    if r.status is not None and r.pid in pidfds:
-                        fd = pidfds.pop(r.pid)
-                        poller.unregister(fd)
-                        os.close(fd)
-                if not self.live():
-                    return
-                if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
-                    log(f"grace period over: SIGKILL to {len(self.live())} rank(s)")
-                    self._signal_all(signal.SIGKILL)
-                    self.kill_deadline = float("inf")
-                if self.link is not None:
-                    self._learn_slots()
-                    self._fence(self.link.dead_incarnations())
-                timeout = 0.01 if polling else (0.2 if self.link is not None else 5.0)
-                if self.kill_deadline is not None:
-                    timeout = max(0.0, min(timeout, self.kill_deadline - time.monotonic()))
-                poller.poll(timeout * 1000)
-                try:
-                    os.read(wake_r, 512)
-                except BlockingIOError:
-                    pass
-        finally:
-            signal.set_wakeup_fd(old_wakeup)
-            for fd in (*pidfds.values(), wake_r, wake_w):
-                os.close(fd)
-
-    def _reap(self) -> None:
-        for r in self.live():
-            pid, status = os.waitpid(r.pid, os.WNOHANG)
-            if pid == 0:
-                continue
-            r.status = status
-            if r.rank < 0 and self.link is not None:
-                self._learn_slots()  # it may have been given a slot just before it ended
-            replacing = self._should_replace(r)
-            if self.link is not None:
-                if r.rank >= 0:  # the coordinator gives its slot away only if none is coming
-                    # (a standby node's new process is a new standby, not this slot's)
-                    self.link.report_exit(r.rank, r.exit_code, r.incarnation,
-                                          replacing and r.standby is None)
-                else:
-                    self.link.report_standby_exit(str(r.standby))
-            if replacing:
-                self.replacements_left -= 1
-                assert self.respawn is not None
-                new = self.respawn(r)
-                r.replaced = True
-                self.ranks[new.pid] = new
-                log(f"{r.name} ({describe(r.exit_code or 0)}): started replacement pid "
-                    f"{new.pid} ({new.name}, incarnation {new.incarnation}, "
-                    f"{self.replacements_left} left)")
-
-    def _learn_slots(self) -> None:
-        """Which slot each standby process was given: fencing and exit reports go by slot."""
-        waiting = {r.standby: r for r in self.ranks.values() if r.rank < 0 and r.standby}
-        if not waiting or self.link is None:
-            return
-        for standby, (rank, incarnation) in self.link.assignments(list(waiting)).items():
-            waiting[standby].rank, waiting[standby].incarnation = rank, incarnation
-            log(f"standby {standby} (pid {waiting[standby].pid}) took rank {rank}")
-
-    def _should_replace(self, r: Rank) -> bool:
-        return (self.respawn is not None and self.replacements_left > 0
-                and self.stop_signal is None and r.exit_code not in self.NOT_REPLACED
-                and self.link is not None and self.link.completion() is None)
-
-    def _fence(self, dead: dict[int, int]) -> None:
-        for r in self.live():
-            if dead.get(r.rank, -1) >= r.incarnation and (r.rank, r.incarnation) not in self.fenced:
-                self.fenced.add((r.rank, r.incarnation))
-                log(f"{r.name} declared dead by the coordinator: SIGKILL")
-                os.kill(r.pid, signal.SIGKILL)
-
-
-def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) -> int:
-    failed = [r for r in ranks if r.exit_code != 0 and not r.replaced]
-    for r in ranks:
-        if r.replaced:
-            log(f"{r.name} (pid {r.pid}) {describe(r.exit_code or 0)}: replaced")
-    ranks = [r for r in ranks if not r.replaced]
-    for r in failed:
-        log(f"{r.name} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
-    if not failed:
-        log(f"all {len(ranks)} "
-            f"{'standby process(es)' if any(r.standby for r in ranks) else 'rank(s)'} exited 0")
-        return 0
-    if completion is not None:
-        epoch, dead = completion
-        unexpected = [r.rank for r in failed if r.rank not in dead]
-        if not unexpected:
-            log(f"{len(failed)} of {len(ranks)} rank(s) failed, but the job declared completion at "
-                f"epoch {epoch} with those ranks already dead: success")
-            return 0
-        log(f"job declared completion at epoch {epoch}, but rank(s) {unexpected} failed outside it")
-    log(f"{len(failed)} of {len(ranks)} rank(s) failed")
-    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

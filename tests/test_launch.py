@@ -190,7 +190,7 @@ def test_usage_errors_exit_2_and_start_nothing(tmp_path, flags, needle):
 
 
 def test_exit_rule_with_declared_completion(capsys):
-    from recover_patches.launch import Rank, summarize
+    from recover_patches.supervisor import Rank, summarize
 
     def ranks(*codes):  # raw wait statuses: exit code c, or killed by signal -c
         return [Rank(rank=i, pid=100 + i, status=(c << 8) if c >= 0 else -c)
