@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.model import build_model, memory_note
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer, build_stage,
-                                            link_for)
+                                            link_for, replica_vote)
     from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
     from megatron.training.state_transfer import receive_state, send_state
     from recover_patches.recovery.grow import GrowBack, JobComplete, JobStopped
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         valid_stage=None if valid_ds is None else build_stage(args, groups, model, valid_ds, tracker),
         link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
         metrics=MetricsWriter(args.metrics_file, args.tensorboard_dir),
-        agreement=StoreAgreement(membership, timeout=args.recover_timeout) if recovering else None,
+        agreement=StoreAgreement(membership, timeout=args.recover_timeout,
+                                 replica=replica_vote(groups, device)) if recovering else None,
         log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"))
     if recovering:
         assert membership is not None and trainer.agreement is not None

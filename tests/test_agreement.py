@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from recover_patches.collectives import protocol
 from recover_patches.collectives.errors import PeerFailure
-from recover_patches.recovery.agreement import Decision, RecoveryStalled, StoreAgreement
+from recover_patches.recovery.agreement import Decision, RecoveryStalled, ReplicaLink, StoreAgreement
 
 
 class FakeMembership:
@@ -76,3 +76,69 @@ def test_the_first_join_announcement_wins_and_a_spare_gives_up_on_news():
     assert live.announce_join(7, {"live": [0, 1, 2]}) == {"live": [0, 1, 2]}
     assert live.announce_join(7, {"live": [0, 1]}) == {"live": [0, 1, 2]}
     assert spare.wait_for_join(7, give_up=lambda: False) == {"live": [0, 1, 2]}
+
+
+class FakeReplicaGroup:
+    """A replica's group for threads standing in for its ranks: MAX all-reduce and broadcast
+    from the first rank; `broken` makes every later operation raise PeerFailure."""
+
+    def __init__(self, size: int):
+        import threading
+        self.barrier = threading.Barrier(size, timeout=5)
+        self.values: list = [None] * size
+        self.broken = False
+
+    def _meet(self, index: int, value):
+        if self.broken:
+            raise PeerFailure(0, (), "replica.allreduce", "broken")
+        self.values[index] = value
+        self.barrier.wait()
+        out = list(self.values)
+        self.barrier.wait()
+        return out
+
+    def link(self, index: int, replica_of) -> ReplicaLink:
+        return ReplicaLink(replica_of, index == 0,
+                           exchange=lambda news: max(self._meet(index, news)),
+                           share=lambda code: self._meet(index, code)[0])
+
+
+def vote_in_threads(store, voters, members=None, key="9/after0"):
+    """voters: rank -> (agreement, reduced_ok, news). Returns rank -> Decision or exception."""
+    from concurrent.futures import ThreadPoolExecutor
+    members = members or sorted(voters)
+    with ThreadPoolExecutor(len(voters)) as pool:
+        futures = {r: pool.submit(a.commit_vote, key, members, ok, news)
+                   for r, (a, ok, news) in voters.items()}
+    return {r: (f.exception() or f.result()) for r, f in futures.items()}
+
+
+def test_replicas_vote_once_each_and_every_rank_gets_the_decision():
+    store = dist.HashStore()
+    replica_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__  # two replicas of two ranks
+    groups = {0: FakeReplicaGroup(2), 1: FakeReplicaGroup(2)}
+    agreements = {r: StoreAgreement(FakeMembership(store, r), timeout=2.0,
+                                    replica=groups[replica_of(r)].link(r % 2, replica_of))
+                  for r in range(4)}
+    decided = vote_in_threads(store, {r: (a, True, r == 3) for r, a in agreements.items()})
+    assert decided == {r: Decision.COMMIT_AND_SYNC for r in range(4)}  # rank 3's news reached all
+    ops = {r: a.store_ops for r, a in agreements.items()}
+    assert ops[1] == ops[3] == 0 and ops[0] > 0 and ops[2] > 0, ops  # only leaders use the store
+    assert store.num_keys() < 8  # done per replica, count, news, decision: not per rank
+
+
+def test_a_replica_member_that_fell_away_makes_its_replica_vote_abort():
+    store = dist.HashStore()
+    replica_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
+    groups = {0: FakeReplicaGroup(2), 1: FakeReplicaGroup(2)}
+    agreements = {r: StoreAgreement(FakeMembership(store, r), timeout=2.0,
+                                    replica=groups[replica_of(r)].link(r % 2, replica_of))
+                  for r in range(3)}
+    # rank 3's reduction failed: it votes abort and leaves its groups, so rank 2's exchange fails
+    late = StoreAgreement(FakeMembership(store, 3), timeout=2.0,
+                          replica=groups[1].link(1, replica_of))
+    assert late.commit_vote("9/after0", [0, 1, 2, 3], reduced_ok=False) is Decision.ABORT
+    groups[1].broken = True
+    decided = vote_in_threads(store, {r: (a, True, False) for r, a in agreements.items()},
+                              members=[0, 1, 2, 3])
+    assert decided == {r: Decision.ABORT for r in range(3)}

@@ -53,3 +53,63 @@ def test_nccl_size_one_group_reduces_and_aborts():
     assert t.tolist() == [1.0] * 4
     backends.discard(group, [])  # ProcessGroupNCCL.abort() on a background thread
     assert backends.join_discards(timeout=60)
+
+
+class _OneRank:
+    """The membership of a job of one rank, for a layer-1 group without a coordinator."""
+    rank, store, heartbeat_timeout, heartbeat_interval = 0, None, 1.0, 0.1
+
+    def epoch(self):
+        return 0
+
+    def view(self):
+        return 0, frozenset()
+
+    def dead_ranks(self):
+        return frozenset()
+
+    def add_listener(self, _listener):
+        pass
+
+    def remove_listener(self, _listener):
+        pass
+
+    def report_failure(self, _suspects, _where):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_a_resilient_nccl_group_leaves_the_host_free_and_its_watchdog_latches_an_overdue_op():
+    import time
+
+    from recover_patches.collectives import backends
+    from recover_patches.collectives.errors import PeerFailure
+    from recover_patches.collectives.process_group import ResilientProcessGroup
+
+    group = ResilientProcessGroup("gpu.one", (0,), membership=_OneRank(), timeout=10.0,
+                                  backend="nccl", verdict_timeout=0.0, connect=False)
+    group._inner = backends.build("nccl", dist.HashStore(), 0, 1, build_timeout=60, op_timeout=10)
+    group._failure, group._epoch = None, 0  # as after a build in epoch 0
+    t = torch.ones(4, device="cuda")
+    group.allreduce([t]).wait()  # warm-up: communicator set-up
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # about a second of device time queued before the collective
+    start = time.perf_counter()
+    group.allreduce([t]).wait()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert host < 0.2, f"wait() held the host {host:.3f}s: it must only make the stream wait"
+    assert t.tolist() == [1.0] * 4
+    group.raise_latched()  # nothing latched
+
+    group.timeout = 0.3  # now the queued sleep outlasts the deadline: the watchdog steps in
+    torch.cuda._sleep(int(4e9))
+    group.allreduce([t]).wait()
+    deadline = time.monotonic() + 10
+    while group._latched is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(PeerFailure, match="deadline"):
+        group.raise_latched()
+    torch.cuda.synchronize()  # the aborted communicator does not leave the device hung
+    group.shutdown()
+    assert backends.join_discards(timeout=60)

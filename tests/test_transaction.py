@@ -160,3 +160,22 @@ def test_without_agreement_a_failure_propagates():
     tx.agreement = None
     with pytest.raises(PeerFailure):
         tx.run(6, IDS)
+
+
+def test_a_failure_latched_after_the_reduction_returned_aborts_the_commit():
+    # NCCL: the reduction's wait() returned, then the watchdog latched that it never ended
+    job = FakeJob(me=0, script={0: ("latched", {2})})
+    votes: list[bool] = []
+    vote = job.commit_vote
+    job.commit_vote = lambda key, members, reduced_ok, news=False: (
+        votes.append(reduced_ok) or vote(key, members, reduced_ok, news))
+
+    def check_reduced():
+        if job.round == 0:
+            raise PeerFailure(0, {2}, "dp.allreduce", "no completion within the deadline")
+    tx = job.transaction()
+    tx.check_reduced = check_reduced
+    out = tx.run(6, IDS)
+    assert votes[0] is False  # this rank told the others no commit is possible
+    assert out.recoveries[0].phase == "reduce" and out.recoveries[0].lost_replicas == [2]
+    assert out.totals.microbatches == 8 and out.ids == IDS

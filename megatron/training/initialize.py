@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -61,6 +62,16 @@ class ParallelGroups:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
         groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group]
         return [g for g in groups if g is not None]
+
+    def raise_latched(self) -> None:
+        """Before the commit vote: a rank votes only for a reduction that really ended. On NCCL,
+        wait() returned before the device finished: wait for the device (bounded: the watchdog
+        aborts a stuck collective), then raise what the watchdog latched. Nothing on gloo."""
+        groups = [g for g in self.all_groups() if hasattr(g, "raise_latched")]
+        if any(g.backend_kind == "nccl" for g in groups):
+            torch.cuda.current_stream().synchronize()
+        for g in groups:
+            g.raise_latched()
 
     def abandon(self) -> None:
         """Recovery starts: stop using every backend, so peers blocked on us fail fast."""

@@ -25,7 +25,7 @@ from megatron.training.optimizer import (LossScaler, MainParamsAdamW, clip_facto
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.faults import FaultInjector
 from recover_patches.p2p import StageLink
-from recover_patches.recovery.agreement import StoreAgreement
+from recover_patches.recovery.agreement import ReplicaLink, StoreAgreement
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients
 from recover_patches.recovery.grow import GrowBack, JoinRecord
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
@@ -90,6 +90,7 @@ class Trainer:
         self._execute_seconds = 0.0
         self._executed = 0
         self._was_logging = False
+        self._store_ops_seen = 0  # the agreement's count at the last record
         self._skipped_at_last_line = 0
         self.faults.actions.update(inf=self.grads.poison, corrupt=self.corrupt_a_weight)
 
@@ -220,6 +221,7 @@ class Trainer:
         return IterationTransaction(
             live=self.live, plan=self.plan, execute=self.execute, reduce=self.reduce,
             step=self.step, agreement=self.agreement, abandon=self.groups.abandon,
+            check_reduced=self.groups.raise_latched,
             rebuild=self.groups.rebuild, snapshot=self.grads.snapshot, restore=self.grads.restore,
             drop_lost=self.args.recover_policy == "drop",
             on_failure=self.log_failure, hook=self.hook)
@@ -277,6 +279,9 @@ class Trainer:
             "recoveries": [vars(r) for r in outcome.recoveries],
             **outcome.step,
         }
+        if self.agreement is not None:  # this rank's store operations in the commit votes
+            rec["commit_store_ops"] = self.agreement.store_ops - self._store_ops_seen
+            self._store_ops_seen = self.agreement.store_ops
         self.history.append(rec)
         if not self.is_logging_rank:
             self._was_logging = False
@@ -380,3 +385,22 @@ def link_for(args, groups: ParallelGroups, device) -> StageLink:
     return StageLink(groups.pp, groups.coord.pp, groups.topology.pp,
                      (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
                      device=device)
+
+
+def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
+    """The commit vote by replica: its ranks agree over the replica's group, its first rank votes."""
+    group = groups.replica
+    if group.size() == 1:
+        return ReplicaLink(groups.topology.replica_of, True, lambda news: news, lambda code: code)
+
+    def exchange(news: bool) -> bool:
+        flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def share(code: int) -> int:
+        value = torch.tensor([code], dtype=torch.int32, device=device)
+        dist.broadcast(value, group=group, group_src=0)
+        return int(value.item())
+    return ReplicaLink(groups.topology.replica_of, group.rank() == 0, exchange, share)
+

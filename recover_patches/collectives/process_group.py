@@ -16,10 +16,17 @@ Rules, and why:
   * An operation that errors (a peer's socket closed) or times out is reported to the coordinator;
     the group waits up to `verdict_timeout` for the coordinator's verdict (a new epoch naming the
     dead) so that PeerFailure names the right rank even when gloo cannot.
-  * Collectives are watched through their future. gloo p2p works (and reduce_scatter) have none,
-    and a timed wait on them closes the connection (measured), so each such pending operation gets
-    a small waiter thread that ends with it (at the latest at the group timeout).
-  * Buffers of an aborted operation may still be written by the old backend until it times out:
+  * No thread, future callback or lock per operation (the failure-free path is a few attribute
+    reads around the backend's own call). The caller's wait() is the backend's wait():
+    - gloo blocks the caller inside the backend, bounded by gloo itself (collectives: the group
+      timeout set with `set_timeout`; p2p: a timed wait, which closes the connection only when
+      it times out). A peer whose process dies -- killed, or fenced by its launcher after the
+      coordinator declared it dead -- or that drops the group closes its sockets, and the wait
+      fails within milliseconds. A peer that is alive but silent and not fenced costs the timeout.
+    - NCCL only makes the stream wait (the host runs ahead); the process's one watchdog
+      (`watchdog.py`) bounds the work and, past its deadline, aborts the communicator and latches
+      a PeerFailure that the next operation or `raise_latched()` (the commit) raises.
+  * Buffers of a failed operation may still be written by the old backend until it times out:
     after a PeerFailure, do not reuse them.
   * Works returned for async ops only implement wait() (is_completed() stays False).
 
@@ -38,25 +45,25 @@ from torch._C._distributed_c10d import PythonCallbackWork
 
 from recover_patches.collectives import backends
 from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
+from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
 
-GRACE = 0.5  # our own deadline trails the backend's timeout, which normally fires first
 
+class _Op:
+    """An issued operation not yet waited for. Holds the only reference the group keeps to the
+    backend's work; `_discard` drops it, because a work pins its backend, and a backend that
+    stays alive keeps its sockets open: peers blocked on it would wait for their timeout instead
+    of failing at once."""
+    __slots__ = ("work",)
 
-class _Pending:
-    """One issued operation; `work` is dropped when the group breaks so nothing pins the backend."""
-
-    def __init__(self, op: str, work, peer: int | None):
-        self.op, self.work, self.peer = op, work, peer
-        self.started = time.monotonic()
-        self.done = False
-        self.error: str | None = None
-        self.outcome: PeerFailure | bool | None = None
+    def __init__(self, work):
+        self.work = work
 
 
 class ResilientProcessGroup(dist.ProcessGroup):
     def __init__(self, name: str, members: Sequence[int], *, membership, timeout: float,
                  backend: str = "gloo", build_timeout: float = 60.0,
-                 verdict_timeout: float | None = None, connect: bool = True):
+                 verdict_timeout: float | None = None, connect: bool = True,
+                 watchdog: Watchdog = WATCHDOG):
         members = tuple(int(m) for m in members)
         if membership.rank not in members or len(set(members)) != len(members):
             raise ValueError(f"group {name!r}: members {members} must be distinct and include this "
@@ -70,13 +77,17 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self.verdict_timeout = (verdict_timeout if verdict_timeout is not None else
                                 membership.heartbeat_timeout + 2 * membership.heartbeat_interval)
         self.backend_kind = backend
+        self.watchdog = watchdog
+        self._host_waits = backend == "gloo"  # else wait() is a stream wait: the watchdog bounds it
+        self._p2p_timeout = timedelta(seconds=timeout)
         self.before_op: Callable[[str], None] | None = None  # fault-injection hook
         self._cond = threading.Condition()
         self._inner = None
         self._epoch = -1
         self._dead_at_build: frozenset[int] = frozenset()
         self._failure: PeerFailure | None = None
-        self._pending: set[_Pending] = set()
+        self._latched: PeerFailure | None = None  # the watchdog's, for raise_latched()
+        self._ops: set[_Op] = set()  # issued, not yet waited
         self._attempts: dict[tuple[int, str], int] = {}
         membership.add_listener(self._on_epoch)
         if connect:
@@ -189,7 +200,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             raise PeerFailure(epoch, (), f"{self.name}.rebuild", f"backend set-up failed: {e}",
                               confirmed=False) from e
         with self._cond:
-            self._inner, self._failure = inner, None
+            self._inner, self._failure, self._latched = inner, None, None
         self._register()
         if self.membership.epoch() > epoch:  # an epoch arrived while we were building
             self._discard()
@@ -222,96 +233,70 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, start, peer: int | None = None):
         if self.before_op is not None:
             self.before_op(op)
-        with self._cond:
-            inner, failure = self._inner, self._failure
-        stale = self._stale()
+        inner, failure = self._inner, self._failure
         if failure is not None:
             raise PeerFailure(failure.epoch, failure.suspects, f"{self.name}.{op}",
                               f"group broken by an earlier failure ({failure.op}); rebuild() it",
                               failure.confirmed)
-        if inner is None or stale:
+        if inner is None or (self.membership.epoch() > self._epoch and self._stale()):
             raise self._fail(op, "the group's epoch is over", peer)
         try:
             work = start(inner)
         except RuntimeError as e:
             raise self._fail(op, str(e), peer) from e
-        pending = _Pending(op, work, peer)
-        with self._cond:
-            if self._inner is inner:
-                self._pending.add(pending)
-            else:  # broken between start and here: the work is orphaned
-                pending.work, pending.done, pending.error = None, True, "group broken"
-        if pending.work is not None:
-            self._watch(pending, work)
+        if not self._host_waits:
+            self.watchdog.track(inner, work, self.timeout,
+                                lambda reason: self._expire(inner, op, peer, reason))
+        issued = _Op(work)
         del work
-        return PythonCallbackWork(lambda _timeout: self._await(pending))
+        with self._cond:
+            self._ops.add(issued)
+        outcome: list[PeerFailure] = []
 
-    def _watch(self, pending: _Pending, work) -> None:
-        future = None
-        if pending.peer is None:
+        def wait(_timeout) -> bool:
+            if outcome:  # waited before and failed: the same failure again
+                raise outcome[0]
+            work = issued.work
+            if work is None:  # the group broke before anyone waited: the backend is gone
+                outcome.append(self._fail(op, "aborted: the group broke first", peer))
+                raise outcome[0]
             try:
-                future = work.get_future()
-            except RuntimeError:  # e.g. gloo's reduce_scatter: no future, use a waiter thread
-                pass
-        if future is not None:
-            future.add_done_callback(lambda fut: self._finished(pending, fut))
-            return
-
-        def wait_p2p(work=work):
-            error = None
-            try:
-                work.wait()  # untimed: a timed wait on a gloo p2p work closes the connection
+                if peer is not None and self._host_waits:
+                    work.wait(self._p2p_timeout)  # untimed: the backend's (long) connect timeout
+                else:
+                    work.wait()
             except RuntimeError as e:
-                error = str(e)
-            del work
-            self._finished(pending, None, error)
-        threading.Thread(target=wait_p2p, name=f"recover-p2p-{self.name}", daemon=True).start()
-
-    def _finished(self, pending: _Pending, future=None, error: str | None = None) -> None:
-        """Runs on a backend or waiter thread: record the outcome, wake the waiter."""
-        if future is not None:
-            try:
-                future.value()
-            except Exception as e:  # the backend's error, e.g. "Connection closed by peer"
-                error = str(e)
-        with self._cond:
-            if pending.work is not None and not pending.done:
-                pending.done, pending.error = True, error
-            self._cond.notify_all()
-
-    def _await(self, pending: _Pending) -> bool:
-        """Body of Work.wait(): True when done, else PeerFailure — never longer than the bound."""
-        if pending.outcome is not None:
-            if isinstance(pending.outcome, PeerFailure):
-                raise pending.outcome
+                outcome.append(self._fail(op, str(e), peer))
+                raise outcome[0] from e
+            finally:
+                issued.work = None
+                del work
+                with self._cond:
+                    self._ops.discard(issued)
             return True
-        deadline = pending.started + self.timeout + GRACE
+        return PythonCallbackWork(wait)
+
+    def raise_latched(self) -> None:
+        """Raise the failure the watchdog latched for an operation whose wait() had returned
+        (NCCL): called before the commit, so no rank votes for a reduction that never ended."""
+        if self._latched is not None:
+            raise self._latched
+
+    def _expire(self, inner, op: str, peer: int | None, reason: str) -> None:
+        """Watchdog thread: `inner`'s operation failed or is overdue. Abort that backend (its
+        stuck kernels end) and latch the failure; the coordinator's verdict will name the dead."""
         with self._cond:
-            while not pending.done and self._inner is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            done, error, broken_by = pending.done, pending.error, self._failure
-            self._pending.discard(pending)
-            pending.work = None
-        if done and error is None:
-            pending.outcome = True
-            return True
-        if done:
-            detail = error
-        elif broken_by is not None:
-            detail = f"aborted: {broken_by.op} failed first"
-        elif self._stale():
-            detail = "aborted: a newer membership epoch declared a member dead"
-        else:
-            detail = f"no completion within {self.timeout:g}s"
-        if broken_by is not None and not done:
-            pending.outcome = PeerFailure(broken_by.epoch, broken_by.suspects,
-                                          f"{self.name}.{pending.op}", detail, broken_by.confirmed)
-        else:
-            pending.outcome = self._fail(pending.op, detail, pending.peer)
-        raise pending.outcome
+            current = self._inner is inner
+        if not current:
+            return  # an old backend's late news: the group has moved on
+        guess = {peer} if peer is not None else set(self.members) - {self.membership.rank}
+        failure = PeerFailure(self._epoch, guess, f"{self.name}.{op}", reason, confirmed=False)
+        self._latched = failure
+        try:
+            self.membership.report_failure(guess, f"{self.name}.{op}: {reason}")
+        except RuntimeError:
+            pass  # coordinator gone: the failure is latched all the same
+        self._discard(failure)
 
     def _fail(self, op: str, detail: str, peer: int | None = None) -> PeerFailure:
         """Break the group at once (peers blocked on it then fail in milliseconds), then name the
@@ -345,15 +330,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def _discard(self, failure: PeerFailure | None = None) -> None:
         with self._cond:
             inner, self._inner = self._inner, None
-            works = [p.work for p in self._pending if p.work is not None]
-            for p in self._pending:
-                p.work = None
-            self._pending.clear()
             if failure is not None and self._failure is None:
                 self._failure = failure
-            self._cond.notify_all()
+            for issued in self._ops:
+                issued.work = None
+            self._ops.clear()
         if inner is not None:
-            backends.discard(inner, works)
+            self.watchdog.forget(inner)
+            backends.discard(inner, [])
 
     def _stale(self) -> bool:
         """A newer epoch declared a member dead (adopting harmless epochs on the way)."""
@@ -376,6 +360,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if epoch <= self._epoch:
             return
         if dead & set(self.members):
+            if not self._host_waits:  # a work whose wait() returned may be cut short: say so
+                self._latched = PeerFailure(epoch, dead & set(self.members), f"{self.name}.epoch",
+                                            f"epoch {epoch} declared a member dead")
             self._discard()
         else:
             self._adopt(epoch, dead)

@@ -5,6 +5,9 @@ Two questions need one answer across ranks even when failures strike between the
     (a peer dies after sending its last message to some but not all), so each rank's local outcome
     is not enough. Rule: commit iff every member reported its reduction done. The first rank to
     know the answer writes it with compare_set; everyone follows the stored decision.
+    With a `ReplicaLink`, the ranks of a replica first agree over their own group that all of
+    them got this far, and only the replica's leader votes on the store and passes the decision
+    back: O(replicas) store operations per commit instead of O(ranks).
   * which membership epoch does recovery attempt k use? Ranks may see a second failure at
     different moments; planning from different dead sets would split the survivors. The first
     proposal wins, and a barrier of all survivors closes the attempt (a newer epoch aborts it
@@ -16,6 +19,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from recover_patches.collectives import protocol
@@ -36,6 +40,18 @@ class Decision(enum.Enum):
 
 
 COMMIT, ABORT = Decision.COMMIT.value, Decision.ABORT.value
+CODES = list(Decision)  # a decision travels inside a replica as its index here
+
+
+@dataclass(frozen=True)
+class ReplicaLink:
+    """How the ranks of this rank's replica vote as one. `exchange(news)`: any rank's news, over
+    the replica's group (a MAX); `share(code)`: the leader's code on every rank of the replica.
+    Both raise PeerFailure. For a replica of one rank both are the identity."""
+    replica_of: Callable[[int], int]
+    leader: bool
+    exchange: Callable[[bool], bool]
+    share: Callable[[int], int]
 
 
 class RecoveryStalled(RuntimeError):
@@ -44,12 +60,15 @@ class RecoveryStalled(RuntimeError):
 
 
 class StoreAgreement:
-    def __init__(self, membership, *, timeout: float, poll: float = 0.0005, max_poll: float = 0.005):
+    def __init__(self, membership, *, timeout: float, poll: float = 0.0005, max_poll: float = 0.005,
+                 replica: ReplicaLink | None = None):
         self.membership = membership
         self.store = membership.store
         self.rank = membership.rank
         self.timeout = timeout
         self.poll, self.max_poll = poll, max_poll
+        self.replica = replica
+        self.store_ops = 0  # by this rank's commit votes: what a failure-free iteration costs
 
     def _sleep(self, pause: float) -> float:
         time.sleep(pause)
@@ -60,29 +79,51 @@ class StoreAgreement:
         return self.membership.epoch()
 
     def commit_vote(self, key: str, members: Iterable[int], reduced_ok: bool,
-                    news: bool = False) -> Decision:
+                    news: bool = False, per_rank: bool = False) -> Decision:
         """A commit iff every member's reduction for `key` completed (then all of them step).
         `news`: this rank saw a newer membership epoch; it costs one store operation, taken only
-        by the last voter when nobody has news, and turns the commit into COMMIT_AND_SYNC."""
-        members = frozenset(members)
+        by the last voter when nobody has news, and turns the commit into COMMIT_AND_SYNC.
+        `per_rank`: every rank votes on the store even with a ReplicaLink (joins, rare)."""
+        members, link = frozenset(members), self.replica
+        if link is None or per_rank:
+            return self._vote(key, members, self.rank, lambda rank: rank, reduced_ok, news)
+        mine = link.replica_of(self.rank)
+        if not reduced_ok:
+            return self._vote(key, members, mine, link.replica_of, False)
+        try:
+            news = link.exchange(news)
+        except PeerFailure:  # a rank of this replica fell away; our own reduction completed
+            return self._vote(key, members, mine, link.replica_of, False)
+        code = -1
+        if link.leader:
+            code = CODES.index(self._vote(key, members, mine, link.replica_of, True, news))
+        try:
+            return CODES[link.share(code)]
+        except PeerFailure:  # the leader is gone: the store has (or will have) the answer
+            return self._vote(key, members, mine, link.replica_of, False)
+
+    def _vote(self, key: str, members: frozenset[int], voter: int, voter_of: Callable[[int], int],
+              reduced_ok: bool, news: bool = False) -> Decision:
+        """One voter (a rank, or a replica's leader) votes; every voter follows the decision."""
         prefix = f"recover/commit/{key}/"
         decision_key = prefix + "decision"
+        voters = {voter_of(m) for m in members}
         if reduced_ok:
             if news:  # before the count: the last voter then sees it
-                self.store.set(prefix + "news", "1")
-            self.store.set(prefix + f"done/{self.rank}", "1")
-            if self.store.add(prefix + "count", 1) == len(members):
-                sync = news or self.store.check([prefix + "news"])
-                self.store.compare_set(decision_key, "", (Decision.COMMIT_AND_SYNC if sync
-                                                          else Decision.COMMIT).value)
-        else:  # our own reduction failed: nobody can have all members done
-            self.store.compare_set(decision_key, "", ABORT)
+                self._store("set", prefix + "news", "1")
+            self._store("set", prefix + f"done/{voter}", "1")
+            if self._store("add", prefix + "count", 1) == len(voters):
+                sync = news or self._store("check", [prefix + "news"])
+                self._store("compare_set", decision_key, "", (
+                    Decision.COMMIT_AND_SYNC if sync else Decision.COMMIT).value)
+        else:  # a reduction failed: nobody can have all voters done
+            self._store("compare_set", decision_key, "", ABORT)
         deadline, pause = time.monotonic() + self.timeout, self.poll
         while True:
-            if self.store.check([decision_key]):
-                return Decision(self.store.get(decision_key).decode())
-            dead = self.membership.dead_ranks() & members
-            if any(not self.store.check([prefix + f"done/{d}"]) for d in dead):
+            if self._store("check", [decision_key]):
+                return Decision(self._store("get", decision_key).decode())
+            dead = {voter_of(d) for d in self.membership.dead_ranks() & members}
+            if any(not self.store.check([prefix + f"done/{v}"]) for v in dead):
                 self.store.compare_set(decision_key, "", ABORT)
                 continue
             if time.monotonic() > deadline:
@@ -91,11 +132,17 @@ class StoreAgreement:
                 decided = Decision(self.store.compare_set(decision_key, "", ABORT).decode())
                 if decided.committed:
                     return decided
-                missing = [m for m in sorted(members) if not self.store.check([prefix + f"done/{m}"])]
+                missing = [m for m in sorted(members)
+                           if not self.store.check([prefix + f"done/{voter_of(m)}"])]
                 raise PeerFailure(self.membership.epoch(), missing, "commit.vote",
                                   f"members {missing} neither finished nor died in "
                                   f"{self.timeout:g}s", confirmed=False)
             pause = self._sleep(pause)
+
+    def _store(self, op: str, *args):
+        """A store operation of the failure-free commit path, counted."""
+        self.store_ops += 1
+        return getattr(self.store, op)(*args)
 
     def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]:
         """Wait until this rank sees an epoch after `since_epoch` (the last agreed one), propose

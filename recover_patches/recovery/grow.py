@@ -155,7 +155,8 @@ class GrowBack:
         except PeerFailure:
             ok = False
         transfer = time.perf_counter() - clock
-        decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok)
+        decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok,
+                                              per_rank=True)
         return transfer, (sent if decision.committed else None)
 
     # --- spares -------------------------------------------------------------------------------
@@ -195,7 +196,8 @@ class GrowBack:
                 received = self.receive_state(plan["donor"])
             except PeerFailure:
                 ok = False
-            decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok)
+            decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok,
+                                              per_rank=True)
             if decision is Decision.ABORT:
                 self.abandon()
                 self._after_abort(epoch, slots)

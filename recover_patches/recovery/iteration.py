@@ -43,7 +43,7 @@ class Agreement(Protocol):
     def latest_epoch(self) -> int: ...
 
     def commit_vote(self, key: str, members: list[int], reduced_ok: bool,
-                    news: bool = False) -> Decision: ...
+                    news: bool = False, per_rank: bool = False) -> Decision: ...
 
     def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]: ...
 
@@ -109,6 +109,9 @@ class IterationTransaction:
     step: Stepper
     agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
     abandon: Callable[[], None] = lambda: None  # drop every group's backend: peers fail fast
+    # before the vote: raise a failure of an operation whose wait() returned before it ended
+    # (NCCL's waits do not block the host; layer 1's watchdog latches what went wrong)
+    check_reduced: Callable[[], None] = lambda: None
     rebuild: Callable[[list[int], int, str], None] | None = None  # (live, epoch, agreed key)
     snapshot: Callable[[], Any] = lambda: None  # local gradients, to undo an aborted round
     restore: Callable[[Any], None] = lambda state: None
@@ -140,6 +143,7 @@ class IterationTransaction:
                     recoveries[-1].seconds["recompute"] = time.perf_counter() - clock
                 phase, clock = "reduce", time.perf_counter()
                 reduced = self.reduce(local)  # 3: out of place
+                self.check_reduced()
                 seconds["reduce"] += time.perf_counter() - clock
                 phase = "commit"
                 decision = Decision.COMMIT if self.agreement is None else self.agreement.commit_vote(

@@ -2,16 +2,22 @@
 """Failure-free iteration time of the trainer on layer 1's shim vs. plain gloo groups, as a ratio.
 
     OMP_NUM_THREADS=1 python scripts/bench/collectives_overhead.py [--rounds 3] [--iters 20]
+        [--layouts 1,1,2 1,2,2 2,2,2]
 
 Runs the real trainer (`pretrain_gpt_recover.py` through `python -m recover_patches.launch`) with
 the same flags and seed in three arms, interleaved round by round (the arm order rotates each
 round, so machine load drifts over all arms alike):
   plain    --no-coordinator: plain torch gloo groups, no coordinator, no commit vote
-  shim     coordinator on, --recover off: every group a ResilientProcessGroup (watched futures,
-           waiter threads for p2p, epoch checks), heartbeat and membership threads running; no
-           commit vote. shim/plain is layer 1's overhead (target <= 1%).
-  recover  coordinator on, recovery on: the shim plus layer 2's per-iteration commit vote on the
-           coordinator's store. recover/plain is what a user pays for in-job recovery.
+  shim     coordinator on, --recover off: every group a ResilientProcessGroup (the caller waits
+           in the backend; epoch checks), heartbeat and membership threads running; no commit
+           vote. shim/plain is layer 1's overhead.
+  recover  coordinator on, recovery on: the shim plus layer 2's per-iteration commit vote (the
+           ranks of a replica agree over its group, its leader votes on the coordinator's store).
+           recover/plain is what a user pays for in-job recovery (targets: <= 1.01 at (1,1,2),
+           <= 1.02 at (1,2,2) and (2,2,2)).
+Each layout (TP,PP,DP) of --layouts runs on TP x PP x DP ranks. The recover arm's records carry the
+logging rank's store operations per iteration (`commit_store_ops`); only replica leaders vote, so
+the job's total is that times DP.
 Per-iteration time is the trainer's own `ms_per_iteration` (metrics file of the logging rank:
 the whole transaction -- plan, 1F1B with TP all-reduces and PP p2p, DP reduction, commit, step
 with the grad-norm all-reduce -- not start-up, logging or checkpointing). The first `--skip`
@@ -131,13 +137,15 @@ def launch(cmd: list[str], timeout: float = 600) -> tuple[int, str]:
 # --- whole trainer, three arms ---------------------------------------------------------------
 
 
-def run_arm(arm: str, args: argparse.Namespace, workdir: Path, round_: int) -> list[dict]:
+def run_arm(arm: str, layout: tuple[int, int, int], args: argparse.Namespace, workdir: Path,
+            round_: int) -> list[dict]:
     launcher_flags, trainer_flags = ARMS[arm]
-    metrics = workdir / f"{arm}.{round_}.jsonl"
-    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(args.nproc),
+    tp, pp, dp = layout
+    metrics = workdir / f"{arm}.{tp}{pp}{dp}.{round_}.jsonl"
+    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(tp * pp * dp),
            "--master-port", "0", *launcher_flags, str(REPO / "pretrain_gpt_recover.py"), *MODEL,
-           "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size",
-           str(args.pp), "--train-iters", str(args.iters), *trainer_flags,
+           "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+           str(pp), "--train-iters", str(args.iters), *trainer_flags,
            "--metrics-file", str(metrics)]
     code, log = launch(cmd)
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -153,17 +161,20 @@ def bootstrap_ratio_band(a: list[float], b: list[float], rng: random.Random) -> 
     return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]
 
 
-def trainer_arms(args: argparse.Namespace, workdir: Path) -> None:
-    print(f"whole trainer: (TP, PP, DP) = ({args.tp}, {args.pp}, {args.nproc // (args.tp * args.pp)}), "
+def trainer_arms(layout: tuple[int, int, int], args: argparse.Namespace, workdir: Path) -> None:
+    print(f"whole trainer: (TP, PP, DP) = {layout}, "
           f"tiny GPT (4 layers, hidden 64, seq 64, M = 8); {args.rounds} run(s) per arm x "
           f"{args.iters} iterations, first {args.skip} dropped")
+    store_ops: list[int] = []
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     run_medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
     losses: dict[str, list[float]] = {}
     arms = list(ARMS)
     for round_ in range(args.rounds):
         for arm in arms[round_ % len(arms):] + arms[:round_ % len(arms)]:
-            records = run_arm(arm, args, workdir, round_)
+            records = run_arm(arm, layout, args, workdir, round_)
+            store_ops += [r["commit_store_ops"] for r in records[args.skip:]
+                          if "commit_store_ops" in r]
             kept = [r["ms_per_iteration"] for r in records[args.skip:]]
             times[arm] += kept
             run_medians[arm].append(statistics.median(kept))
@@ -183,6 +194,11 @@ def trainer_arms(args: argparse.Namespace, workdir: Path) -> None:
         print(f"ratio {arm}/plain: {statistics.median(times[arm]) / statistics.median(times['plain']):.3f}"
               f"  (ratio of medians; bootstrap 95% band [{low:.3f}, {high:.3f}]; median of "
               f"per-round ratios {paired:.3f}; ratio of minima {min(times[arm]) / min(times['plain']):.3f})")
+    if store_ops:
+        per_leader = statistics.median(store_ops)
+        print(f"commit store operations per iteration: {per_leader:g} by the logging rank (a "
+              f"replica leader), so {per_leader * layout[2]:g} for the job ({layout[2]} replica "
+              f"leader(s); the other {layout[0] * layout[1] * layout[2] - layout[2]} rank(s) none)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="trainer runs per arm (default 3)")
     p.add_argument("--iters", type=int, default=20, help="iterations per run (default 20)")
     p.add_argument("--skip", type=int, default=3, help="warm-up iterations dropped per run (default 3)")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=8, help="ranks: TP x PP x DP (default 8)")
+    p.add_argument("--layouts", nargs="+", default=["1,1,2", "1,2,2", "2,2,2"],
+                   help="(TP,PP,DP) layouts of the trainer arms (default 1,1,2 1,2,2 2,2,2)")
     p.add_argument("--reps", type=int, default=20, help="op loop: timed blocks per arm (default 20)")
     p.add_argument("--block", type=int, default=50, help="op loop: operations per block (default 50)")
     p.add_argument("--ops-worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -203,13 +218,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rounds < 1 or args.iters <= args.skip or args.skip < 0:
         p.error("need --rounds >= 1 and 0 <= --skip < --iters (e.g. --iters 20 --skip 3)")
-    if args.nproc % (args.tp * args.pp):
-        p.error(f"--nproc {args.nproc} is not a multiple of --tp x --pp = {args.tp * args.pp}")
+    layouts: list[tuple[int, int, int]] = []
+    for text in args.layouts:
+        values = [int(v) for v in text.split(",") if v.strip().isdigit()]
+        if len(values) != 3 or min(values) < 1:
+            p.error("--layouts takes TP,PP,DP triples of positive integers, e.g. 1,1,2 2,2,2")
+        layouts.append((values[0], values[1], values[2]))
     if args.reps < 1 or args.block < 1:
         p.error("need --reps >= 1 and --block >= 1 (e.g. --reps 20 --block 50)")
     with tempfile.TemporaryDirectory(prefix="recover_overhead.") as tmp:
         if args.level in ("both", "trainer"):
-            trainer_arms(args, Path(tmp))
+            for layout in layouts:
+                trainer_arms(layout, args, Path(tmp))
         if args.level in ("both", "ops"):
             run_ops(args, Path(tmp))
     return 0

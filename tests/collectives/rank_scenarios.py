@@ -41,7 +41,7 @@ def check_every_op(g: ResilientProcessGroup) -> None:
     gathered = torch.empty(3 * n)
     dist.all_gather_into_tensor(gathered, torch.full((3,), float(me)), group=g)
     assert gathered.tolist() == [float(i) for i in range(n) for _ in range(3)], gathered
-    part = torch.empty(2)  # gloo gives this op no future: exercises the waiter-thread path
+    part = torch.empty(2)  # gloo gives this op no future (not needed: the caller waits on it)
     dist.reduce_scatter_tensor(part, torch.arange(2.0 * n) + me, group=g)
     assert part.tolist() == [n * (2.0 * me + i) + n * (n - 1) / 2 for i in range(2)], part
     lst = [torch.empty(2) for _ in range(n)]
