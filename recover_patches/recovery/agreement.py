@@ -112,12 +112,12 @@ class StoreAgreement:
             if news:  # before the count: the last voter then sees it
                 self._store("set", prefix + "news", "1")
             self._store("set", prefix + f"done/{voter}", "1")
-            if self._store("add", prefix + "count", 1) == len(voters):
+            if self._store("add", prefix + "count", 1) == len(voters):  # the last to vote
                 sync = news or self._store("check", [prefix + "news"])
-                self._store("compare_set", decision_key, "", (
-                    Decision.COMMIT_AND_SYNC if sync else Decision.COMMIT).value)
+                return Decision(self._store("compare_set", decision_key, "", (  # what is stored
+                    Decision.COMMIT_AND_SYNC if sync else Decision.COMMIT).value).decode())
         else:  # a reduction failed: nobody can have all voters done
-            self._store("compare_set", decision_key, "", ABORT)
+            return Decision(self._store("compare_set", decision_key, "", ABORT).decode())
         deadline, pause = time.monotonic() + self.timeout, self.poll
         while True:
             if self._store("check", [decision_key]):
