@@ -264,8 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: threads are sized at init
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() leaves forks usable
-    if args.master_port == 0:
-        args.master_port = free_port(args.master_addr)
     warm = preload(args.preload)
 
     coordinator = None
@@ -282,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         extra_env = coordinator.env()
         if coordinator.pid is not None:
             log(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
+    if args.master_port == 0:  # after the coordinator bound its own port 0: never the same one
+        args.master_port = free_port(args.master_addr)
     # Block termination signals while forking: a child must not run the launcher's handler in
     # the instant before it installs its own, and the launcher must not die between two forks.
     stop_signals = {signal.SIGINT, signal.SIGTERM}

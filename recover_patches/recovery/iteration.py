@@ -122,7 +122,7 @@ class IterationTransaction:
 
     def run(self, iteration: int, ids: Sequence[int]) -> IterationOutcome:
         ids, m = list(ids), self.live
-        seconds: dict[str, float] = {"execute": 0.0, "reduce": 0.0}
+        seconds: dict[str, float] = {"execute": 0.0, "reduce": 0.0, "commit": 0.0}
         first_plan = {r: list(q) for r, q in self.plan(ids, m.live_replicas).items()}
         owner = {g: r for r, q in first_plan.items() for g in q}  # round-0 owners, never changed
         replanned: dict[int, list[int]] = {}  # the current recovery round's plan of lost ids
@@ -145,10 +145,11 @@ class IterationTransaction:
                 reduced = self.reduce(local)  # 3: out of place
                 self.check_reduced()
                 seconds["reduce"] += time.perf_counter() - clock
-                phase = "commit"
+                phase, clock = "commit", time.perf_counter()
                 decision = Decision.COMMIT if self.agreement is None else self.agreement.commit_vote(
                     f"{iteration}/after{self._attempts}", m.members(), reduced_ok=True,
                     news=self.agreement.latest_epoch() > m.epoch)
+                seconds["commit"] += time.perf_counter() - clock
                 if decision.committed:  # 4
                     final = {g: (r if r in m.live_replicas else None) for g, r in owner.items()}
                     final.update({g: r for r, q in replanned.items() for g in q})

@@ -166,6 +166,7 @@ def trainer_arms(layout: tuple[int, int, int], args: argparse.Namespace, workdir
           f"tiny GPT (4 layers, hidden 64, seq 64, M = 8); {args.rounds} run(s) per arm x "
           f"{args.iters} iterations, first {args.skip} dropped")
     store_ops: list[int] = []
+    commit_share: list[float] = []  # the recover arm's commit phase, as a share of its iteration
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     run_medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
     losses: dict[str, list[float]] = {}
@@ -175,6 +176,9 @@ def trainer_arms(layout: tuple[int, int, int], args: argparse.Namespace, workdir
             records = run_arm(arm, layout, args, workdir, round_)
             store_ops += [r["commit_store_ops"] for r in records[args.skip:]
                           if "commit_store_ops" in r]
+            if arm == "recover":
+                commit_share += [r["phase_seconds"]["commit"] * 1000 / r["ms_per_iteration"]
+                                 for r in records[args.skip:]]
             kept = [r["ms_per_iteration"] for r in records[args.skip:]]
             times[arm] += kept
             run_medians[arm].append(statistics.median(kept))
@@ -194,6 +198,9 @@ def trainer_arms(layout: tuple[int, int, int], args: argparse.Namespace, workdir
         print(f"ratio {arm}/plain: {statistics.median(times[arm]) / statistics.median(times['plain']):.3f}"
               f"  (ratio of medians; bootstrap 95% band [{low:.3f}, {high:.3f}]; median of "
               f"per-round ratios {paired:.3f}; ratio of minima {min(times[arm]) / min(times['plain']):.3f})")
+    if commit_share:  # measured inside each iteration: immune to run-to-run drift of the machine
+        print(f"recover arm: the commit vote took a median {statistics.median(commit_share):.2%} "
+              f"of the iteration (p90 {sorted(commit_share)[int(0.9 * (len(commit_share) - 1))]:.2%})")
     if store_ops:
         per_leader = statistics.median(store_ops)
         print(f"commit store operations per iteration: {per_leader:g} by the logging rank (a "
