@@ -30,7 +30,9 @@ def _user_error(text: str) -> int:
 
 
 def _say(rank: int, text: str) -> None:
-    # one write per line: the membership watcher thread prints too (see _report_epochs)
+    # one write per line: the membership watcher thread prints too (see _report_epochs), and
+    # other ranks share the stream; flushed first so nothing pending cuts the line in two
+    sys.stdout.flush()
     sys.stdout.write(f"[recover] rank {rank}: {text}\n")
     sys.stdout.flush()
 

@@ -107,4 +107,8 @@ class MetricsWriter:
 
 
 def print_rank_line(text: str) -> None:
-    print(text, file=sys.stdout, flush=True)
+    """One line in one write: ranks share the launcher's stdout, and a line written in pieces
+    can be cut by another rank's line."""
+    sys.stdout.flush()
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
