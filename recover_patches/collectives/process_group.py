@@ -16,8 +16,9 @@ Rules, and why:
   * An operation that errors (a peer's socket closed) or times out is reported to the coordinator;
     the group waits up to `verdict_timeout` for the coordinator's verdict (a new epoch naming the
     dead) so that PeerFailure names the right rank even when gloo cannot.
-  * No thread, future callback or lock per operation (the failure-free path is a few attribute
-    reads around the backend's own call). The caller's wait() is the backend's wait():
+  * No thread and no future callback per operation: the failure-free path is the backend's own
+    call plus a few attribute reads and a set insert under an uncontended lock. The caller's
+    wait() is the backend's wait():
     - gloo blocks the caller inside the backend, bounded by gloo itself (collectives: the group
       timeout set with `set_timeout`; p2p: a timed wait, which closes the connection only when
       it times out). A peer whose process dies -- killed, or fenced by its launcher after the
@@ -262,7 +263,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 raise outcome[0]
             try:
                 if peer is not None and self._host_waits:
-                    work.wait(self._p2p_timeout)  # untimed: the backend's (long) connect timeout
+                    work.wait(self._p2p_timeout)  # an untimed one lasts the connect timeout
                 else:
                     work.wait()
             except RuntimeError as e:
