@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RECOVER_COORDINATOR"):
         from recover_patches.collectives.membership import MembershipClient
         try:
-            membership = MembershipClient.from_env()
+            membership = MembershipClient.from_env(timeout=args.recover_timeout)
         except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
             _say(rank, f"{err}: leaving")
             return 0
@@ -185,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
         metrics=MetricsWriter(args.metrics_file, args.tensorboard_dir),
         agreement=StoreAgreement(membership, timeout=args.recover_timeout,
+                                 verdict_wait=membership.timeouts.verdict_wait,
                                  replica=replica_vote(groups, device)) if recovering else None,
-        log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"))
+        log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"),
+        **({} if membership is None else {"mark": membership.mark}))
     if recovering:
         assert membership is not None and trainer.agreement is not None
         trainer.grow = GrowBack(

@@ -23,7 +23,8 @@ Kinds:
 inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
 kill, node, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored. iter=any matches the
-first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1. A
+first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1;
+phase `eval` with iter=I is a forward pass of the evaluation after iteration I. A
 replacement process (launch --max-replacements) gets its rank's specs again; a one-shot fault at
 an iteration it joins after never fires.
 """
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
-          "recovery", "join")
+          "recovery", "join", "eval")
 ENV_VAR = "RECOVER_INJECT_FAULT"
 ANY = -1  # iter=any: the first matching call, whatever the iteration
 FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K] (slow: seconds=S instead of iter) "

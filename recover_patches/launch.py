@@ -42,8 +42,10 @@ Exit status rule:
     this node that failed was already dead in the membership epoch at which completion was
     declared, i.e. the job survived exactly those failures. A failure the job did not account for
     (a rank dying after the declaration, or one the coordinator never saw) still fails the launch;
-  * otherwise 1; 128+signal when the launcher itself was stopped by SIGINT/SIGTERM.
-User errors (bad flags) exit 2 before anything is started.
+  * otherwise 2 if every failed rank exited 2 (a user error the ranks found: data, checkpoint,
+    coordinator address), 3 if every failed rank exited 2 or 3 (the job stopped itself for a
+    checkpoint-restart), else 1; 128+signal when the launcher itself was stopped by SIGINT/SIGTERM.
+The launcher's own usage errors (bad flags) exit 2 before anything is started.
 """
 from __future__ import annotations
 
@@ -87,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the coordinator on the master address; 0 = free port (single node)")
     p.add_argument("--job-token", default=None,
                    help="shared secret of this job (default: env RECOVER_JOB_TOKEN or generated)")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--heartbeat-interval", "--heartbeat-timeout", dest="removed_heartbeat_flag",
+                   help=argparse.SUPPRESS)  # refused in validate(): both derive from the ranks'
     p.add_argument("--max-replacements", type=int, default=0,
                    help="start a replacement process when a rank of this node dies, at most this "
                         "many times (needs the coordinator); it rejoins as a spare")
@@ -112,8 +114,9 @@ def validate(args: argparse.Namespace) -> None:
         raise LaunchUsageError(f"script {args.script!r} not found: pass the path of the training script")
     if args.term_grace < 0:
         raise LaunchUsageError("--term-grace must be >= 0")
-    if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
-        raise LaunchUsageError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+    if args.removed_heartbeat_flag is not None:
+        raise LaunchUsageError("--heartbeat-interval / --heartbeat-timeout are gone: both derive "
+                               "from the training script's --recover-timeout (pass that instead)")
     if args.max_replacements < 0 or (args.max_replacements and args.no_coordinator):
         raise LaunchUsageError("--max-replacements needs a value >= 0 and the coordinator "
                                "(drop --no-coordinator)")

@@ -101,10 +101,12 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
     return result
 
 
-def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink) -> ScheduleResult:
+def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
+                     hook: PhaseHook = _no_hook) -> ScheduleResult:
     """Evaluation: forward passes only, activations handed straight down the pipeline."""
     result = ScheduleResult()
     for g in ids:
+        hook("eval", g)
         y = stage.forward(g, link.recv_forward())
         link.send_forward(y)
         if link.is_last:

@@ -196,5 +196,12 @@ def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) 
                 f"epoch {epoch} with those ranks already dead: success")
             return 0
         log(f"job declared completion at epoch {epoch}, but rank(s) {unexpected} failed outside it")
+    codes = {r.exit_code for r in failed}
+    if codes == {2}:
+        log(f"{len(failed)} of {len(ranks)} rank(s) stopped on a user error (status 2)")
+        return 2
+    if codes <= {2, 3}:
+        log(f"{len(failed)} of {len(ranks)} rank(s) stopped the job for a restart (status 3)")
+        return 3
     log(f"{len(failed)} of {len(ranks)} rank(s) failed")
     return 1

@@ -14,6 +14,7 @@ from recover_patches.recovery.agreement import Decision, RecoveryStalled, Replic
 class FakeMembership:
     def __init__(self, store, rank, epoch=0, dead=()):
         self.store, self.rank, self._epoch, self._dead = store, rank, epoch, frozenset(dead)
+        self.marks, self.reports = [], []
 
     def epoch(self):
         return self._epoch
@@ -24,12 +25,20 @@ class FakeMembership:
     def view(self):
         return self._epoch, self._dead
 
+    def mark(self, where, iteration=None, microbatch=None):
+        self.marks.append(where)
+
+    def report_failure(self, suspects, where):
+        self.reports.append((sorted(suspects), where))
+
 
 def test_a_rank_that_gives_up_waiting_decides_abort_for_everyone():
     store = dist.HashStore()
     impatient = StoreAgreement(FakeMembership(store, 0), timeout=0.05)
     with pytest.raises(PeerFailure):
         impatient.commit_vote("7/after0", [0, 1], reduced_ok=True)
+    # it told the coordinator whom it waited for: the progress verdict needs waiters' reports
+    assert [suspects for suspects, _ in impatient.membership.reports] == [[1]]
     late = StoreAgreement(FakeMembership(store, 1), timeout=1.0)
     # rank 1 completes the set of "done" reports, but rank 0 already left this round
     assert late.commit_vote("7/after0", [0, 1], reduced_ok=True) is Decision.ABORT

@@ -68,6 +68,9 @@ class _OneRank:
     def dead_ranks(self):
         return frozenset()
 
+    def mark(self, where, iteration=None, microbatch=None):
+        pass
+
     def add_listener(self, _listener):
         pass
 

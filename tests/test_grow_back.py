@@ -133,9 +133,9 @@ def test_a_standby_node_takes_over_a_lost_nodes_ranks(tmp_path, reference):
     metrics = tmp_path / "metrics.jsonl"
     token, master, coordinator = secrets.token_hex(8), free_port(), free_port()
     common = ["--nproc-per-node", "2", "--nnodes", "2", "--master-port", str(master),
-              "--coordinator-port", str(coordinator), "--job-token", token,
-              "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"]
+              "--coordinator-port", str(coordinator), "--job-token", token]
     script = [str(REPO / "pretrain_gpt_recover.py"), *COMMON, *CHECKED, "--metrics-file", str(metrics),
+              "--recover-timeout", "3",  # the lost node is silent: declared dead after 3.5 s
               *faults("node:rank=3,iter=3,phase=forward",
                       "slow:rank=1,seconds=0.25,iter=4,phase=forward")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}

@@ -156,7 +156,7 @@ def test_launcher_idles_while_ranks_run(tmp_path):
         _, status, usage = os.wait4(proc.pid, 0)
     finally:
         finish(proc, tmp_path, timeout=5)
-    assert os.waitstatus_to_exitcode(status) == 1
+    assert os.waitstatus_to_exitcode(status) == 3  # the rank stopped the job for a restart
     assert (tmp_path / "done.1").exists()
     assert usage.ru_utime + usage.ru_stime < 0.8, usage  # launcher + tiny ranks, over ~2 s
 
@@ -179,7 +179,7 @@ def test_sigterm_is_forwarded_then_sigkill_after_grace(tmp_path):
 @pytest.mark.parametrize("flags, needle", [
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
     (["--nnodes", "2", "--node-rank", "1", "--master-port", "0"], "--master-port"),
-    (["--heartbeat-interval", "3", "--heartbeat-timeout", "1"], "--heartbeat-interval"),
+    (["--heartbeat-timeout", "1"], "derive from the training script's --recover-timeout"),
     (["--standby"], "--standby joins a running job"),  # --no-coordinator, no port, no token
 ])
 def test_usage_errors_exit_2_and_start_nothing(tmp_path, flags, needle):
@@ -199,6 +199,9 @@ def test_exit_rule_with_declared_completion(capsys):
     assert summarize(ranks(0, -9), None) == 1                     # no coordinator verdict
     assert summarize(ranks(0, -9, 1), (2, frozenset({1, 2}))) == 0  # the job survived both
     assert summarize(ranks(0, -9, 1), (1, frozenset({1}))) == 1     # rank 2 failed outside it
+    assert summarize(ranks(2, 2), None) == 2                      # the ranks' user error
+    assert summarize(ranks(0, 3, 2), None) == 3                   # stopped for a restart
+    assert summarize(ranks(2, 1), None) == 1                      # anything else: a failure
     err = capsys.readouterr().err
     assert "rank 1 (pid 101) failed: killed by signal SIGKILL" in err
     assert "rank 2 (pid 102) failed: exit code 1" in err

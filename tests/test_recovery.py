@@ -94,8 +94,7 @@ def test_drop_policy_leaves_the_trajectory(reference, tmp_path):
 @pytest.mark.timeout(600)
 def test_hung_rank_is_recovered_after_the_timeout(reference, tmp_path):
     run = run_job(tmp_path, *faults("hang:rank=6,iter=4,phase=backward"),
-                  "--recover-timeout", "8",
-                  launcher_args=["--heartbeat-interval", "0.5", "--heartbeat-timeout", "5"])
+                  "--recover-timeout", "5")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert_same_trajectory(run, reference)
     assert "hang" in run.stderr or "hang" in run.stdout

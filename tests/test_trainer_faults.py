@@ -10,8 +10,8 @@ phases, every run must show:
     Times are taken on this test's clock, as the arrival of the job's log lines on its
     stdout/stderr pipes (ranks flush every line), from the victim's own "injecting kill" line
     (written just before it SIGKILLs itself) for a kill, and from the coordinator's "epoch 1: dead
-    ranks" line for a hang (a hang cannot be seen before the heartbeat timeout; that delay is
-    checked separately against --heartbeat-timeout);
+    ranks" line for a hang (a hang cannot be seen before --recover-timeout + 0.5 s; that delay is
+    checked separately);
   * ranks of the healthy replica see the failure only on DP groups (or as a failed commit vote);
   * the job finishes all iterations with the full global batch and the launcher exits 0 with a
     summary naming the dead rank;
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from recover_patches.collectives.timeouts import Timeouts
 from tests._launch_util import REPO, TINY_GPT, read_metrics
 
 ITERS, FAULT_ITER, M = 4, 2, 8
@@ -40,9 +41,7 @@ REPLICAS = {0: {0, 1, 4, 5}, 1: {2, 3, 6, 7}}
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--train-iters", str(ITERS), "--recover-balance", "even"]
 # generous: at load ~12 a 3 s silence once got a healthy rank declared dead
-HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT = 0.5, 5.0
-HANG_TIMEOUTS = (["--recover-timeout", "8"], ["--heartbeat-interval", str(HEARTBEAT_INTERVAL),
-                                              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)])
+HANG_TIMEOUT = Timeouts(5.0)  # a stopped rank is declared dead after its stall (5.5 s)
 STRICT_ENV = {"RECOVER_STRICT_GROUPS": "1",
               "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "strict_groups"), str(REPO),
                                              os.environ.get("PYTHONPATH", "")])}
@@ -221,15 +220,15 @@ def test_kill_is_reported_everywhere_and_survived(tmp_path, phase):
 @pytest.mark.parametrize("phase", list(HANGS))
 def test_hang_is_reported_everywhere_and_survived(tmp_path, phase):
     victim = HANGS[phase]
-    trainer_args, launcher_args = HANG_TIMEOUTS
     run = run_job(tmp_path, ["--inject-fault", f"hang:rank={victim},iter={FAULT_ITER},phase={phase}",
-                             *trainer_args], launcher_args=launcher_args)
+                             "--recover-timeout", f"{HANG_TIMEOUT.operation:g}"], launcher_args=[])
     check_completed(run, victim, fenced=True)
     hung = run.first(re.compile(rf"\[recover\.faults\] rank {victim}: injecting hang"))
     declared = run.first(COORDINATOR_EPOCH)
     assert hung and declared and ranks_of(declared[1][1]) == [victim], run.text[-3000:]
-    silence = declared[0] - hung[0]  # the last heartbeat may predate the hang by one interval
-    assert HEARTBEAT_TIMEOUT - HEARTBEAT_INTERVAL <= silence <= HEARTBEAT_TIMEOUT + WITHIN, silence
+    silence = declared[0] - hung[0]  # the last beat or mark may predate the hang by one interval
+    stall, interval = HANG_TIMEOUT.stall, HANG_TIMEOUT.heartbeat_interval
+    assert stall - interval - 0.1 <= silence <= stall + WITHIN, silence
     check_survivors(run, victim, start=declared[0])
     check_strict_groups(run)
 

@@ -22,7 +22,10 @@ def add_recover_args(parser: argparse.ArgumentParser) -> None:
                         "imbalance makes that >= 10%% faster. even: always split evenly (bitwise "
                         "reproducible reduction order, e.g. for exact resume comparisons).")
     g.add_argument("--recover-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="A collective that makes no progress for this long declares its peers failed.")
+                   help="How long a rank may keep the others waiting: an operation that makes no "
+                        "progress for this long fails, and the rank it waits for is declared dead "
+                        "(fenced) once it made no progress for this long + 0.5 s. The heartbeat "
+                        "interval and every wait of recovery derive from it. >= 1.")
     g.add_argument("--recover-min-replicas", type=int, default=1,
                    help="Stop cleanly (for checkpoint-restart) when fewer replicas than this survive.")
     g.add_argument("--recover-spares", default="on", choices=["on", "off"],

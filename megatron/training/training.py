@@ -73,6 +73,8 @@ class Trainer:
     checkpointer: Any = None  # megatron.training.checkpointing.Checkpointer (it imports us)
     agreement: StoreAgreement | None = None  # recovery on
     log_failure: Callable[[PeerFailure, str], None] | None = None  # printed by every rank
+    # where this rank is, for the coordinator's progress verdict (MembershipClient.mark)
+    mark: Callable[[str, int | None, int | None], None] = lambda where, iteration, microbatch: None
     grow: GrowBack | None = None  # spares and replacements rejoin (recovery on, coordinator)
     state: TrainState = field(default_factory=TrainState)
     # recent records on every rank, so a new logging rank can write what a dead one missed
@@ -95,7 +97,8 @@ class Trainer:
         self.faults.actions.update(inf=self.grads.poison, corrupt=self.corrupt_a_weight)
 
     def hook(self, phase: str, microbatch: int | None = None) -> None:
-        """Injection point; iterations are numbered from 1 as in the logs."""
+        """Progress mark and injection point; iterations are numbered from 1 as in the logs."""
+        self.mark(phase, self.state.iteration + 1, microbatch)
         self.faults.at(phase, self.state.iteration + 1, microbatch)
 
     @property
@@ -327,8 +330,51 @@ class Trainer:
         if self.is_logging_rank:
             self.metrics.write({"iteration": join.iteration, "join": vars(join)})
 
-    def evaluate(self) -> float:
-        """Forward-only loss over `--eval-iters` global batches of the validation set."""
+    def evaluate(self) -> float | None:
+        """Forward-only loss over `--eval-iters` global batches of the validation set. With
+        recovery on, a failure costs only this evaluation: the live ranks vote on it like on a
+        commit, and if any rank's evaluation broke, all of them skip it (one log line, one
+        metrics record) and adopt the new membership before the next iteration."""
+        failure: PeerFailure | None = None
+        try:
+            loss = self._evaluate()
+        except PeerFailure as err:
+            if self.agreement is None:
+                raise
+            self.groups.abandon()  # ranks still blocked on us fail at once
+            loss, failure = None, err
+        if self.agreement is None or self._evaluation_agreed(failure is None):
+            assert loss is not None
+            if self.is_logging_rank:
+                print_rank_line(f" validation loss at iteration {self.state.iteration} | "
+                                f"lm loss value: {loss:.6E} |")
+                self.metrics.write({"iteration": self.state.iteration, "valid_lm_loss": loss})
+            return loss
+        self.groups.abandon()
+        assert self.grow is not None  # recovery is on
+        self.record_join(self.grow.at_boundary(self.state.iteration, sync=True, key="eval"))
+        reason = str(failure) if failure is not None else "another rank's evaluation failed"
+        if self.is_logging_rank:
+            print_rank_line(f" [recover] evaluation at iteration {self.state.iteration} skipped: "
+                            f"{reason} | live replicas {self.live.live_replicas}")
+            self.metrics.write({"iteration": self.state.iteration, "valid_skipped": reason})
+        return None
+
+    def _evaluation_agreed(self, ok: bool) -> bool:
+        """Every live rank's evaluation completed (the same answer on all of them)."""
+        assert self.agreement is not None
+        try:
+            return self.agreement.commit_vote(f"eval/{self.state.iteration}", self.live.members(),
+                                              reduced_ok=ok).committed
+        except PeerFailure:  # gave up waiting for a member: abort was decided for everyone
+            return False
+
+    def _eval_hook(self, phase: str, microbatch: int | None) -> None:
+        """Progress mark and injection point of the evaluation after the current iteration."""
+        self.mark(phase, self.state.iteration, microbatch)
+        self.faults.at(phase, self.state.iteration, microbatch)
+
+    def _evaluate(self) -> float:
         args = self.args
         self.model.eval()
         m = args.global_batch_size // args.micro_batch_size
@@ -339,7 +385,7 @@ class Trainer:
             for k in range(args.eval_iters):
                 ids = list(range(first + k * m, first + (k + 1) * m))
                 mine = even_plan(ids, self.live.live_replicas).get(self.groups.coord.replica, [])
-                done = run_forward_only(mine, self.valid_stage, self.link)
+                done = run_forward_only(mine, self.valid_stage, self.link, self._eval_hook)
                 total = total + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
         stats = total.as_tensor().to(self.device)
         if self.groups.dp.size() > 1:
@@ -348,12 +394,7 @@ class Trainer:
         loss_sum = torch.tensor([total.loss_sum], dtype=torch.float64, device=self.device)
         if self.groups.pp.size() > 1:  # the loss lives on the last stage
             dist.all_reduce(loss_sum, group=self.groups.pp)
-        loss = float(loss_sum) / max(total.tokens, 1)
-        if self.is_logging_rank:
-            print_rank_line(f" validation loss at iteration {self.state.iteration} | "
-                            f"lm loss value: {loss:.6E} |")
-            self.metrics.write({"iteration": self.state.iteration, "valid_lm_loss": loss})
-        return loss
+        return float(loss_sum) / max(total.tokens, 1)
 
 
 def build_stage(args, groups: ParallelGroups, model, dataset, tracker,

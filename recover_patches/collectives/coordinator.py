@@ -1,13 +1,17 @@
 """The membership coordinator: a small process outside the training ranks (DESIGN §5).
 
 It owns the TCPStore server and decides membership epochs. A rank is declared dead on evidence
-only: its launcher saw it exit (reported within milliseconds), or its heartbeat went silent for
-`heartbeat_timeout` (hangs, lost nodes). Each batch of new deaths starts a new epoch; ranks watch
-the epoch key and abort every pending operation of the old epoch.
+only: its launcher saw it exit (reported within milliseconds), its heartbeat went silent, or it
+made no progress while the others reported waiting for it (`liveness.py`: stopped processes,
+lost nodes, live hangs). Each batch of new deaths starts a new epoch; ranks watch the epoch key
+and abort every pending operation of the old epoch. The waits follow the ranks'
+`--recover-timeout` (`timeouts.py`), which the first rank to register brings; a rank with another
+value is refused.
 
 What does NOT start an epoch, and why:
   * a rank's own failure report (`suspect`): a timeout or a closed socket does not say who is at
-    fault; the report is logged, and the verdict is left to exits and heartbeats;
+    fault; it marks the rank as waiting, and the verdict is left to exits, heartbeats and
+    progress;
   * a clean `leave` (surviving ranks of a broken replica) and any exit after the job declared
     completion: those ranks are recorded as gone without aborting everyone's work.
 
@@ -32,7 +36,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
+from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
+from recover_patches.collectives.timeouts import Timeouts
 
 TICK = 0.02  # seconds between polls of the store: bounds detection latency, costs ~nothing
 
@@ -45,19 +51,18 @@ def log(message: str) -> None:
 class CoordinatorConfig:
     world_size: int
     token: str
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0
+    timeout: float | None = None  # the ranks' --recover-timeout; None: the first rank's
 
-    @property
-    def standby_grace(self) -> float:
-        """How long a dead slot's launcher may take to report a local replacement before the slot
-        goes to a standby: it fences and reports within a fraction of a second when it is alive."""
-        return max(1.0, 2 * self.heartbeat_interval)
 
-    @property
-    def register_timeout(self) -> float:
-        """How long a standby given a slot may take to register before the slot goes to another."""
-        return self.heartbeat_timeout + 10.0
+def standby_grace(timeouts: Timeouts) -> float:
+    """How long a dead slot's launcher may take to report a local replacement before the slot goes
+    to a standby: it fences and reports within a fraction of a second when it is alive."""
+    return max(1.0, 2 * timeouts.heartbeat_interval)
+
+
+def register_timeout(timeouts: Timeouts) -> float:
+    """How long a standby given a slot may take to register before the slot goes to another."""
+    return timeouts.stall + 10.0
 
 
 class Coordinator:
@@ -65,19 +70,25 @@ class Coordinator:
         self.raw = server
         self.store = dist.PrefixStore(P.job_prefix(config.token), server)
         self.config = config
-        self.state = MembershipState(config.world_size, standby_grace=config.standby_grace,
-                                     register_timeout=config.register_timeout)
+        self.state = MembershipState(config.world_size)
+        self.timeouts: Timeouts | None = None
+        self.liveness = Liveness(stall=float("inf"), expiry=float("inf"))
+        if config.timeout is not None:
+            self._adopt_timeouts(config.timeout)
         self.digest = P.token_digest(config.token)
         self.next_hello = 1
         self.next_report = 1
-        self.heartbeats: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it moved)
         self.registered: set[int] = set()  # ranks to notify of new epochs
+        self.unresolved_logged = False
         self.stopping = False
         self.stopped = False
-        self.store.set(P.CONFIG, json.dumps({"world_size": config.world_size,
-                                             "heartbeat_interval": config.heartbeat_interval,
-                                             "heartbeat_timeout": config.heartbeat_timeout}))
+        self.store.set(P.CONFIG, json.dumps({"world_size": config.world_size}))
         self._publish(0, "job start")
+
+    def _adopt_timeouts(self, timeout: float) -> None:
+        self.timeouts = t = Timeouts(timeout)
+        self.state.standby_grace, self.state.register_timeout = standby_grace(t), register_timeout(t)
+        self.liveness.stall, self.liveness.expiry = t.stall, t.verdict_wait
 
     def _publish(self, epoch: int, reason: str) -> None:
         self.store.set(P.epoch_key(epoch), json.dumps(self.state.record(epoch, reason)))
@@ -86,7 +97,10 @@ class Coordinator:
             self.store.queue_push(P.notify_key(rank), str(epoch))
         if epoch:
             log(f"epoch {epoch}: dead ranks {sorted(self.state.dead)} ({reason})")
-            self.heartbeats.update({r: (-1, time.monotonic()) for r in self.state.joining})
+            self.liveness.new_epoch(epoch)
+            self.unresolved_logged = False
+            for r in self.state.joining:
+                self.liveness.watch(r)
 
     def tick(self) -> None:
         self._handshakes()
@@ -125,16 +139,26 @@ class Coordinator:
                 reason = ("wrong job token (RECOVER_JOB_TOKEN / --job-token must be the one the "
                           "coordinator was started with)")
             elif hello["role"] == "rank":
-                reason = self.state.refuse_reason(hello["rank"], hello.get("incarnation", 0),
-                                                  hello.get("standby"))
+                reason = self._timeout_refusal(hello.get("timeout")) or self.state.refuse_reason(
+                    hello["rank"], hello.get("incarnation", 0), hello.get("standby"))
             if reason is None and hello["role"] == "rank":
+                if self.timeouts is None:
+                    self._adopt_timeouts(hello["timeout"])
                 self.state.on_register(hello["rank"], hello.get("incarnation", 0))
-                self.heartbeats[hello["rank"]] = (-1, time.monotonic())
+                self.liveness.watch(hello["rank"])
                 self.registered.add(hello["rank"])
             if reason is not None:
                 log(f"refused {hello['role']} {hello['rank']}: {reason}")
             self.raw.set(P.reply_key(n), reason or P.OK)
             self.next_hello += 1
+
+    def _timeout_refusal(self, timeout: float | None) -> str | None:
+        if timeout is None:
+            return "no --recover-timeout in the handshake (a client of another ReCoVer version?)"
+        if self.timeouts is not None and timeout != self.timeouts.operation:
+            return (f"--recover-timeout {timeout:g} differs from the job's "
+                    f"{self.timeouts.operation:g}: give every rank the same value")
+        return None
 
     def _reports(self) -> None:
         count = self.store.add(P.REPORTS_COUNT, 0)
@@ -144,12 +168,12 @@ class Coordinator:
             kind = report["kind"]
             if kind == "exit":
                 if report.get("incarnation", 0) == self.state.incarnation.get(report["rank"], 0):
-                    self.heartbeats.pop(report["rank"], None)
+                    self.liveness.forget(report["rank"])
                 self.state.on_exit(report["rank"], report["code"], report.get("incarnation", 0),
                                    report.get("replacing", False))
             elif kind == "leave":
                 self.state.on_leave(report["rank"])
-                self.heartbeats.pop(report["rank"], None)
+                self.liveness.forget(report["rank"])
             elif kind == "spare":
                 self.state.on_spare(report["rank"], report["incarnation"], tuple(report["slots"]))
             elif kind == "standby":
@@ -160,6 +184,8 @@ class Coordinator:
                 self._complete(report["rank"])
             elif kind == "suspect":
                 log(f"rank {report['rank']} suspects {report['suspects']} in {report['where'][:160]}")
+                self.liveness.waiting(report["rank"], report["suspects"], report.get("epoch", 0),
+                                      report["where"])
 
     def _complete(self, by_rank: int) -> None:
         if self.state.completed_at is None:
@@ -169,24 +195,24 @@ class Coordinator:
             log(f"job declared complete by rank {by_rank} at epoch {self.state.epoch}")
 
     def _check_heartbeats(self) -> None:
-        ranks = list(self.heartbeats)  # members, spares and registered replacements
+        """Read every watched rank's heartbeat (one multi_get), then declare the silent and the
+        stuck dead; say once what was seen when waiters wait and no one can be named."""
+        ranks = self.liveness.watched()  # members, spares and registered replacements
         if not ranks:
             return
-        values = self.store.multi_get([P.heartbeat_key(r) for r in ranks]) \
-            if self.store.check([P.heartbeat_key(r) for r in ranks]) else None
-        now = time.monotonic()
-        for i, r in enumerate(ranks):
-            value = int(values[i]) if values is not None else self._one_heartbeat(r)
-            last, since = self.heartbeats[r]
-            if value != last:
-                self.heartbeats[r] = (value, now)
-            elif now - since > self.config.heartbeat_timeout:
-                self.state.mark_dead(r, f"no heartbeat for {now - since:.1f}s")
-                del self.heartbeats[r]
-
-    def _one_heartbeat(self, rank: int) -> int:
-        key = P.heartbeat_key(rank)
-        return int(self.store.get(key)) if self.store.check([key]) else -1
+        keys = [P.heartbeat_key(r) for r in ranks]
+        values = self.store.multi_get(keys) if self.store.check(keys) else \
+            [self.store.get(k) if self.store.check([k]) else None for k in keys]
+        for r, value in zip(ranks, values):
+            self.liveness.observe(r, None if value is None else value.decode())
+        members = {r for r in ranks if self.state.is_member(r)}
+        for r, why in self.liveness.silent() + self.liveness.stuck(members):
+            if r in self.liveness.seen:
+                self.state.mark_dead(r, why)
+                self.liveness.forget(r)
+        if not self.unresolved_logged and (seen := self.liveness.unresolved(members)):
+            log(f"no verdict yet: {seen}")
+            self.unresolved_logged = True
 
     def serve(self, linger: float | None = None) -> None:
         """Tick until stopped; with `linger`, also stop that long after every rank is done (time
@@ -226,21 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--job-token", default=os.environ.get("RECOVER_JOB_TOKEN"))
-    p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--recover-timeout", type=float, default=None,
+                   help="the ranks' --recover-timeout (default: the first rank's; others must match)")
     p.add_argument("--stay", action="store_true", help="keep serving after every rank is done")
     args = p.parse_args(argv)
     if not args.job_token:
         print("error: no job token: pass --job-token or set RECOVER_JOB_TOKEN", file=sys.stderr)
         return 2
-    if args.world_size < 1 or not 0 < args.heartbeat_interval < args.heartbeat_timeout:
-        print("error: need --world-size >= 1 and 0 < --heartbeat-interval < --heartbeat-timeout",
-              file=sys.stderr)
+    if args.world_size < 1 or (args.recover_timeout is not None and args.recover_timeout < 1):
+        print("error: need --world-size >= 1 and --recover-timeout >= 1", file=sys.stderr)
         return 2
     server = start_server(args.host, args.port)
     log(f"serving on port {server.port} for {args.world_size} rank(s)")
-    run(server, CoordinatorConfig(args.world_size, args.job_token, args.heartbeat_interval,
-                                  args.heartbeat_timeout), linger=None if args.stay else 10.0)
+    run(server, CoordinatorConfig(args.world_size, args.job_token, args.recover_timeout),
+        linger=None if args.stay else 10.0)
     return 0
 
 

@@ -136,9 +136,9 @@ def stop_process(pid: int, grace: float) -> None:
     os.waitpid(pid, 0)
 
 
-def fork_coordinator(port: int, token: str, world_size: int, interval: float,
-                     timeout: float) -> tuple[int, int]:
-    """Fork the coordinator process; return (pid, port it listens on)."""
+def fork_coordinator(port: int, token: str, world_size: int) -> tuple[int, int]:
+    """Fork the coordinator process; return (pid, port it listens on). Its waits follow the ranks'
+    --recover-timeout, which the first rank to register brings."""
     from recover_patches.collectives.coordinator import CoordinatorConfig, run, start_server
 
     read_fd, write_fd = os.pipe()
@@ -153,7 +153,7 @@ def fork_coordinator(port: int, token: str, world_size: int, interval: float,
             server = start_server("0.0.0.0", port)
             os.write(write_fd, f"{server.port}\n".encode())
             os.close(write_fd)
-            run(server, CoordinatorConfig(world_size, token, interval, timeout), linger=None,
+            run(server, CoordinatorConfig(world_size, token), linger=None,
                 stop_on_sigint=False)
         except BaseException as e:
             traceback.print_exc()
@@ -186,6 +186,5 @@ def start_or_join_coordinator(args: Namespace, token: str) -> CoordinatorHandle:
     if args.node_rank != 0 or args.standby:
         return CoordinatorHandle(args.master_addr, args.coordinator_port, token, args.node_rank,
                                  args.nnodes, None)
-    pid, port = fork_coordinator(args.coordinator_port, token, world_size,
-                                 args.heartbeat_interval, args.heartbeat_timeout)
+    pid, port = fork_coordinator(args.coordinator_port, token, world_size)
     return CoordinatorHandle(args.master_addr, port, token, 0, args.nnodes, pid)

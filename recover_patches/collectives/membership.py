@@ -3,7 +3,9 @@
 * the watcher blocks on this rank's notification queue (``notify/<rank>``), where the coordinator
   pushes every new epoch, so a new epoch is seen at once; it then calls the listeners (the process
   groups), which abort their pending operations;
-* the heartbeat thread adds to ``hb/<rank>`` every `heartbeat_interval`.
+* the heartbeat thread writes ``hb/<rank>`` every `heartbeat_interval`: a beat counter and where
+  the rank is (its progress marks, `mark()`: no store operation of their own), so the coordinator
+  can tell a rank that is alive but stuck from one that waits (`liveness.py`).
 Each has its own store connection: a TCPStore client serializes its requests, so a blocked pop
 would otherwise stall everyone. (A blocking pop rather than timed waits: every timed-out store
 wait prints two C++ warnings.)
@@ -21,28 +23,35 @@ import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
 from recover_patches.collectives.errors import CoordinatorConfigError, MembershipTimeout
+from recover_patches.collectives.timeouts import Timeouts
 
 EpochListener = Callable[[int, frozenset[int]], None]
 
 
 class MembershipClient:
-    """One per rank. `store` is the coordinator's store under this job's prefix."""
+    """One per rank. `store` is the coordinator's store under this job's prefix; `timeout` is the
+    rank's --recover-timeout, from which every wait derives (the coordinator checks that all ranks
+    agree on it)."""
 
     def __init__(self, host: str, port: int, token: str, rank: int, world_size: int, *,
-                 connect_timeout: float = 30.0, source: str = "RECOVER_COORDINATOR",
-                 incarnation: int = 0, standby: str | None = None):
+                 timeout: float = 10.0, connect_timeout: float = 30.0,
+                 source: str = "RECOVER_COORDINATOR", incarnation: int = 0,
+                 standby: str | None = None):
         self.rank = rank
         self.world_size = world_size
         self.incarnation = incarnation  # > 0: a replacement process for this rank's slot
+        self.timeouts = Timeouts(timeout)
+        self.heartbeat_interval = self.timeouts.heartbeat_interval
+        self.heartbeat_timeout = self.timeouts.stall
+        self._marks, self._iteration = 0, 0  # progress: see mark()
+        self._where: tuple[int, str, int | None] = (0, "start", None)
         raw = P.connect(host, port, connect_timeout, source)
-        P.handshake(raw, token, "rank", rank, connect_timeout, incarnation, standby)
+        P.handshake(raw, token, "rank", rank, connect_timeout, incarnation, standby, timeout)
         self.store: dist.Store = dist.PrefixStore(P.job_prefix(token), raw)
         config = json.loads(self.store.get(P.CONFIG))
         if config["world_size"] != world_size:
             raise CoordinatorConfigError(f"WORLD_SIZE={world_size} but the coordinator serves a job "
                                          f"of {config['world_size']} ranks")
-        self.heartbeat_interval: float = config["heartbeat_interval"]
-        self.heartbeat_timeout: float = config["heartbeat_timeout"]
         self._watch_store = self._connection(host, port, token, connect_timeout, source,
                                              blocking=timedelta(days=30))  # pops until news/close
         self._beat_store = self._connection(host, port, token, connect_timeout, source)
@@ -50,7 +59,8 @@ class MembershipClient:
         self._listeners: list[EpochListener] = []
         self._epoch, self._dead, self._record = self._read_latest(self.store)
         self._stop = threading.Event()
-        self._beat_store.add(P.heartbeat_key(rank), 1)
+        self._beats = 0
+        self._beat_once()
         self._threads = [threading.Thread(target=target, name=f"recover-{what}-{rank}", daemon=True)
                          for target, what in ((self._watch, "membership"), (self._beat, "heartbeat"))]
         for thread in self._threads:
@@ -115,8 +125,25 @@ class MembershipClient:
             return self._epoch
 
     # --- telling the coordinator ------------------------------------------------------------
+    def mark(self, where: str, iteration: int | None = None, microbatch: int | None = None) -> None:
+        """Record where this rank is: the next heartbeat carries it (no store operation here, a
+        few attribute writes). Call it at every step that may take long and before every wait."""
+        self._marks += 1
+        if iteration is not None:
+            self._iteration = iteration
+        self._where = (self._epoch, where, microbatch)
+
+    def progress(self) -> str:
+        """What the heartbeat says of this rank's progress: it changes with every mark and only
+        then (a new epoch seen by the watcher thread of a stuck rank is no progress)."""
+        epoch, where, microbatch = self._where
+        return (f"{self._marks} e{epoch} it{self._iteration} {where}"
+                + ("" if microbatch is None else f" mb{microbatch}"))
+
     def report_failure(self, suspects: Iterable[int], where: str) -> None:
-        P.post_report(self.store, P.Report.make("suspect", rank=self.rank,
+        """An operation timed out or broke: this rank waits for the coordinator's verdict on
+        `suspects` (the peers it waited for; empty if it cannot tell)."""
+        P.post_report(self.store, P.Report.make("suspect", rank=self.rank, epoch=self._epoch,
                                                 suspects=sorted(set(suspects)), where=where))
 
     def wait_as_spare(self, replica_slots: Iterable[int]) -> None:
@@ -174,10 +201,14 @@ class MembershipClient:
         record = json.loads(store.get(P.epoch_key(epoch)))
         return epoch, frozenset(record["dead"]), record
 
+    def _beat_once(self) -> None:
+        self._beats += 1
+        self._beat_store.set(P.heartbeat_key(self.rank), f"{self._beats} {self.progress()}")
+
     def _beat(self) -> None:
         try:
             while not self._stop.wait(self.heartbeat_interval):
-                self._beat_store.add(P.heartbeat_key(self.rank), 1)
+                self._beat_once()
         except RuntimeError as e:
             self._lost(e)
 

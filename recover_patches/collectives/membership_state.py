@@ -88,6 +88,11 @@ class MembershipState:
             self.exited.discard(rank)
             self.gone.discard(rank)
 
+    def is_member(self, rank: int) -> bool:
+        """The slot's current process trains now: not dead, gone, exited, nor waiting as a spare."""
+        return not (rank in self.dead or rank in self.pending_dead or rank in self.gone
+                    or rank in self.exited or rank in self.spares)
+
     def _is_member_slot(self, rank: int) -> bool:
         """The slot's current incarnation is (or was) a member, not a waiting replacement."""
         return rank not in self.dead and rank not in self.pending_dead

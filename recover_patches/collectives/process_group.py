@@ -234,6 +234,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, start, peer: int | None = None):
         if self.before_op is not None:
             self.before_op(op)
+        self.membership.mark(self.name)  # the coordinator must not take a waiter for stuck
         inner, failure = self._inner, self._failure
         if failure is not None:
             raise PeerFailure(failure.epoch, failure.suspects, f"{self.name}.{op}",
@@ -257,6 +258,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         def wait(_timeout) -> bool:
             if outcome:  # waited before and failed: the same failure again
                 raise outcome[0]
+            self.membership.mark(self.name)
             work = issued.work
             if work is None:  # the group broke before anyone waited: the backend is gone
                 outcome.append(self._fail(op, "aborted: the group broke first", peer))

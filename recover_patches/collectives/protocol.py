@@ -5,11 +5,12 @@ under ``recover/job/<digest of the job token>/``, so a process holding another j
 neither read nor disturb this job's state even before it is refused.
 
 Under the job prefix:
-  config           JSON {world_size, heartbeat_interval, heartbeat_timeout}
+  config           JSON {world_size}
   epoch            the latest epoch number e (written after epoch/<e>)
   epoch/<e>        JSON {epoch, dead: [global ranks], reason, dead_incarnations: {rank: k} (k > 0
                    only), joining: [ranks a grow epoch made members again]}
-  hb/<rank>        heartbeat counter (a rank adds 1 every interval)
+  hb/<rank>        "<beat> <progress>": a counter the rank bumps every heartbeat interval, then
+                   where it is (marks counted, epoch, phase, iteration, microbatch)
   notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
                    its own queue to end its watcher
   reports/count    number of reports; reports/<n> is the n-th report (JSON, see `Report`)
@@ -109,12 +110,14 @@ def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
 
 
 def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
-              incarnation: int = 0, standby: str | None = None) -> None:
-    """Present the job token (and, for a process that started as a standby, its name); raise
-    JobTokenRefused with the coordinator's reason if refused."""
+              incarnation: int = 0, standby: str | None = None,
+              recover_timeout: float | None = None) -> None:
+    """Present the job token (and, for a process that started as a standby, its name; for a rank
+    its --recover-timeout); raise JobTokenRefused with the coordinator's reason if refused."""
     n = store.add(HELLO_COUNT, 1)
     store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank,
-                                        "incarnation": incarnation, "standby": standby}))
+                                        "incarnation": incarnation, "standby": standby,
+                                        "timeout": recover_timeout}))
     try:
         store.wait([reply_key(n)], timedelta(seconds=timeout))
     except RuntimeError as e:
@@ -131,7 +134,7 @@ class Report(dict):
     """One report to the coordinator. kinds: exit (by a launcher: rank, code, incarnation,
     replacing = whether it starts a replacement), standby (a standby process waiting for a slot:
     id), standby_exit (by a launcher: a standby process that never got a slot ended: id),
-    suspect (by a rank: suspects, where), leave (a rank quitting cleanly), spare (a rank waiting
+    suspect (by a rank whose operation timed out or broke: epoch, suspects, where), leave (a rank quitting cleanly), spare (a rank waiting
     to re-form its replica: incarnation, slots = the replica's ranks), complete (the job finished
     its work)."""
 

@@ -13,6 +13,10 @@ Two questions need one answer across ranks even when failures strike between the
     proposal wins, and a barrier of all survivors closes the attempt (a newer epoch aborts it
     everywhere, so all retry together).
 Both rely on the coordinator (outside the training ranks) and its TCPStore being alive.
+
+A rank that gives up waiting for others (a vote, a barrier) reports it to the coordinator, like
+a timed-out collective: the coordinator then names the rank they wait for if it stopped making
+progress (`collectives/liveness.py`). Recovery waits `verdict_wait` for that verdict.
 """
 from __future__ import annotations
 
@@ -60,12 +64,13 @@ class RecoveryStalled(RuntimeError):
 
 
 class StoreAgreement:
-    def __init__(self, membership, *, timeout: float, poll: float = 0.0005, max_poll: float = 0.005,
-                 replica: ReplicaLink | None = None):
+    def __init__(self, membership, *, timeout: float, verdict_wait: float | None = None,
+                 poll: float = 0.0005, max_poll: float = 0.005, replica: ReplicaLink | None = None):
         self.membership = membership
         self.store = membership.store
         self.rank = membership.rank
-        self.timeout = timeout
+        self.timeout = timeout  # for the others to arrive (a vote, a barrier)
+        self.verdict_wait = timeout if verdict_wait is None else verdict_wait  # for an epoch
         self.poll, self.max_poll = poll, max_poll
         self.replica = replica
         self.store_ops = 0  # by this rank's commit votes: what a failure-free iteration costs
@@ -85,6 +90,7 @@ class StoreAgreement:
         by the last voter when nobody has news, and turns the commit into COMMIT_AND_SYNC.
         `per_rank`: every rank votes on the store even with a ReplicaLink (joins, rare)."""
         members, link = frozenset(members), self.replica
+        self.membership.mark("commit")
         if link is None or per_rank:
             return self._vote(key, members, self.rank, lambda rank: rank, reduced_ok, news)
         mine = link.replica_of(self.rank)
@@ -134,6 +140,8 @@ class StoreAgreement:
                     return decided
                 missing = [m for m in sorted(members)
                            if not self.store.check([prefix + f"done/{voter_of(m)}"])]
+                self.membership.report_failure(missing, f"commit.vote {key}: no vote in "
+                                                        f"{self.timeout:g}s")
                 raise PeerFailure(self.membership.epoch(), missing, "commit.vote",
                                   f"members {missing} neither finished nor died in "
                                   f"{self.timeout:g}s", confirmed=False)
@@ -148,15 +156,19 @@ class StoreAgreement:
         """Wait until this rank sees an epoch after `since_epoch` (the last agreed one), propose
         it, and return the epoch -- and its dead set -- that won the proposal."""
         decision_key = f"recover/epoch/{key}"
-        deadline, pause = time.monotonic() + self.timeout, self.poll
+        self.membership.mark("recovery")
+        deadline, pause = time.monotonic() + self.verdict_wait, self.poll
         while not self.store.check([decision_key]):
             epoch = self.membership.epoch()
             if epoch > since_epoch:
                 self.store.compare_set(decision_key, "", str(epoch))
                 break
-            if time.monotonic() > deadline:  # nobody died, yet a peer stopped answering
-                raise RecoveryStalled(f"a failure was seen but no rank was declared dead within "
-                                      f"{self.timeout:g}s (a live but unresponsive peer?)")
+            if time.monotonic() > deadline:  # the coordinator could name no one (its log says why)
+                raise RecoveryStalled(
+                    f"a failure was seen but no rank was declared dead within "
+                    f"{self.verdict_wait:g}s: every rank the others waited for either waited too "
+                    "(a partition) or kept making progress (slower than --recover-timeout); the "
+                    "coordinator's 'no verdict' line says which")
             pause = self._sleep(pause)
         agreed = int(self.store.get(decision_key).decode())
         record = json.loads(self.store.get(protocol.epoch_key(agreed)).decode())
@@ -166,6 +178,7 @@ class StoreAgreement:
         """All `members` reached recovery attempt `key` at `epoch`; a newer epoch (someone else
         died meanwhile) abandons the attempt on every rank alike."""
         members = frozenset(members)
+        self.membership.mark("barrier")
         prefix = f"recover/barrier/{key}/"
         if self.store.add(prefix + "count", 1) == len(members):
             self.store.set(prefix + "all", "1")
@@ -175,6 +188,8 @@ class StoreAgreement:
                 raise PeerFailure(epoch, self.membership.dead_ranks(), "recovery.barrier",
                                   f"epoch {self.membership.epoch()} started during recovery")
             if time.monotonic() > deadline:
+                self.membership.report_failure((), f"barrier {key}: not all arrived in "
+                                                   f"{self.timeout:g}s")
                 raise PeerFailure(epoch, (), "recovery.barrier",
                                   f"not all of {len(members)} survivors arrived in "
                                   f"{self.timeout:g}s", confirmed=False)

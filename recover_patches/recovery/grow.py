@@ -91,15 +91,16 @@ class GrowBack:
         (and no join failed at it already). The same answer on every live rank."""
         return sync or (bool(self.live.joinable()) and self.live.epoch not in self.failed)
 
-    def at_boundary(self, iteration: int, sync: bool) -> JoinRecord:
+    def at_boundary(self, iteration: int, sync: bool, key: str = "boundary") -> JoinRecord:
         """Adopt the newer membership after `iteration`: drop broken replicas, bring in the
-        re-formed ones. Raises ReplicaLost (this replica broke) or TooFewReplicas."""
+        re-formed ones. Raises ReplicaLost (this replica broke) or TooFewReplicas. `key` names
+        the step after the iteration that calls it (the boundary itself, or an evaluation)."""
         m, start = self.live, time.perf_counter()
         agree = sync
         for attempt in range(self.max_attempts):
             try:
                 if agree:
-                    epoch, dead = self.agreement.agree_on_epoch(f"boundary/{iteration}/{attempt}",
+                    epoch, dead = self.agreement.agree_on_epoch(f"{key}/{iteration}/{attempt}",
                                                                 m.epoch)
                 else:  # the agreed epoch already lets a replica re-form
                     epoch, dead = m.epoch, m.dead

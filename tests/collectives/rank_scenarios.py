@@ -29,7 +29,7 @@ out_dir, mode, op_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 rank = int(os.environ["RANK"])
 with open(os.path.join(out_dir, f"pid.{rank}"), "w") as f:
     f.write(str(os.getpid()))
-membership = MembershipClient.from_env()
+membership = MembershipClient.from_env(timeout=op_timeout)  # heartbeats derive from it
 
 
 def check_every_op(g: ResilientProcessGroup) -> None:

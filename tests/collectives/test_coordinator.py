@@ -16,6 +16,7 @@ from recover_patches.collectives.errors import (CoordinatorConfigError, JobToken
                                                 MembershipTimeout)
 from recover_patches.collectives.launcher_link import LauncherLink
 from recover_patches.collectives.membership import MembershipClient
+from recover_patches.collectives.timeouts import Timeouts
 
 TOKEN = "secret-of-this-job"
 pytestmark = pytest.mark.timeout(30)
@@ -86,8 +87,7 @@ def test_state_spares_are_told_when_no_member_is_left():
 @pytest.fixture
 def coordinator():
     server = start_server("127.0.0.1", 0)
-    coord = Coordinator(server, CoordinatorConfig(world_size=3, token=TOKEN,
-                                                  heartbeat_interval=0.1, heartbeat_timeout=0.6))
+    coord = Coordinator(server, CoordinatorConfig(world_size=3, token=TOKEN))
     thread = threading.Thread(target=coord.serve, daemon=True)
     thread.start()
     clients: list[MembershipClient] = []
@@ -100,8 +100,11 @@ def coordinator():
     assert [t.name for t in threading.enumerate() if t.name.startswith("recover-")] == []
 
 
-def client(port, clients, rank, token=TOKEN):
-    c = MembershipClient("127.0.0.1", port, token, rank, 3, connect_timeout=5)
+TIMEOUT = Timeouts(1.0)  # the ranks' --recover-timeout: heartbeat 0.1 s, stall 1.5 s
+
+
+def client(port, clients, rank, token=TOKEN, timeout=TIMEOUT.operation):
+    c = MembershipClient("127.0.0.1", port, token, rank, 3, connect_timeout=5, timeout=timeout)
     clients.append(c)
     return c
 
@@ -137,7 +140,7 @@ def test_silent_heartbeat_declares_a_rank_dead(coordinator):
     silent.close(leave=False)  # its heartbeat stops, like a SIGSTOPped or lost rank
     t0 = time.monotonic()
     assert watcher.wait_for_epoch_after(0, 3) == 1
-    assert time.monotonic() - t0 > 0.4  # not before the heartbeat timeout (0.6 s)
+    assert time.monotonic() - t0 > TIMEOUT.stall - 2 * TIMEOUT.heartbeat_interval  # not before
     assert watcher.dead_ranks() == {1} and seen == [(1, frozenset({1}))]
 
 
@@ -145,8 +148,52 @@ def test_a_closed_client_leaves_without_starting_an_epoch(coordinator):
     port, clients = coordinator
     watcher, leaving = client(port, clients, 0), client(port, clients, 1)
     leaving.close()
-    with pytest.raises(MembershipTimeout):  # longer than the heartbeat timeout
-        watcher.wait_for_epoch_after(0, 1.2)
+    with pytest.raises(MembershipTimeout):  # longer than the stall timeout
+        watcher.wait_for_epoch_after(0, TIMEOUT.stall + 0.5)
+
+
+def test_a_rank_with_another_recover_timeout_is_refused(coordinator):
+    port, clients = coordinator
+    client(port, clients, 0)  # the first rank brings the job's --recover-timeout
+    with pytest.raises(JobTokenRefused, match="--recover-timeout 2 differs from the job's 1"):
+        client(port, clients, 1, timeout=2.0)
+
+
+def test_a_live_rank_that_stops_making_progress_is_declared_dead_when_others_wait(coordinator,
+                                                                                 monkeypatch):
+    import os
+    fenced: list[int] = []
+    monkeypatch.setattr(os, "_exit", fenced.append)  # the stuck client lives in this process
+    port, clients = coordinator
+    waiter, stuck, bystander = (client(port, clients, r) for r in range(3))
+    for _ in range(int(TIMEOUT.stall / 0.1) + 5):  # negative control: nobody waits for anyone,
+        waiter.mark("forward")                     # so a rank that does not move is left alone
+        bystander.mark("forward")
+        time.sleep(0.1)
+    assert waiter.epoch() == 0, "a rank was declared dead although nobody waited for it"
+    waiter.report_failure([1], "dp.allreduce: timed out")  # the waiter waits for rank 1
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # rank 2 keeps moving; rank 1 beats but never marks
+        bystander.mark("forward")
+        time.sleep(0.05)
+    assert waiter.wait_for_epoch_after(0, 3) == 1
+    assert waiter.dead_ranks() == {1}  # the stuck one, although its heartbeat thread beats on
+    deadline = time.monotonic() + 2
+    while not fenced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fenced == [1]  # its own watcher fences it (its launcher would SIGKILL it too)
+
+
+def test_a_waiter_for_a_rank_that_keeps_moving_gets_no_verdict(coordinator, capfd):
+    port, clients = coordinator
+    waiter, slow, _ = (client(port, clients, r) for r in range(3))
+    waiter.report_failure([1], "dp.allreduce: timed out")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < TIMEOUT.stall + 1.0:  # slower than the timeout, still moving
+        slow.mark("forward")
+        time.sleep(0.05)
+    assert waiter.epoch() == 0  # not stuck: the job stops instead of killing a working rank
+    assert "still make progress (slower than --recover-timeout" in capfd.readouterr().err
 
 
 def test_from_env_names_what_is_missing(monkeypatch):
@@ -183,8 +230,10 @@ def test_a_standby_gets_a_slot_over_the_store_and_a_late_replacement_finds_it_ta
         assert first.result(timeout=5) == SlotAssignment(2, 1)
         assert link.assignments(["9.0", "9.1"]) == {"9.0": (2, 1)}  # what the launcher fences by
         with pytest.raises(SlotTaken):  # the node's own replacement, had it come, is turned away
-            MembershipClient("127.0.0.1", port, TOKEN, 2, 3, connect_timeout=5, incarnation=1)
+            MembershipClient("127.0.0.1", port, TOKEN, 2, 3, connect_timeout=5, incarnation=1,
+                             timeout=TIMEOUT.operation)
         clients.append(MembershipClient("127.0.0.1", port, TOKEN, 2, 3, connect_timeout=5,
-                                        incarnation=1, standby="9.0"))  # the standby itself
+                                        incarnation=1, standby="9.0",
+                                        timeout=TIMEOUT.operation))  # the standby itself
         watcher.declare_complete()
         assert second.result(timeout=5) is JobEnded.COMPLETE  # never needed: sent home

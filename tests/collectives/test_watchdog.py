@@ -66,6 +66,9 @@ class FakeMembership:
     def dead_ranks(self):
         return frozenset()
 
+    def mark(self, where, iteration=None, microbatch=None):
+        pass
+
     def add_listener(self, listener) -> None:
         self.listeners.append(listener)
 

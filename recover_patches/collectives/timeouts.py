@@ -1,0 +1,46 @@
+"""Every wait of the failure path, derived from one knob: `--recover-timeout` (DESIGN §5).
+
+T (`operation`) is how long a rank may keep its peers waiting: an operation that makes no
+progress for T fails. Everything else follows from T so that the waits agree:
+
+  heartbeat_interval  how often a rank's heartbeat (and its progress marks) reach the store;
+  stall               T + GRACE: a rank whose heartbeat, or -- while others report a timeout --
+                      whose progress, has not moved for this long is declared dead. GRACE covers
+                      the time between a waiter's timeout and its report reaching the coordinator,
+                      so a rank that is itself waiting is never mistaken for the one stuck;
+  verdict_wait        how long a rank that saw a failure waits for the coordinator's verdict: the
+                      stuck rank's last progress is at most T before the waiter's timeout, so the
+                      verdict comes within stall + one heartbeat interval (+ a margin) of it.
+
+A hang is thus seen T + GRACE + at most one heartbeat interval after the rank stopped moving,
+i.e. T + <= 0.9 s, for any T >= 1 s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRACE = 0.5  # seconds: a waiter's report reaches the coordinator well within this
+MARGIN = 0.5  # seconds: the coordinator's tick, scheduling delays on a loaded machine
+MIN_OPERATION = 1.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    operation: float  # T, --recover-timeout
+
+    def __post_init__(self):
+        if not self.operation >= MIN_OPERATION:
+            raise ValueError(f"--recover-timeout {self.operation:g}: must be >= {MIN_OPERATION:g} s "
+                             "(a heartbeat must be able to move several times within it)")
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return min(0.4, max(0.1, self.operation / 10))
+
+    @property
+    def stall(self) -> float:
+        return self.operation + GRACE
+
+    @property
+    def verdict_wait(self) -> float:
+        return self.operation + GRACE + self.heartbeat_interval + MARGIN

@@ -1,0 +1,94 @@
+"""The coordinator's verdicts from heartbeats and progress, on a fake clock (no processes)."""
+from __future__ import annotations
+
+from recover_patches.collectives.liveness import Liveness
+from recover_patches.collectives.timeouts import Timeouts
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watched(*ranks: int, stall: float = 5.0, expiry: float = 7.0) -> tuple[Liveness, Clock]:
+    clock = Clock()
+    live = Liveness(stall, expiry, clock)
+    for r in ranks:
+        live.watch(r)
+    return live, clock
+
+
+def beat(live: Liveness, clock: Clock, seconds: float, moving: set[int], beating: set[int]) -> None:
+    """Advance `seconds` in steps of 0.5 s: `beating` ranks beat, `moving` ranks also mark (the
+    others repeat the progress they last sent)."""
+    for _ in range(int(seconds / 0.5)):
+        clock.now += 0.5
+        for r in beating:
+            progress = f"{clock.now} forward" if r in moving else live.seen[r].progress
+            live.observe(r, f"{clock.now} {progress}")
+
+
+def test_a_rank_nobody_waits_for_is_never_stuck():
+    live, clock = watched(0, 1)
+    beat(live, clock, 20, moving={0}, beating={0, 1})
+    assert live.stuck({0, 1}) == [] and live.silent() == []
+
+
+def test_the_rank_the_waiters_wait_for_is_stuck_once_it_stalled():
+    live, clock = watched(0, 1, 2)
+    beat(live, clock, 2, moving={0, 1, 2}, beating={0, 1, 2})
+    live.waiting(0, [1, 2], epoch=0, where="dp.allreduce")  # rank 0 timed out waiting
+    beat(live, clock, 4.5, moving={2}, beating={0, 1, 2})  # rank 1 stopped moving 4.5 s ago
+    assert live.stuck({0, 1, 2}) == []  # not yet: within its stall time
+    beat(live, clock, 1, moving={2}, beating={0, 1, 2})
+    stuck = live.stuck({0, 1, 2})
+    assert [r for r, _ in stuck] == [1] and "while rank(s) [0] waited" in stuck[0][1]
+    assert live.silent() == []  # its heartbeat thread is fine: only progress tells
+
+
+def test_waiters_never_look_stuck_and_only_suspects_are_blamed():
+    live, clock = watched(0, 1, 2, 3)
+    live.waiting(0, [1], epoch=0, where="pp.recv")
+    live.waiting(1, [2], epoch=0, where="dp.allreduce")  # 1 itself waits (on 2): not stuck
+    beat(live, clock, 6, moving=set(), beating={0, 1, 2, 3})
+    assert [r for r, _ in live.stuck({0, 1, 2, 3})] == [2]  # 3 is stalled too, but nobody waits
+
+
+def test_a_report_from_an_older_epoch_or_an_expired_one_is_ignored():
+    live, clock = watched(0, 1)
+    live.new_epoch(2)
+    live.waiting(0, [1], epoch=1, where="late news of epoch 1")
+    beat(live, clock, 6, moving=set(), beating={0, 1})
+    assert live.stuck({0, 1}) == []
+    live.waiting(0, [1], epoch=2, where="dp.allreduce")
+    clock.now += 7.5  # past the expiry: that waiter has given up
+    assert live.stuck({0, 1}) == []
+
+
+def test_silence_and_what_an_unresolved_wait_says():
+    live, clock = watched(0, 1, 2)
+    live.waiting(0, [1], epoch=0, where="dp.allreduce")
+    beat(live, clock, 6, moving={1}, beating={0, 1})  # 1 keeps moving; 2 is silent
+    assert [r for r, _ in live.silent()] == [2]
+    assert live.stuck({0, 1}) == []
+    assert "rank(s) [1] they wait for still make progress" in live.unresolved({0, 1})
+    live.waiting(1, [0], epoch=0, where="dp.allreduce")  # both wait on each other
+    assert "a network partition" in live.unresolved({0, 1})
+
+
+def test_timeouts_derive_from_the_one_knob():
+    for t in (1.0, 3.0, 10.0, 600.0):
+        timeouts = Timeouts(t)
+        # a hang is seen within T + 1 s of the rank's last beat or mark
+        assert timeouts.stall + timeouts.heartbeat_interval <= t + 1.0
+        # a waiter waits long enough for a rank that stalled up to its own timeout
+        assert timeouts.verdict_wait > timeouts.stall + timeouts.heartbeat_interval
+    try:
+        Timeouts(0.5)
+    except ValueError as e:
+        assert "--recover-timeout" in str(e)
+    else:
+        raise AssertionError("a timeout below 1 s was accepted")
