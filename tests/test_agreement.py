@@ -151,3 +151,42 @@ def test_a_replica_member_that_fell_away_makes_its_replica_vote_abort():
     decided = vote_in_threads(store, {r: (a, True, False) for r, a in agreements.items()},
                               members=[0, 1, 2, 3])
     assert decided == {r: Decision.ABORT for r in range(3)}
+
+
+class NoDelete:
+    def __init__(self, store):
+        self.store = store
+
+    def delete_key(self, _key):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_store_keys_stay_flat_over_many_iterations():
+    """Issue [R] item 6: votes and barriers of finished iterations are deleted, so a long run does
+    not grow the coordinator's store (negative control: the same run without the cleanup grows)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(iterations: int, cleanup: bool) -> list[int]:
+        store = dist.HashStore()
+        ranks = [StoreAgreement(FakeMembership(store, r), timeout=5.0) for r in range(3)]
+        if not cleanup:  # the same store with deletes turned into no-ops
+            for a in ranks:
+                a.store = NoDelete(store)
+        counts = []
+        with ThreadPoolExecutor(3) as pool:
+            for i in range(1, iterations + 1):
+                votes = [pool.submit(a.commit_vote, f"{i}/after0", [0, 1, 2], True) for a in ranks]
+                assert all(v.result(timeout=10) is Decision.COMMIT for v in votes)
+                flags = [pool.submit(a.any_flag, f"sigterm/{i}", [0, 1, 2], 0, r == 1 and i == 3)
+                         for r, a in enumerate(ranks)]
+                assert [f.result(timeout=10) for f in flags] == [i == 3] * 3  # still agrees
+                counts.append(store.num_keys())
+        return counts
+
+    counts = run(60, cleanup=True)
+    assert counts[9] == counts[-1] and counts[-1] <= 16, counts  # flat after the first iterations
+    leaky = run(20, cleanup=False)
+    assert leaky[-1] > leaky[9] + 50, leaky  # the control grows by every vote and barrier

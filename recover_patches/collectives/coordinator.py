@@ -164,6 +164,7 @@ class Coordinator:
         count = self.store.add(P.REPORTS_COUNT, 0)
         while self.next_report <= count and self.store.check([P.report_key(self.next_report)]):
             report = json.loads(self.store.get(P.report_key(self.next_report)))
+            self.store.delete_key(P.report_key(self.next_report))  # read once: store stays flat
             self.next_report += 1
             kind = report["kind"]
             if kind == "exit":

@@ -14,6 +14,11 @@ Two questions need one answer across ranks even when failures strike between the
     everywhere, so all retry together).
 Both rely on the coordinator (outside the training ranks) and its TCPStore being alive.
 
+Store keys stay bounded: the last voter of a completed vote deletes the keys of the vote before
+it (every member has voted again, so none still reads them), and the last rank to arrive at a
+barrier does the same for the barrier before it. What remains grows with failures (epoch
+agreements, aborted rounds), not with iterations.
+
 A rank that gives up waiting for others (a vote, a barrier) reports it to the coordinator, like
 a timed-out collective: the coordinator then names the rank they wait for if it stopped making
 progress (`collectives/liveness.py`). Recovery waits `verdict_wait` for that verdict.
@@ -74,6 +79,8 @@ class StoreAgreement:
         self.poll, self.max_poll = poll, max_poll
         self.replica = replica
         self.store_ops = 0  # by this rank's commit votes: what a failure-free iteration costs
+        self._previous_vote: list[str] = []  # keys of the vote before: see the module docstring
+        self._previous_barrier: list[str] = []
 
     def _sleep(self, pause: float) -> float:
         time.sleep(pause)
@@ -114,14 +121,19 @@ class StoreAgreement:
         prefix = f"recover/commit/{key}/"
         decision_key = prefix + "decision"
         voters = {voter_of(m) for m in members}
+        previous, self._previous_vote = self._previous_vote, [
+            prefix + "news", prefix + "count", decision_key, *(prefix + f"done/{v}" for v in voters)]
         if reduced_ok:
             if news:  # before the count: the last voter then sees it
                 self._store("set", prefix + "news", "1")
             self._store("set", prefix + f"done/{voter}", "1")
             if self._store("add", prefix + "count", 1) == len(voters):  # the last to vote
                 sync = news or self._store("check", [prefix + "news"])
-                return Decision(self._store("compare_set", decision_key, "", (  # what is stored
+                decided = Decision(self._store("compare_set", decision_key, "", (  # what is stored
                     Decision.COMMIT_AND_SYNC if sync else Decision.COMMIT).value).decode())
+                for stale in previous:  # every voter voted again: nobody reads these any more
+                    self._store("delete_key", stale)
+                return decided
         else:  # a reduction failed: nobody can have all voters done
             return Decision(self._store("compare_set", decision_key, "", ABORT).decode())
         deadline, pause = time.monotonic() + self.timeout, self.poll
@@ -174,14 +186,20 @@ class StoreAgreement:
         record = json.loads(self.store.get(protocol.epoch_key(agreed)).decode())
         return agreed, frozenset(record["dead"])
 
-    def barrier(self, key: str, members: Iterable[int], epoch: int) -> None:
+    def barrier(self, key: str, members: Iterable[int], epoch: int, also: tuple[str, ...] = ()
+                ) -> None:
         """All `members` reached recovery attempt `key` at `epoch`; a newer epoch (someone else
-        died meanwhile) abandons the attempt on every rank alike."""
+        died meanwhile) abandons the attempt on every rank alike. `also`: keys read right after
+        this barrier, deleted with it."""
         members = frozenset(members)
         self.membership.mark("barrier")
         prefix = f"recover/barrier/{key}/"
+        previous, self._previous_barrier = self._previous_barrier, [prefix + "count", prefix + "all",
+                                                                    *also]
         if self.store.add(prefix + "count", 1) == len(members):
             self.store.set(prefix + "all", "1")
+            for stale in previous:  # every member arrived here: nobody reads these any more
+                self.store.delete_key(stale)
         deadline, pause = time.monotonic() + self.timeout, self.poll
         while not self.store.check([prefix + "all"]):
             if self.membership.epoch() > epoch:
@@ -197,10 +215,11 @@ class StoreAgreement:
 
     def any_flag(self, key: str, members: Iterable[int], epoch: int, flag: bool) -> bool:
         """True on every member iff any member passed flag=True (e.g. one rank got SIGTERM)."""
+        flag_key = f"recover/flag/{key}"
         if flag:
-            self.store.set(f"recover/flag/{key}", "1")
-        self.barrier(f"flag/{key}", members, epoch)
-        return self.store.check([f"recover/flag/{key}"])
+            self.store.set(flag_key, "1")
+        self.barrier(f"flag/{key}", members, epoch, also=(flag_key,))
+        return self.store.check([flag_key])
 
     # --- growing back: the live ranks tell waiting spares where to meet ----------------------
     def announce_join(self, epoch: int, record: dict) -> dict:

@@ -1,0 +1,83 @@
+"""Issue [R]: faults that used to stop the whole job cost one replica now.
+
+* a live hang: the rank sleeps 10x --recover-timeout inside forward while its heartbeat thread
+  beats on; the others time out, report waiting for it, and the coordinator declares it dead for
+  making no progress (not for silence). At (1,1,4) and (2,1,2);
+* a SIGSTOPped rank with a short --recover-timeout (3 s) at (1,2,2): silence and progress agree;
+* a rank killed during evaluation: that evaluation is skipped (a metrics record says why), training
+  and later evaluations go on.
+Every run must complete every iteration with exactly its M planned microbatches and the
+failure-free losses (relative 1e-5; the layouts give the same losses, see
+tests/test_parallel_equivalence.py).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests._launch_util import TINY_GPT, launch
+
+ITERS, M, TIMEOUT = 6, 8, 3.0
+LAYOUTS = {"1,1,4": ("1", "1"), "2,1,2": ("2", "1"), "1,2,2": ("1", "2")}
+
+
+def run_job(tmp_path, layout: str, *extra: str):
+    tp, pp = LAYOUTS[layout]
+    args = [*TINY_GPT, "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+            "--train-iters", str(ITERS), "--recover-balance", "even",
+            "--recover-timeout", f"{TIMEOUT:g}", *extra]
+    return launch(4, args, tmp_path / "metrics.jsonl", launcher_args=[], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = run_job(tmp_path_factory.mktemp("reference"), "1,1,4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [r for r in run.records if "lm_loss" in r]
+
+
+def assert_failure_free_trajectory(run, reference) -> list[dict]:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), run.stdout[-3000:]
+    for mine, ref in zip(records, reference):
+        i = mine["iteration"]
+        assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
+    return records
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout, victim", [("1,1,4", 1), ("2,1,2", 2)])
+def test_a_live_hang_is_fenced_and_survived(reference, tmp_path, layout, victim):
+    slow = f"slow:rank={victim},seconds={10 * TIMEOUT:g},iter=3,phase=forward"
+    run = run_job(tmp_path, layout, "--inject-fault", slow)
+    records = assert_failure_free_trajectory(run, reference)
+    assert [r["iteration"] for r in records if r["recoveries"]] == [3]
+    # declared for its progress, not its heartbeat (which kept beating)
+    assert f"dead ranks [{victim}] (rank {victim}: no progress for" in run.stderr, run.stderr[-3000:]
+    assert "no heartbeat" not in run.stderr
+    assert f"rank {victim} (pid" in run.stderr and "with those ranks already dead: success" \
+        in run.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_survived_with_a_short_timeout(reference, tmp_path):
+    run = run_job(tmp_path, "1,2,2", "--inject-fault", "hang:rank=3,iter=3,phase=backward")
+    assert_failure_free_trajectory(run, reference)
+    assert "dead ranks [3]" in run.stderr and "rank 3 declared dead by the coordinator: SIGKILL" \
+        in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_during_evaluation_costs_only_that_evaluation(reference, tmp_path):
+    run = run_job(tmp_path, "1,1,4", "--eval-interval", "2", "--eval-iters", "1",
+                  "--inject-fault", "kill:rank=2,iter=2,phase=eval")
+    assert_failure_free_trajectory(run, reference)
+    evaluations = {r["iteration"]: r for r in run.records if "valid_lm_loss" in r
+                   or "valid_skipped" in r}
+    assert sorted(evaluations) == [2, 4, 6], run.stdout[-3000:]
+    assert "valid_skipped" in evaluations[2] and "valid_lm_loss" not in evaluations[2]
+    assert all("valid_lm_loss" in evaluations[i] for i in (4, 6))
+    assert "evaluation at iteration 2 skipped" in run.stdout
+    live = [len(r["live_replicas"]) for r in run.records if "lm_loss" in r]
+    assert live == [4, 4, 3, 3, 3, 3], live  # the evaluation's failure was recovered at once
