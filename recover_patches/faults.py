@@ -12,6 +12,8 @@ Kinds:
   node   SIGKILL this process's whole process group: its launcher and everything the launcher
          started (a lost node). Start each node's launcher in its own process group (a shell job,
          `setsid`, srun); the group of a launcher that started the coordinator holds it too;
+  coordinator  SIGKILL the membership coordinator the launcher started (RECOVER_COORDINATOR_PID):
+         the node-0 launcher starts a new one and the ranks reconnect;
   exit   os._exit(C) (default C=1) after flushing stdout/stderr: a process that quits abruptly
          with a status, e.g. a failing node-health check;
   slow   sleep S seconds at every matching call from iteration I on (default I=0, phase forward),
@@ -37,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt")
+KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt", "coordinator")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
           "recovery", "join", "eval")
 ENV_VAR = "RECOVER_INJECT_FAULT"
@@ -155,5 +157,11 @@ class FaultInjector:
             self._kill(-os.getpgrp(), signal.SIGKILL)
         elif fault.kind == "hang":
             self._kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "coordinator":
+            pid = os.environ.get("RECOVER_COORDINATOR_PID")
+            if not pid:
+                raise RuntimeError("a coordinator fault needs the coordinator the launcher starts "
+                                   "(RECOVER_COORDINATOR_PID is not set)")
+            self._kill(int(pid), signal.SIGKILL)
         else:
             self._exit(fault.code)

@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_env = coordinator.env()
         if coordinator.pid is not None:
             log(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
+            extra_env["RECOVER_COORDINATOR_PID"] = str(coordinator.pid)  # the `coordinator` fault
     if args.master_port == 0:  # after the coordinator bound its own port 0: never the same one
         args.master_port = free_port(args.master_addr)
     # Block termination signals while forking: a child must not run the launcher's handler in
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             link = coordinator.connect()
         except RuntimeError as e:  # includes CoordinatorError: supervise without it
             log(f"cannot reach the coordinator ({e}); supervising without it")
-    sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements)
+    sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements, coordinator)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)

@@ -49,8 +49,10 @@ class Supervisor:
     NOT_REPLACED = (0, 2, 3)  # a clean leave, a user error, the job's own restart status
 
     def __init__(self, ranks: list[Rank], term_grace: float, link=None,
-                 respawn: Callable[[Rank], Rank] | None = None, max_replacements: int = 0):
+                 respawn: Callable[[Rank], Rank] | None = None, max_replacements: int = 0,
+                 coordinator=None):
         self.ranks = {r.pid: r for r in ranks}
+        self.coordinator = coordinator  # a CoordinatorHandle: restarted here if its process dies
         self.term_grace = term_grace
         self.link = link
         self.respawn = respawn
@@ -112,6 +114,8 @@ class Supervisor:
                     log(f"grace period over: SIGKILL to {len(self.live())} rank(s)")
                     self._signal_all(signal.SIGKILL)
                     self.kill_deadline = float("inf")
+                if self.coordinator is not None and self.stop_signal is None:
+                    self.coordinator.restart_if_dead()
                 if self.link is not None:
                     self._learn_slots()
                     self._fence(self.link.dead_incarnations())

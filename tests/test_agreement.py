@@ -174,7 +174,7 @@ def test_store_keys_stay_flat_over_many_iterations():
         ranks = [StoreAgreement(FakeMembership(store, r), timeout=5.0) for r in range(3)]
         if not cleanup:  # the same store with deletes turned into no-ops
             for a in ranks:
-                a.store = NoDelete(store)
+                a.membership.store = NoDelete(store)
         counts = []
         with ThreadPoolExecutor(3) as pool:
             for i in range(1, iterations + 1):

@@ -81,3 +81,38 @@ def test_a_failure_during_evaluation_costs_only_that_evaluation(reference, tmp_p
     assert "evaluation at iteration 2 skipped" in run.stdout
     live = [len(r["live_replicas"]) for r in run.records if "lm_loss" in r]
     assert live == [4, 4, 3, 3, 3, 3], live  # the evaluation's failure was recovered at once
+
+
+@pytest.fixture(scope="module")
+def reference_3(tmp_path_factory):
+    run = launch(3, [*TINY_GPT, "--train-iters", "30", "--recover-balance", "even"],
+                 tmp_path_factory.mktemp("reference_3") / "metrics.jsonl", launcher_args=[],
+                 timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [r for r in run.records if "lm_loss" in r]
+
+
+@pytest.mark.timeout(300)
+def test_the_coordinator_dies_and_comes_back_with_the_membership(reference_3, tmp_path):
+    """(1,1,3), 30 iterations: rank 1 dies at iteration 3 (epoch 1), the coordinator is SIGKILLed
+    at iteration 8 (the node-0 launcher starts a new one; every rank and the launcher reconnect
+    and the new coordinator restores epoch 1 from them), rank 2 dies at iteration 20: the restored
+    coordinator declares it dead in epoch 2 and the last replica finishes on the same losses."""
+    run = launch(3, [*TINY_GPT, "--train-iters", "30", "--recover-balance", "even",
+                     "--recover-timeout", f"{TIMEOUT:g}",
+                     "--inject-fault", "kill:rank=1,iter=3,phase=backward",
+                     "--inject-fault", "coordinator:rank=0,iter=8,phase=forward",
+                     "--inject-fault", "kill:rank=2,iter=20,phase=forward"],
+                 tmp_path / "metrics.jsonl", launcher_args=[], timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, 31))
+    for mine, ref in zip(records, reference_3):
+        i = mine["iteration"]
+        assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
+    assert [r["iteration"] for r in records if r["recoveries"]] == [3, 20]
+    assert "the coordinator (pid" in run.stderr and "died: starting a new one" in run.stderr
+    assert run.stderr.count("reconnected to the coordinator") == 2 + 1  # 2 live ranks, launcher
+    assert "restored epoch 1 (dead ranks [1])" in run.stderr
+    assert "epoch 2: dead ranks [1, 2]" in run.stderr

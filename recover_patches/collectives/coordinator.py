@@ -15,6 +15,13 @@ What does NOT start an epoch, and why:
   * a clean `leave` (surviving ranks of a broken replica) and any exit after the job declared
     completion: those ranks are recorded as gone without aborting everyone's work.
 
+A restarted coordinator (`restarted=True`: the node-0 launcher starts a new one on the same port
+when the first dies) begins with an empty store and rebuilds the membership from the ranks that
+register again: each brings its latest epoch record, the newest is published as the current
+epoch, spares report again; a rank that has not come back `stall` seconds after the first one
+did is declared dead, as a silent rank would be. The launcher's store (the one the coordinator
+process serves) is the remaining single point: see README, "The coordinator".
+
 It also brings slots back (DESIGN §15, rules in `membership_state.py`): a grow epoch once a broken
 replica's slots all have waiting processes, and dead slots no local replacement is coming for
 handed to standby processes (`launch --standby`).
@@ -52,6 +59,7 @@ class CoordinatorConfig:
     world_size: int
     token: str
     timeout: float | None = None  # the ranks' --recover-timeout; None: the first rank's
+    restarted: bool = False  # a successor: rebuild the membership from the ranks that come back
 
 
 def standby_grace(timeouts: Timeouts) -> float:
@@ -80,15 +88,17 @@ class Coordinator:
         self.next_report = 1
         self.registered: set[int] = set()  # ranks to notify of new epochs
         self.unresolved_logged = False
+        self.rejoin_window: float | None = None  # restarted: when the ranks had to be back by
         self.stopping = False
         self.stopped = False
         self.store.set(P.CONFIG, json.dumps({"world_size": config.world_size}))
-        self._publish(0, "job start")
+        self._publish(0, "job start" if not config.restarted else "coordinator restarted")
 
     def _adopt_timeouts(self, timeout: float) -> None:
         self.timeouts = t = Timeouts(timeout)
         self.state.standby_grace, self.state.register_timeout = standby_grace(t), register_timeout(t)
-        self.liveness.stall, self.liveness.expiry = t.stall, t.verdict_wait
+        # a waiter gives up after verdict_wait: until then (and a stall more) it is not a suspect
+        self.liveness.stall, self.liveness.expiry = t.stall, t.verdict_wait + t.stall
 
     def _publish(self, epoch: int, reason: str) -> None:
         self.store.set(P.epoch_key(epoch), json.dumps(self.state.record(epoch, reason)))
@@ -106,6 +116,7 @@ class Coordinator:
         self._handshakes()
         self._reports()
         self._check_heartbeats()
+        self._missing_after_restart()
         for published in (self.state.next_epoch(), self.state.next_grow()):
             if published is not None:
                 self._publish(*published)
@@ -144,13 +155,44 @@ class Coordinator:
             if reason is None and hello["role"] == "rank":
                 if self.timeouts is None:
                     self._adopt_timeouts(hello["timeout"])
-                self.state.on_register(hello["rank"], hello.get("incarnation", 0))
+                if hello.get("rejoin") and self.config.restarted:
+                    self._restore(hello["rank"], hello.get("incarnation", 0), hello["rejoin"])
+                else:
+                    self.state.on_register(hello["rank"], hello.get("incarnation", 0))
                 self.liveness.watch(hello["rank"])
                 self.registered.add(hello["rank"])
             if reason is not None:
                 log(f"refused {hello['role']} {hello['rank']}: {reason}")
             self.raw.set(P.reply_key(n), reason or P.OK)
             self.next_hello += 1
+
+    def _restore(self, rank: int, incarnation: int, rejoin: dict) -> None:
+        """A rank registers again with this restarted coordinator: adopt the newest epoch record
+        any rank brings (published before the rank's reply, which it reads next)."""
+        if self.rejoin_window is None:
+            assert self.timeouts is not None
+            self.rejoin_window = time.monotonic() + self.timeouts.stall
+        record, epoch = rejoin["record"], int(rejoin["epoch"])
+        if epoch > self.state.epoch:
+            self.state.epoch, self.state.dead = epoch, set(record["dead"])
+            self.state.dead_incarnation = P.dead_incarnations(record)
+            self.state.dead_at.update({r: time.monotonic() for r in self.state.dead})
+            self.state.joining = tuple(record.get("joining", ()))
+            self.store.set(P.epoch_key(epoch), json.dumps(record))
+            self.store.set(P.EPOCH, str(epoch))
+            self.liveness.new_epoch(epoch)
+            log(f"restored epoch {epoch} (dead ranks {sorted(self.state.dead)}) from rank {rank}")
+        self.state.incarnation[rank] = incarnation
+        self.state.issued[rank] = max(self.state.issued.get(rank, 0), incarnation)
+
+    def _missing_after_restart(self) -> None:
+        """Once the rejoin window closed: ranks that never came back are gone."""
+        if self.rejoin_window is None or time.monotonic() < self.rejoin_window:
+            return
+        self.rejoin_window = None
+        for r in range(self.config.world_size):
+            if r not in self.registered and r not in self.state.dead:
+                self.state.mark_dead(r, "did not come back after the coordinator restarted")
 
     def _timeout_refusal(self, timeout: float | None) -> str | None:
         if timeout is None:

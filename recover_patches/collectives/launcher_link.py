@@ -19,31 +19,57 @@ from recover_patches.collectives import protocol as P
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
 
 START_TIMEOUT = 30.0
+RECONNECT_WITHIN = 60.0
 
 
 class LauncherLink:
-    """A launcher's connection. If the coordinator disappears, it says so once and goes quiet:
-    the launcher must keep supervising its ranks either way."""
+    """A launcher's connection. If the coordinator disappears, the link says so and tries to
+    reconnect (a restarted coordinator listens on the same port) at most once a second, for
+    RECONNECT_WITHIN seconds; the launcher keeps supervising its ranks either way."""
 
     def __init__(self, host: str, port: int, token: str, node_rank: int):
-        raw = P.connect(host, port, START_TIMEOUT, "the launcher")
-        P.handshake(raw, token, "launcher", node_rank, START_TIMEOUT)
-        self.store = dist.PrefixStore(P.job_prefix(token), raw)
+        self._address = (host, port, token, node_rank)
+        self.store = self._connect(START_TIMEOUT)
         self.broken = False
+        self._lost_at: float | None = None  # when the connection broke, while reconnecting
+        self._retry_at = 0.0
         self._epoch = -1
         self._dead: dict[int, int] = {}  # dead rank -> the incarnation declared dead
         self._assigned_count = 0  # assignments to standby processes seen so far
 
+    def _connect(self, timeout: float) -> dist.Store:
+        host, port, token, node_rank = self._address
+        raw = P.connect(host, port, timeout, "the launcher")
+        P.handshake(raw, token, "launcher", node_rank, timeout)
+        return dist.PrefixStore(P.job_prefix(token), raw)
+
     def _guard(self, action, default):
-        if self.broken:
+        if self.broken or (self._lost_at is not None and not self._reconnected()):
             return default
         try:
             return action()
         except RuntimeError as e:
-            self.broken = True
-            print(f"[recover.launch] lost the coordinator ({e}); supervising without it",
+            self._lost_at, self._retry_at = time.monotonic(), time.monotonic() + 0.5
+            print(f"[recover.launch] lost the coordinator ({str(e)[:80]}); reconnecting",
                   file=sys.stderr, flush=True)
             return default
+
+    def _reconnected(self) -> bool:
+        assert self._lost_at is not None
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            self.store = self._connect(1.0)
+        except (CoordinatorError, RuntimeError) as e:
+            self._retry_at = time.monotonic() + 1.0
+            if time.monotonic() - self._lost_at > RECONNECT_WITHIN:
+                self.broken = True
+                print(f"[recover.launch] the coordinator did not come back ({e}); supervising "
+                      "without it", file=sys.stderr, flush=True)
+            return False
+        self._lost_at, self._epoch = None, -1
+        print("[recover.launch] reconnected to the coordinator", file=sys.stderr, flush=True)
+        return True
 
     def report_exit(self, rank: int, code: int, incarnation: int = 0,
                     replacing: bool = False) -> None:
@@ -96,12 +122,23 @@ class LauncherLink:
 
 
 class CoordinatorHandle:
-    """Where the coordinator is, and its process if this launcher started it."""
+    """Where the coordinator is, and its process if this launcher started it (then it starts a
+    successor on the same port if that process dies: `restart_if_dead`)."""
 
     def __init__(self, host: str, port: int, token: str, node_rank: int, nnodes: int,
-                 pid: int | None):
+                 pid: int | None, world_size: int = 0):
         self.host, self.port, self.token = host, port, token
         self.node_rank, self.nnodes, self.pid = node_rank, nnodes, pid
+        self.world_size = world_size
+        self.restarts = 0
+
+    def restart_if_dead(self) -> None:
+        if self.pid is None or os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+            return
+        print(f"[recover.launch] the coordinator (pid {self.pid}) died: starting a new one on port "
+              f"{self.port}", file=sys.stderr, flush=True)
+        self.pid, _ = fork_coordinator(self.port, self.token, self.world_size, restarted=True)
+        self.restarts += 1
 
     def env(self) -> dict[str, str]:
         return {"RECOVER_COORDINATOR": f"{self.host}:{self.port}", "RECOVER_JOB_TOKEN": self.token}
@@ -136,7 +173,8 @@ def stop_process(pid: int, grace: float) -> None:
     os.waitpid(pid, 0)
 
 
-def fork_coordinator(port: int, token: str, world_size: int) -> tuple[int, int]:
+def fork_coordinator(port: int, token: str, world_size: int, restarted: bool = False
+                     ) -> tuple[int, int]:
     """Fork the coordinator process; return (pid, port it listens on). Its waits follow the ranks'
     --recover-timeout, which the first rank to register brings."""
     from recover_patches.collectives.coordinator import CoordinatorConfig, run, start_server
@@ -153,7 +191,7 @@ def fork_coordinator(port: int, token: str, world_size: int) -> tuple[int, int]:
             server = start_server("0.0.0.0", port)
             os.write(write_fd, f"{server.port}\n".encode())
             os.close(write_fd)
-            run(server, CoordinatorConfig(world_size, token), linger=None,
+            run(server, CoordinatorConfig(world_size, token, restarted=restarted), linger=None,
                 stop_on_sigint=False)
         except BaseException as e:
             traceback.print_exc()
@@ -187,4 +225,4 @@ def start_or_join_coordinator(args: Namespace, token: str) -> CoordinatorHandle:
         return CoordinatorHandle(args.master_addr, args.coordinator_port, token, args.node_rank,
                                  args.nnodes, None)
     pid, port = fork_coordinator(args.coordinator_port, token, world_size)
-    return CoordinatorHandle(args.master_addr, port, token, 0, args.nnodes, pid)
+    return CoordinatorHandle(args.master_addr, port, token, 0, args.nnodes, pid, world_size)

@@ -9,6 +9,13 @@
 Each has its own store connection: a TCPStore client serializes its requests, so a blocked pop
 would otherwise stall everyone. (A blocking pop rather than timed waits: every timed-out store
 wait prints two C++ warnings.)
+
+If the coordinator goes away (its process died; the node-0 launcher starts a new one on the same
+port, with an empty store), the watcher reconnects: it registers again, telling the new
+coordinator what this rank knows (its latest epoch record, whether it waits as a spare), replaces
+`store`, bumps `generation` and calls the reconnect listeners (the agreement re-publishes its last
+decisions there). The main thread's store operations fail meanwhile; callers that must survive
+the gap (the commit vote) wait for `wait_reconnected()` and retry.
 """
 from __future__ import annotations
 
@@ -16,16 +23,20 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
-from recover_patches.collectives.errors import CoordinatorConfigError, MembershipTimeout
+from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
+                                                JobTokenRefused, MembershipTimeout)
 from recover_patches.collectives.timeouts import Timeouts
 
 EpochListener = Callable[[int, frozenset[int]], None]
+ReconnectListener = Callable[[dist.Store], None]
+RECONNECT_WITHIN = 60.0  # seconds a rank waits for a restarted coordinator before giving up
 
 
 class MembershipClient:
@@ -45,18 +56,13 @@ class MembershipClient:
         self.heartbeat_timeout = self.timeouts.stall
         self._marks, self._iteration = 0, 0  # progress: see mark()
         self._where: tuple[int, str, int | None] = (0, "start", None)
-        raw = P.connect(host, port, connect_timeout, source)
-        P.handshake(raw, token, "rank", rank, connect_timeout, incarnation, standby, timeout)
-        self.store: dist.Store = dist.PrefixStore(P.job_prefix(token), raw)
-        config = json.loads(self.store.get(P.CONFIG))
-        if config["world_size"] != world_size:
-            raise CoordinatorConfigError(f"WORLD_SIZE={world_size} but the coordinator serves a job "
-                                         f"of {config['world_size']} ranks")
-        self._watch_store = self._connection(host, port, token, connect_timeout, source,
-                                             blocking=timedelta(days=30))  # pops until news/close
-        self._beat_store = self._connection(host, port, token, connect_timeout, source)
+        self._address = (host, port, token, source, standby)
+        self._open(connect_timeout)
+        self.generation = 0  # reconnections to a restarted coordinator so far
+        self._spare_slots: list[int] | None = None  # told the coordinator it waits as a spare
         self._changed = threading.Condition()
         self._listeners: list[EpochListener] = []
+        self._on_reconnect: list[ReconnectListener] = []
         self._epoch, self._dead, self._record = self._read_latest(self.store)
         self._stop = threading.Event()
         self._beats = 0
@@ -65,6 +71,23 @@ class MembershipClient:
                          for target, what in ((self._watch, "membership"), (self._beat, "heartbeat"))]
         for thread in self._threads:
             thread.start()
+
+    def _open(self, connect_timeout: float, rejoin: dict | None = None) -> None:
+        """Register with the coordinator (again, with `rejoin`: what this rank knows) and open
+        the three connections: the main thread's, the watcher's and the heartbeat's."""
+        host, port, token, source, standby = self._address
+        raw = P.connect(host, port, connect_timeout, source)
+        P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
+                    self.timeouts.operation, rejoin)
+        store = dist.PrefixStore(P.job_prefix(token), raw)
+        config = json.loads(store.get(P.CONFIG))
+        if config["world_size"] != self.world_size:
+            raise CoordinatorConfigError(f"WORLD_SIZE={self.world_size} but the coordinator serves "
+                                         f"a job of {config['world_size']} ranks")
+        self._watch_store = self._connection(host, port, token, connect_timeout, source,
+                                             blocking=timedelta(days=30))  # pops until news/close
+        self._beat_store = self._connection(host, port, token, connect_timeout, source)
+        self.store: dist.Store = store
 
     @staticmethod
     def _connection(host, port, token, timeout, source, blocking=None) -> dist.Store:
@@ -111,6 +134,17 @@ class MembershipClient:
         with self._changed:
             self._listeners.append(listener)
 
+    def add_reconnect_listener(self, listener: ReconnectListener) -> None:
+        """`listener(new_store)` runs on the watcher thread after each reconnection."""
+        self._on_reconnect.append(listener)
+
+    def wait_reconnected(self, generation: int, timeout: float = RECONNECT_WITHIN) -> bool:
+        """Block until a reconnection after `generation` (True), or `timeout` passed (False)."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self.generation > generation or self._stop.is_set(), timeout) \
+                and self.generation > generation
+
     def remove_listener(self, listener: EpochListener) -> None:
         with self._changed:
             if listener in self._listeners:
@@ -143,24 +177,34 @@ class MembershipClient:
     def report_failure(self, suspects: Iterable[int], where: str) -> None:
         """An operation timed out or broke: this rank waits for the coordinator's verdict on
         `suspects` (the peers it waited for; empty if it cannot tell)."""
-        P.post_report(self.store, P.Report.make("suspect", rank=self.rank, epoch=self._epoch,
-                                                suspects=sorted(set(suspects)), where=where))
+        try:
+            P.post_report(self.store, P.Report.make("suspect", rank=self.rank, epoch=self._epoch,
+                                                    suspects=sorted(set(suspects)), where=where))
+        except RuntimeError:
+            pass  # the coordinator is restarting: its window for the lost ranks covers us
 
     def wait_as_spare(self, replica_slots: Iterable[int]) -> None:
         """Tell the coordinator this rank waits to re-form the replica of `replica_slots` (its
         own slots included); a grow epoch follows once every slot has a waiting process."""
+        self._spare_slots = sorted(replica_slots)
         P.post_report(self.store, P.Report.make("spare", rank=self.rank, incarnation=self.incarnation,
                                                 slots=sorted(replica_slots)))
 
     def job_complete(self) -> bool:
         """Whether the job declared completion (one store check: for waiting spares)."""
-        return self.store.check([P.COMPLETE])
+        try:
+            return self.store.check([P.COMPLETE])
+        except RuntimeError:  # the coordinator is restarting: ask again later
+            return False
 
     def job_stopped(self) -> str | None:
         """Why the job stopped before completion (no member left), else None."""
-        if not self.store.check([P.STOPPED]):
+        try:
+            if not self.store.check([P.STOPPED]):
+                return None
+            return self.store.get(P.STOPPED).decode()
+        except RuntimeError:  # the coordinator is restarting: ask again later
             return None
-        return self.store.get(P.STOPPED).decode()
 
     def leave(self) -> None:
         """This rank quits cleanly (e.g. a survivor of a broken replica): no new epoch for it."""
@@ -169,9 +213,15 @@ class MembershipClient:
     def declare_complete(self, timeout: float = 30.0) -> tuple[int, frozenset[int]]:
         """The job finished its work (call after the final commit/save). Returns the epoch and dead
         set the coordinator stamped; failed ranks dead by then no longer fail the launch."""
-        P.post_report(self.store, P.Report.make("complete", rank=self.rank))
-        self.store.wait([P.COMPLETE], timedelta(seconds=timeout))
-        record = json.loads(self.store.get(P.COMPLETE))
+        generation = self.generation
+        try:
+            P.post_report(self.store, P.Report.make("complete", rank=self.rank))
+            self.store.wait([P.COMPLETE], timedelta(seconds=timeout))
+            record = json.loads(self.store.get(P.COMPLETE))
+        except dist.DistNetworkError:
+            if not self.wait_reconnected(generation):
+                raise
+            return self.declare_complete(timeout)  # to the restarted coordinator
         return record["epoch"], frozenset(record["dead"])
 
     def close(self, leave: bool = True) -> None:
@@ -186,6 +236,8 @@ class MembershipClient:
             except RuntimeError:
                 pass  # coordinator already gone: nothing to tell
         self._stop.set()
+        with self._changed:
+            self._changed.notify_all()  # a heartbeat thread waiting for a reconnection ends
         try:
             self.store.queue_push(P.notify_key(self.rank), P.STOP)
         except RuntimeError:
@@ -206,20 +258,54 @@ class MembershipClient:
         self._beat_store.set(P.heartbeat_key(self.rank), f"{self._beats} {self.progress()}")
 
     def _beat(self) -> None:
-        try:
-            while not self._stop.wait(self.heartbeat_interval):
+        while not self._stop.wait(self.heartbeat_interval):
+            generation = self.generation
+            try:
                 self._beat_once()
-        except RuntimeError as e:
-            self._lost(e)
+            except RuntimeError:  # the watcher reconnects; beat on the new connection
+                if not self.wait_reconnected(generation):
+                    return
 
     def _watch(self) -> None:
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set():
+            try:
                 if self._watch_store.queue_pop(P.notify_key(self.rank), True) == P.STOP.encode():
                     return
                 self._adopt(*self._read_latest(self._watch_store))
-        except RuntimeError as e:
-            self._lost(e)
+            except RuntimeError as e:
+                if self._stop.is_set() or not self._reconnect(e):
+                    return
+
+    def _reconnect(self, error: Exception) -> bool:
+        """The coordinator went away: register with its successor, telling it this rank's latest
+        epoch record; then re-announce what it had been told (waiting as a spare)."""
+        print(f"[recover.membership] rank {self.rank}: lost the coordinator ({str(error)[:80]}); "
+              "reconnecting", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + RECONNECT_WITHIN
+        while not self._stop.is_set():
+            try:
+                self._open(5.0, rejoin={"epoch": self._epoch, "record": self._record})
+                break
+            except JobTokenRefused as refused:  # declared dead meanwhile: fenced
+                print(f"[recover.membership] rank {self.rank}: {refused}: exiting", file=sys.stderr,
+                      flush=True)
+                os._exit(1)
+            except (CoordinatorUnreachable, RuntimeError) as e:
+                if time.monotonic() > deadline:
+                    self._lost(e)
+                    return False
+                time.sleep(0.1)
+        with self._changed:
+            self.generation += 1
+            self._changed.notify_all()
+        for listener in list(self._on_reconnect):
+            listener(self.store)
+        if self._spare_slots is not None:
+            self.wait_as_spare(self._spare_slots)
+        self._adopt(*self._read_latest(self._watch_store))
+        print(f"[recover.membership] rank {self.rank}: reconnected to the coordinator",
+              file=sys.stderr, flush=True)
+        return True
 
     def _lost(self, error: Exception) -> None:
         if not self._stop.is_set():
@@ -231,6 +317,8 @@ class MembershipClient:
             if epoch <= self._epoch:
                 return
             self._epoch, self._dead, self._record = epoch, dead, record
+            if self.rank in record.get("joining", ()):
+                self._spare_slots = None  # a member again
             listeners = list(self._listeners)
             self._changed.notify_all()
         for listener in listeners:

@@ -111,13 +111,14 @@ def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
 
 def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
               incarnation: int = 0, standby: str | None = None,
-              recover_timeout: float | None = None) -> None:
+              recover_timeout: float | None = None, rejoin: dict | None = None) -> None:
     """Present the job token (and, for a process that started as a standby, its name; for a rank
-    its --recover-timeout); raise JobTokenRefused with the coordinator's reason if refused."""
+    its --recover-timeout, and `rejoin` = {epoch, record} when it registers again with a restarted
+    coordinator); raise JobTokenRefused with the coordinator's reason if refused."""
     n = store.add(HELLO_COUNT, 1)
     store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank,
                                         "incarnation": incarnation, "standby": standby,
-                                        "timeout": recover_timeout}))
+                                        "timeout": recover_timeout, "rejoin": rejoin}))
     try:
         store.wait([reply_key(n)], timedelta(seconds=timeout))
     except RuntimeError as e:

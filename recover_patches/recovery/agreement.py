@@ -12,7 +12,11 @@ Two questions need one answer across ranks even when failures strike between the
     different moments; planning from different dead sets would split the survivors. The first
     proposal wins, and a barrier of all survivors closes the attempt (a newer epoch aborts it
     everywhere, so all retry together).
-Both rely on the coordinator (outside the training ranks) and its TCPStore being alive.
+Both rely on the coordinator (outside the training ranks) and its TCPStore. If the coordinator
+dies and a new one starts (empty store), a vote or barrier in progress is redone on the new store
+once the membership client reconnected; every rank first re-publishes the last decision it read
+and the last barrier it passed, so ranks still waiting for them find them there, whichever of
+them reconnects first.
 
 Store keys stay bounded: the last voter of a completed vote deletes the keys of the vote before
 it (every member has voted again, so none still reads them), and the last rank to arrive at a
@@ -29,11 +33,16 @@ import enum
 import json
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
+
+import torch.distributed as dist
 
 from recover_patches.collectives import protocol
 from recover_patches.collectives.errors import PeerFailure
 
+
+
+T = TypeVar("T")
 
 
 class Decision(enum.Enum):
@@ -72,7 +81,6 @@ class StoreAgreement:
     def __init__(self, membership, *, timeout: float, verdict_wait: float | None = None,
                  poll: float = 0.0005, max_poll: float = 0.005, replica: ReplicaLink | None = None):
         self.membership = membership
-        self.store = membership.store
         self.rank = membership.rank
         self.timeout = timeout  # for the others to arrive (a vote, a barrier)
         self.verdict_wait = timeout if verdict_wait is None else verdict_wait  # for an epoch
@@ -81,6 +89,37 @@ class StoreAgreement:
         self.store_ops = 0  # by this rank's commit votes: what a failure-free iteration costs
         self._previous_vote: list[str] = []  # keys of the vote before: see the module docstring
         self._previous_barrier: list[str] = []
+        self._known: dict[str, str] = {}  # what this rank last read: re-published on a new store
+        if hasattr(membership, "add_reconnect_listener"):
+            membership.add_reconnect_listener(self._republish)
+
+    @property
+    def store(self):
+        return self.membership.store  # replaced when the coordinator restarts
+
+    def _retire(self, slot: str, keys: list[str]) -> list[str]:
+        """Remember `keys` as the latest vote's (or barrier's); return the ones of the one before
+        to delete (none when the same one is run again after a coordinator restart)."""
+        previous = getattr(self, slot)
+        if previous == keys:
+            return []
+        setattr(self, slot, keys)
+        return previous
+
+    def _republish(self, store) -> None:
+        for key, value in list(self._known.items()):
+            store.compare_set(key, "", value)
+
+    def _surviving_restarts(self, action: Callable[[], T]) -> T:
+        """Run a store protocol; if the coordinator's store goes away meanwhile, wait until the
+        membership client reconnected to its successor and run it again from the start."""
+        while True:
+            generation = getattr(self.membership, "generation", 0)
+            try:
+                return action()
+            except dist.DistNetworkError:  # a store operation failed: the connection is gone
+                if not self.membership.wait_reconnected(generation):
+                    raise
 
     def _sleep(self, pause: float) -> float:
         time.sleep(pause)
@@ -118,11 +157,20 @@ class StoreAgreement:
     def _vote(self, key: str, members: frozenset[int], voter: int, voter_of: Callable[[int], int],
               reduced_ok: bool, news: bool = False) -> Decision:
         """One voter (a rank, or a replica's leader) votes; every voter follows the decision."""
+        decision = self._surviving_restarts(
+            lambda: self._vote_once(key, members, voter, voter_of, reduced_ok, news))
+        self._known = {k: v for k, v in self._known.items() if not k.startswith("recover/commit/")}
+        self._known[f"recover/commit/{key}/decision"] = decision.value
+        return decision
+
+    def _vote_once(self, key: str, members: frozenset[int], voter: int,
+                   voter_of: Callable[[int], int], reduced_ok: bool, news: bool = False
+                   ) -> Decision:
         prefix = f"recover/commit/{key}/"
         decision_key = prefix + "decision"
         voters = {voter_of(m) for m in members}
-        previous, self._previous_vote = self._previous_vote, [
-            prefix + "news", prefix + "count", decision_key, *(prefix + f"done/{v}" for v in voters)]
+        previous = self._retire("_previous_vote", [prefix + "news", prefix + "count", decision_key,
+                                                   *(prefix + f"done/{v}" for v in voters)])
         if reduced_ok:
             if news:  # before the count: the last voter then sees it
                 self._store("set", prefix + "news", "1")
@@ -167,6 +215,9 @@ class StoreAgreement:
     def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]:
         """Wait until this rank sees an epoch after `since_epoch` (the last agreed one), propose
         it, and return the epoch -- and its dead set -- that won the proposal."""
+        return self._surviving_restarts(lambda: self._agree_on_epoch(key, since_epoch))
+
+    def _agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]:
         decision_key = f"recover/epoch/{key}"
         self.membership.mark("recovery")
         deadline, pause = time.monotonic() + self.verdict_wait, self.poll
@@ -191,11 +242,16 @@ class StoreAgreement:
         """All `members` reached recovery attempt `key` at `epoch`; a newer epoch (someone else
         died meanwhile) abandons the attempt on every rank alike. `also`: keys read right after
         this barrier, deleted with it."""
-        members = frozenset(members)
+        self._surviving_restarts(lambda: self._barrier(key, frozenset(members), epoch, also))
+        passed = f"recover/barrier/{key}/all"
+        self._known = {k: v for k, v in self._known.items() if not k.startswith("recover/barrier/")}
+        self._known[passed] = "1"
+
+    def _barrier(self, key: str, members: frozenset[int], epoch: int, also: tuple[str, ...]
+                 ) -> None:
         self.membership.mark("barrier")
         prefix = f"recover/barrier/{key}/"
-        previous, self._previous_barrier = self._previous_barrier, [prefix + "count", prefix + "all",
-                                                                    *also]
+        previous = self._retire("_previous_barrier", [prefix + "count", prefix + "all", *also])
         if self.store.add(prefix + "count", 1) == len(members):
             self.store.set(prefix + "all", "1")
             for stale in previous:  # every member arrived here: nobody reads these any more
@@ -217,9 +273,11 @@ class StoreAgreement:
         """True on every member iff any member passed flag=True (e.g. one rank got SIGTERM)."""
         flag_key = f"recover/flag/{key}"
         if flag:
-            self.store.set(flag_key, "1")
+            self._surviving_restarts(lambda: self.store.set(flag_key, "1"))
+            self._known = {k: v for k, v in self._known.items() if not k.startswith("recover/flag/")}
+            self._known[flag_key] = "1"
         self.barrier(f"flag/{key}", members, epoch, also=(flag_key,))
-        return self.store.check([flag_key])
+        return self._surviving_restarts(lambda: self.store.check([flag_key]))
 
     # --- growing back: the live ranks tell waiting spares where to meet ----------------------
     def announce_join(self, epoch: int, record: dict) -> dict:
