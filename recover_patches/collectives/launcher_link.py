@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
+from recover_patches.collectives.timeouts import RECONNECT_WITHIN
 
 START_TIMEOUT = 30.0
-RECONNECT_WITHIN = 60.0
 
 
 class LauncherLink:

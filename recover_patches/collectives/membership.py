@@ -32,11 +32,10 @@ import torch.distributed as dist
 from recover_patches.collectives import protocol as P
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, MembershipTimeout)
-from recover_patches.collectives.timeouts import Timeouts
+from recover_patches.collectives.timeouts import RECONNECT_WITHIN, Timeouts
 
 EpochListener = Callable[[int, frozenset[int]], None]
 ReconnectListener = Callable[[dist.Store], None]
-RECONNECT_WITHIN = 60.0  # seconds a rank waits for a restarted coordinator before giving up
 
 
 class MembershipClient:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GRACE = 0.5  # seconds: a waiter's report reaches the coordinator well within this
+RECONNECT_WITHIN = 60.0  # seconds ranks, launchers and standbys wait for a restarted coordinator
 MARGIN = 0.5  # seconds: the coordinator's tick, scheduling delays on a loaded machine
 MIN_OPERATION = 1.0
 
