@@ -95,13 +95,13 @@ def reference_3(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_the_coordinator_dies_and_comes_back_with_the_membership(reference_3, tmp_path):
     """(1,1,3), 30 iterations: rank 1 dies at iteration 3 (epoch 1), the coordinator is SIGKILLed
-    at iteration 8 (the node-0 launcher starts a new one; every rank and the launcher reconnect
+    at iteration 5 (the node-0 launcher starts a new one; every rank and the launcher reconnect
     and the new coordinator restores epoch 1 from them), rank 2 dies at iteration 20: the restored
     coordinator declares it dead in epoch 2 and the last replica finishes on the same losses."""
     run = launch(3, [*TINY_GPT, "--train-iters", "30", "--recover-balance", "even",
                      "--recover-timeout", f"{TIMEOUT:g}",
                      "--inject-fault", "kill:rank=1,iter=3,phase=backward",
-                     "--inject-fault", "coordinator:rank=0,iter=8,phase=forward",
+                     "--inject-fault", "coordinator:rank=0,iter=5,phase=forward",
                      "--inject-fault", "kill:rank=2,iter=20,phase=forward"],
                  tmp_path / "metrics.jsonl", launcher_args=[], timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
