@@ -277,10 +277,10 @@ def test_unsupported_megatron_flag(flag):
     assert err.value.flag == flag.split()[0] and "not supported by ReCoVer yet" in err.value.message
 
 
-def test_unknown_flag_is_argparse_error():
-    with pytest.raises(SystemExit) as exit_info:
+def test_unknown_flag_is_an_argument_error():
+    with pytest.raises(ArgumentError) as err:
         parse_args(TINY + ["--no-such-flag"])
-    assert exit_info.value.code == 2
+    assert err.value.flag == "--no-such-flag"
 
 
 def _replace(argv: list[str], flag: str, value: str | None) -> list[str]:
@@ -368,6 +368,19 @@ def test_parse_and_validate_exits_2_with_one_stderr_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert re.fullmatch(r"pretrain_gpt_recover\.py: error: --num-layers: .+\. Fix: .+\n", err)
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--hiden-size", "64"], "--hiden-size: unknown flag --hiden-size. Fix: did you mean --hidden-size?"),
+    (["--frobnicate"], "--frobnicate: unknown flag --frobnicate. Fix: drop it"),
+    (["--lr"], "--lr: expected one argument. Fix: see pretrain_gpt_recover.py --help for --lr"),
+])
+def test_argparse_errors_are_one_line_naming_the_flag(capsys, extra, line):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate(TINY + extra, world_size=1)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pretrain_gpt_recover.py: error: {line}"), err
 
 
 def test_parse_and_validate_reports_refused_flags_the_same_way(capsys):

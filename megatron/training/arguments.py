@@ -15,7 +15,10 @@ args.recover is a bool; args.attention_backend stays a string.
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
+from typing import NoReturn
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_flags import (
@@ -36,9 +39,35 @@ __all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args", "pars
 PROG = "pretrain_gpt_recover.py"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a missing or malformed value) become one
+    ArgumentError -- one stderr line naming the flag and the fix -- instead of a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            flag = unknown.group(1).split("=")[0]
+            close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
+            raise ArgumentError(flag, f"unknown flag {flag}",
+                                f"did you mean {close[0]}?" if close else
+                                f"drop it ({PROG} --help lists every flag)")
+        named = re.search(r"--[\w-]+", message)
+        flag = named.group(0) if named else "arguments"
+        raise ArgumentError(flag, re.sub(r"^argument [^:]+: ", "", message),
+                            f"see {PROG} --help for {flag}")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # unknown flags first: argparse would otherwise report a missing required flag instead
+        for token in sys.argv[1:] if args is None else args:
+            flag = token.split("=")[0]
+            if flag.startswith("--") and flag not in self._option_string_actions:
+                self.error(f"unrecognized arguments: {token}")
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False as in Megatron-LM: a prefix of a flag must not silently mean the flag.
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG, allow_abbrev=False,
         description="Resilient GPT pre-training: Megatron-LM pretrain_gpt.py flags plus ReCoVer's.")
     for add_group in (add_model_args, add_parallel_args, add_batch_args, add_optimizer_args,

@@ -24,9 +24,13 @@ def init_default_group(backend: str, timeout_minutes: float, joining: bool = Fal
     """Bootstrap group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A
     replacement process (`joining`) cannot enter the job's bootstrap rendezvous, which ended long
     ago: it gets torch's communication-free "fake" group of the same rank and size, so that
-    `dist.get_rank()` (read by megatron-core) is right; all its traffic uses layer-1 groups."""
+    `dist.get_rank()` (read by megatron-core) is right; all its traffic uses layer-1 groups.
+    Without any of the launcher's env (`python pretrain_gpt_recover.py ...`): one process, world
+    size 1, over a process-local store."""
     if not dist.is_initialized():
-        if joining:
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # no launcher: one process
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        elif joining:
             rank, world = env_rank_world()
             dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
         else:
