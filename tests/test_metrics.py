@@ -2,22 +2,28 @@
 (a new logging rank) to the same run."""
 from __future__ import annotations
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.training.metrics import MetricsWriter, log_line
+from megatron.training.metrics import MetricsWriter, TensorBoardConfig, gpt_flops, log_line
+from tests._launch_util import TINY_GPT, launch
 
 
 def record(i: int, loss: float) -> dict:
     return {"iteration": i, "lm_loss": loss, "lr": 1e-3, "global_batch_size": 8, "grad_norm": 1.5,
             "loss_scale": 256.0, "ms_per_iteration": 10.0, "tokens_per_second": 100.0,
-            "live_replicas": [0, 1], "consumed_samples": 8 * i, "skipped_iterations": 0}
+            "tflops_per_gpu": 12.5, "live_replicas": [0, 1], "consumed_samples": 8 * i,
+            "skipped_iterations": 0, "phase_seconds": {"execute": 0.5, "reduce": 0.1,
+                                                       "commit": 0.01, "step": 0.2},
+            "quotas": {"0": 4, "1": 4}, "recoveries": []}
 
 
 def test_tensorboard_scalars_survive_a_change_of_logging_rank(tmp_path):
-    first = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "tb"))
+    config = TensorBoardConfig(str(tmp_path / "tb"), validation_ppl=True, timers=True)
+    first = MetricsWriter(str(tmp_path / "m.jsonl"), config)
     first.write(record(1, 5.0))
     first.close()
-    successor = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "tb"))
+    successor = MetricsWriter(str(tmp_path / "m.jsonl"), config)
     successor.write(record(2, 4.5))
     successor.write({"iteration": 2, "valid_lm_loss": 4.7})
     successor.close()
@@ -25,10 +31,73 @@ def test_tensorboard_scalars_survive_a_change_of_logging_rank(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"lm loss", "learning-rate", "batch-size", "grad-norm", "loss-scale", "iteration-time",
-            "throughput", "live-replicas", "lm loss validation"} <= tags
+            "throughput", "live-replicas", "lm loss validation", "lm loss validation ppl",
+            "forward-backward-time", "optimizer-time", "quota/replica-1", "recovery-seconds",
+            "tokens-per-second"} <= tags
+    assert "grads-all-reduce-time" not in tags  # --timing-log-level 0 (the default)
     assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(1, 5.0), (2, 4.5)]
+    assert events.Scalars("throughput")[0].value == 12.5  # TFLOP/s per GPU, as Megatron's tag
+
+
+def test_without_a_metrics_file_a_successor_resumes_after_the_last_tensorboard_step(tmp_path):
+    config = TensorBoardConfig(str(tmp_path / "tb"))
+    assert MetricsWriter(None, config).last_iteration() == 0  # no run yet
+    first = MetricsWriter(None, config)
+    for i in (1, 2, 3):
+        first.write(record(i, 5.0 - i / 10))
+    first.close()
+    assert MetricsWriter(None, config).last_iteration() == 3
+
+
+def test_the_flop_count_is_the_papers_closed_form():
+    """Narayanan et al. (2021), eq. 3: 72 B s l h^2 (1 + s / 6h + V / 12 l h) for a GPT with
+    ffn = 4h, no query groups, no gated MLP."""
+    from types import SimpleNamespace
+    b, s, l, h, v, heads = 8, 2048, 24, 1024, 51200, 16
+    args = SimpleNamespace(num_attention_heads=heads, hidden_size=h, seq_length=s, num_layers=l,
+                           group_query_attention=False, num_query_groups=None, kv_channels=h // heads,
+                           swiglu=False, ffn_hidden_size=4 * h, padded_vocab_size=v)
+    paper = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert abs(gpt_flops(args, b) - paper) <= 1e-9 * paper
 
 
 def test_log_line_has_megatrons_fields():
-    line = log_line(record(3, 4.0), 10, skipped_since_last_line=2)
+    line = log_line({**record(3, 4.0), "params_norm": 25.5, "num_zeros": 3.0}, 10,
+                    skipped_since_last_line=2)
     assert "loss scale: 256.0" in line and "number of skipped iterations:   2" in line
+    assert "throughput per GPU (TFLOP/s/GPU): 12.5" in line
+    assert "params norm: 25.500" in line and "num zeros: 3.0" in line
+
+
+EVERY_STEP_TAGS = ["lm loss", "learning-rate", "batch-size", "grad-norm", "loss-scale",
+                   "iteration-time", "throughput", "params-norm", "num-zeros",
+                   "forward-backward-time", "grads-all-reduce-time", "recover-commit-time",
+                   "optimizer-time", "mem-max-rss-bytes", "live-replicas", "recovery-seconds",
+                   "microbatches-recomputed", "tokens-per-second"]
+
+
+@pytest.mark.timeout(300)
+def test_a_run_writes_every_tag_for_every_step_across_the_logging_ranks_death(tmp_path):
+    """20 iterations at (1,1,4), TensorBoard only (no --metrics-file), every logging flag on; the
+    logging rank 0 is killed after iteration 8's commit (the others see it in iteration 9, and
+    recover there): its successor (rank 1) finds the last step
+    in the event files and writes from there, so no step is missing and none is written twice."""
+    tb = tmp_path / "tb"
+    run = launch(4, [*TINY_GPT, "--train-iters", "20", "--recover-balance", "even",
+                     "--tensorboard-dir", str(tb), "--log-params-norm", "--log-num-zeros-in-grad",
+                     "--log-throughput", "--log-timers-to-tensorboard", "--timing-log-level", "2",
+                     "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                     "--eval-interval", "5", "--eval-iters", "1",
+                     "--inject-fault", "kill:rank=0,iter=8,phase=optimizer"],
+                 tmp_path / "unused.jsonl", launcher_args=[], timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = EventAccumulator(str(tb), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    events.Reload()
+    for tag in EVERY_STEP_TAGS:
+        assert [e.step for e in events.Scalars(tag)] == list(range(1, 21)), tag
+    for tag in ("lm loss validation", "lm loss validation ppl"):
+        assert [e.step for e in events.Scalars(tag)] == [5, 10, 15, 20], tag
+    live = [e.value for e in events.Scalars("live-replicas")]
+    assert live[:8] == [4] * 8 and live[8:] == [3] * 12  # rank 0's replica lost in iteration 9
+    assert [e.step for e in events.Scalars("recovery-seconds") if e.value > 0] == [9]
+    assert [e.step for e in events.Scalars("microbatches-recomputed") if e.value > 0] == [9]

@@ -209,6 +209,33 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", default=None,
                    help="Write TensorBoard scalars here from the logging rank (needs the "
                         "tensorboard package: pip install tensorboard).")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="Iterations between TensorBoard scalars (the JSONL gets every iteration).")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="Events TensorBoard's writer queues before it writes (its max_queue).")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="Compute the fp32 main params' L2 norm every iteration: `params norm` in the "
+                        "log line, `params-norm` in TensorBoard (one small collective per iteration "
+                        "over the replica's model-parallel ranks).")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="Count the zeros of the reduced gradient every iteration: `num zeros` in the "
+                        "log line, `num-zeros` in TensorBoard.")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="TFLOP/s per GPU with Megatron-LM's FLOP formula (dense GPT) over the live "
+                        "ranks: in the log line and as TensorBoard's `throughput`.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="Write the iteration's phase times (forward-backward, grads-all-reduce, "
+                        "recover-commit, optimizer) as `<name>-time` scalars. Needs --tensorboard-dir.")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Megatron's timer detail. ReCoVer times the four phases of its iteration "
+                        "only, so levels 1 and 2 log the same timers as 0.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Memory of the logging rank: on CUDA Megatron's mem-reserved-bytes, "
+                        "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; on CPU "
+                        "mem-max-rss-bytes. Needs --tensorboard-dir.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Also write `lm loss validation ppl` (exp of the loss). Needs "
+                        "--tensorboard-dir.")
     g.add_argument("--metrics-file", default=None,
                    help="ReCoVer: append one JSON record per iteration to this JSONL file.")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,

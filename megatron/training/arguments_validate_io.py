@@ -88,9 +88,19 @@ def validate_logging(args: argparse.Namespace) -> None:
                                ("--eval-iters", args.eval_iters, 0)):
         if value < least:
             raise ArgumentError(flag, f"{flag} must be >= {least}, got {value}", f"pass {flag} {least}")
+    for flag, value, least in (("--tensorboard-log-interval", args.tensorboard_log_interval, 1),
+                               ("--tensorboard-queue-size", args.tensorboard_queue_size, 1)):
+        if value < least:
+            raise ArgumentError(flag, f"{flag} must be >= {least}, got {value}", f"pass {flag} {least}")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError("--tensorboard-dir", "the tensorboard package is not installed",
                             "pip install tensorboard or drop the flag")
+    if args.tensorboard_dir is None:
+        for flag in ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+                     "--log-validation-ppl-to-tensorboard"):
+            if getattr(args, flag[2:].replace("-", "_")):
+                raise ArgumentError(flag, f"{flag} writes to TensorBoard, but no --tensorboard-dir "
+                                          "was given", "pass --tensorboard-dir DIR or drop the flag")
 
 
 def validate_recover(args: argparse.Namespace) -> None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import time
+from dataclasses import dataclass
 from typing import IO
+
+import torch
 
 
 def log_line(rec: dict, train_iters: int, skipped_since_last_line: int = 0) -> str:
@@ -24,46 +28,136 @@ def log_line(rec: dict, train_iters: int, skipped_since_last_line: int = 0) -> s
         f"number of skipped iterations: {skipped_since_last_line:3d}",
         f"tokens/s: {rec['tokens_per_second']:.0f}",
     ]
+    if "tflops_per_gpu" in rec:  # --log-throughput
+        parts.insert(4, f"throughput per GPU (TFLOP/s/GPU): {rec['tflops_per_gpu']:.1f}")
+    if "num_zeros" in rec:  # --log-num-zeros-in-grad
+        parts.append(f"num zeros: {rec['num_zeros']:.1f}")
+    if "params_norm" in rec:  # --log-params-norm
+        parts.append(f"params norm: {rec['params_norm']:.3f}")
     return " | ".join(parts) + " |"
 
 
 # JSONL key -> Megatron's TensorBoard tag
 TENSORBOARD_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "global_batch_size": "batch-size",
                     "grad_norm": "grad-norm", "loss_scale": "loss-scale",
-                    "ms_per_iteration": "iteration-time", "tokens_per_second": "throughput",
-                    "valid_lm_loss": "lm loss validation"}
+                    "ms_per_iteration": "iteration-time", "tflops_per_gpu": "throughput",
+                    "params_norm": "params-norm", "num_zeros": "num-zeros",
+                    "valid_lm_loss": "lm loss validation",
+                    # ReCoVer's own
+                    "tokens_per_second": "tokens-per-second"}
+# phase of the iteration transaction -> Megatron-style timer tag, and the --timing-log-level it needs
+TIMER_TAGS = {"execute": ("forward-backward-time", 0), "step": ("optimizer-time", 0),
+              "reduce": ("grads-all-reduce-time", 1), "commit": ("recover-commit-time", 1)}
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """What --tensorboard-dir and its companion flags ask for."""
+    log_dir: str
+    log_interval: int = 1
+    queue_size: int = 1000
+    validation_ppl: bool = False
+    timers: bool = False
+    timing_level: int = 0
+    memory: bool = False
+
+    @classmethod
+    def from_args(cls, args) -> "TensorBoardConfig | None":
+        if args.tensorboard_dir is None:
+            return None
+        return cls(args.tensorboard_dir, args.tensorboard_log_interval, args.tensorboard_queue_size,
+                   args.log_validation_ppl_to_tensorboard, args.log_timers_to_tensorboard,
+                   args.timing_log_level, args.log_memory_to_tensorboard)
 
 
 class TensorBoardWriter:
     """--tensorboard-dir: the records' scalars under Megatron's tags, plus ReCoVer's
-    `live-replicas`. Opened by whichever rank logs; a successor appends to the same directory."""
+    (`live-replicas`, `recovery-seconds`, `microbatches-recomputed`, `quota/replica-R`,
+    `tokens-per-second`). Opened by whichever rank logs; a successor appends to the same run."""
 
-    def __init__(self, log_dir: str):
+    def __init__(self, config: TensorBoardConfig):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        self.writer = SummaryWriter(log_dir=log_dir)
+        self.config = config
+        self.writer = SummaryWriter(log_dir=config.log_dir, max_queue=config.queue_size)
+
+    @staticmethod
+    def last_step(log_dir: str) -> int:
+        """The last iteration the run's `lm loss` holds (0 if none): read back at a takeover."""
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        if not os.path.isdir(log_dir):
+            return 0
+        events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+        events.Reload()
+        if "lm loss" not in events.Tags()["scalars"]:
+            return 0
+        return max(e.step for e in events.Scalars("lm loss"))
 
     def write(self, record: dict) -> None:
         step = record["iteration"]
-        for key, tag in TENSORBOARD_TAGS.items():
-            value = record.get(key)
+        if "lm_loss" in record and step % self.config.log_interval:
+            return
+        scalars = {tag: record.get(key) for key, tag in TENSORBOARD_TAGS.items()}
+        if self.config.validation_ppl and "valid_lm_loss" in record:
+            scalars["lm loss validation ppl"] = math.exp(min(20.0, record["valid_lm_loss"]))
+        if "live_replicas" in record:
+            scalars["live-replicas"] = len(record["live_replicas"])
+        if "recoveries" in record:
+            scalars["recovery-seconds"] = sum(sum(r["seconds"].values())
+                                              for r in record["recoveries"])
+            scalars["microbatches-recomputed"] = sum(len(r["lost_ids"])
+                                                     for r in record["recoveries"])
+        for replica, quota in record.get("quotas", {}).items():
+            scalars[f"quota/replica-{replica}"] = quota
+        if self.config.timers:
+            for phase, seconds in record.get("phase_seconds", {}).items():
+                tag, level = TIMER_TAGS.get(phase, (None, 3))
+                if tag is not None and level <= self.config.timing_level:
+                    scalars[tag] = seconds * 1000.0  # ms, as Megatron writes its timers
+        if self.config.memory:
+            scalars.update(record.get("memory", {}))
+        for tag, value in scalars.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(tag, value, step)
-        if "live_replicas" in record:
-            self.writer.add_scalar("live-replicas", len(record["live_replicas"]), step)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
 
 
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    """--log-memory-to-tensorboard: Megatron's tags on CUDA; the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"]}
+    return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def gpt_flops(args, batch_size: int) -> float:
+    """FLOPs of one training iteration over `batch_size` sequences: Megatron-LM's formula for a
+    dense GPT (Narayanan et al. 2021, appendix): 12 = 3 (forward, two backward GEMMs) x 2 (GEMMs in
+    pairs) x 2 (multiply-add); attention with query groups; a gated MLP counts 3/2; the logits."""
+    heads, hidden, seq = args.num_attention_heads, args.hidden_size, args.seq_length
+    groups = args.num_query_groups if args.group_query_attention else heads
+    query_ratio = args.kv_channels * heads / hidden
+    gated = 1.5 if args.swiglu else 1.0
+    per_token_layer = ((1 + groups / heads + seq / hidden) * query_ratio
+                       + args.ffn_hidden_size / hidden * gated
+                       + args.padded_vocab_size / (2 * args.num_layers * hidden))
+    return 12.0 * batch_size * seq * args.num_layers * hidden * hidden * per_token_layer
+
+
 class MetricsWriter:
     """Appends one JSON object per line; flushed every record so a killed job keeps its history.
     With a TensorBoard directory the same records also go there."""
 
-    def __init__(self, path: str | None, tensorboard_dir: str | None = None):
+    def __init__(self, path: str | None, tensorboard: TensorBoardConfig | None = None):
         self.path = path
-        self.tensorboard_dir = tensorboard_dir
+        self.tensorboard = tensorboard
         self._file: IO[str] | None = None
         self._tensorboard: TensorBoardWriter | None = None
 
@@ -76,8 +170,8 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
-        if self.tensorboard_dir and self._tensorboard is None:
-            self._tensorboard = TensorBoardWriter(self.tensorboard_dir)
+        if self.tensorboard is not None and self._tensorboard is None:
+            self._tensorboard = TensorBoardWriter(self.tensorboard)
         if self._tensorboard is not None:
             self._tensorboard.write(record)
 
@@ -86,6 +180,8 @@ class MetricsWriter:
         its successor appends the records it missed."""
         if self._file is not None:
             self._file.flush()
+        if not self.path and self.tensorboard is not None:  # the run's only record
+            return TensorBoardWriter.last_step(self.tensorboard.log_dir)
         if not self.path or not os.path.exists(self.path):
             return 0
         last = 0

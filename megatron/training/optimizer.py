@@ -190,13 +190,31 @@ def sync_sequence_parallel_grads(params: Sequence[torch.nn.Parameter],
         g.copy_(part.view_as(g))
 
 
+def counted_once(params: Sequence[torch.nn.Parameter], tensors: Sequence[torch.Tensor],
+                 tp_rank: int) -> list[torch.Tensor]:
+    """The tensors (one per param) this rank counts so that the replica counts each parameter
+    once: TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all."""
+    return [t for p, t in zip(params, tensors)
+            if not getattr(p, "tied_embedding_is_duplicate", False)
+            and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+
+
+def count_zeros(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+                model_parallel_group, tp_rank: int) -> float:
+    """--log-num-zeros-in-grad: zero entries of the replica's gradient, each parameter once."""
+    counted = counted_once(params, grads, tp_rank)
+    device = grads[0].device if grads else torch.device("cpu")
+    zeros = torch.tensor([float(sum(int((g == 0).sum()) for g in counted))], dtype=torch.float64,
+                         device=device)
+    if model_parallel_group is not None and model_parallel_group.size() > 1:
+        dist.all_reduce(zeros, group=model_parallel_group)
+    return float(zeros)
+
+
 def grad_norm_squared_local(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
                             tp_rank: int) -> torch.Tensor:
-    """This rank's share of the replica's squared gradient norm: each parameter counted once --
-    TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all."""
-    counted = [g for p, g in zip(params, grads)
-               if not getattr(p, "tied_embedding_is_duplicate", False)
-               and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+    """This rank's share of the replica's squared gradient norm (`counted_once`)."""
+    counted = counted_once(params, grads, tp_rank)
     if not counted:
         device = grads[0].device if grads else torch.device("cpu")
         return torch.zeros(1, dtype=torch.float64, device=device)

@@ -19,9 +19,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.arguments import global_batch_size_at
 from megatron.training.initialize import ParallelGroups
-from megatron.training.metrics import MetricsWriter, log_line, print_rank_line
-from megatron.training.optimizer import (LossScaler, MainParamsAdamW, clip_factor, global_grad_norm,
-                                         sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from megatron.training.metrics import (MetricsWriter, gpt_flops, log_line, memory_scalars,
+                                       print_rank_line)
+from megatron.training.optimizer import (LossScaler, MainParamsAdamW, clip_factor, count_zeros,
+                                         global_grad_norm, sync_sequence_parallel_grads,
+                                         sync_tied_embedding_grads)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.faults import FaultInjector
 from recover_patches.p2p import StageLink
@@ -178,6 +180,10 @@ class Trainer:
         scale = 1.0 if scaler is None else scaler.scale
         self.grads.reduced_grads.div_(tokens * scale)  # the global token mean: DESIGN §7
         grad_norm = global_grad_norm(self.params, grads, self.groups.replica, self.groups.coord.tp)
+        extra = {}
+        if self.args.log_num_zeros_in_grad:  # before clipping, as Megatron counts them
+            extra["num_zeros"] = count_zeros(self.params, grads, self.groups.replica,
+                                             self.groups.coord.tp)
         overflow = not math.isfinite(grad_norm)
         loss_scale = scale
         if scaler is not None:
@@ -192,6 +198,9 @@ class Trainer:
             self.hook("optimizer")
             self.optimizer.step(grads)
             self.scheduler.step(increment=reduced.totals.microbatches * self.args.micro_batch_size)
+        if self.args.log_params_norm:  # the fp32 main params, after the step
+            extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
+                                                    self.groups.replica, self.groups.coord.tp)
         self.grads.zero()
         loss_and_times = torch.tensor([reduced.totals.loss_sum, *reduced.replica_times],
                                       dtype=torch.float64, device=self.device)
@@ -201,7 +210,7 @@ class Trainer:
         self.timings = timings_from_wire(dict(enumerate(values[1:])))
         return {"lm_loss": values[0] / tokens, "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": loss_scale,
-                "skipped_iterations": self.state.skipped_iterations,
+                "skipped_iterations": self.state.skipped_iterations, **extra,
                 **({"weights_checked_after": self.state.iteration} if checked else {})}
 
     # -- job-wide synchronisation for checkpoints, resilient when recovery is on -------------
@@ -282,6 +291,12 @@ class Trainer:
             "recoveries": [vars(r) for r in outcome.recoveries],
             **outcome.step,
         }
+        if args.log_throughput:  # per live GPU: the job's GPUs shrink when replicas die
+            gpus = len(self.live.live_replicas) * self.groups.topology.tp * self.groups.topology.pp
+            rec["tflops_per_gpu"] = gpt_flops(args, rec["global_batch_size"]) / max(
+                seconds, 1e-9) / gpus / 1e12
+        if args.log_memory_to_tensorboard:  # every rank: a successor logs what it recorded
+            rec["memory"] = memory_scalars(self.device)
         if self.agreement is not None:  # this rank's store operations in the commit votes
             rec["commit_store_ops"] = self.agreement.store_ops - self._store_ops_seen
             self._store_ops_seen = self.agreement.store_ops
