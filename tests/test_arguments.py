@@ -342,6 +342,8 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--transformer-impl": "transformer_engine"}, 1, "cpu", "--transformer-impl", "GPU"),
     ({"--transformer-impl": "transformer_engine"}, 1, "cuda", "--transformer-impl", "not installed"),
     ({"--tensorboard-dir": "/tmp/tb"}, 1, "cpu", "--tensorboard-dir", "tensorboard"),
+    ({"--rerun-mode": "validate_results"}, 1, "cpu", "--rerun-mode", "disabled"),
+    ({"--exit-interval": "0"}, 1, "cpu", "--exit-interval", "> 0"),
     ({"--log-timers-to-tensorboard": ""}, 1, "cpu", "--log-timers-to-tensorboard",
      "--tensorboard-dir"),
     ({"--log-memory-to-tensorboard": ""}, 1, "cpu", "--log-memory-to-tensorboard",

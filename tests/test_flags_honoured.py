@@ -31,6 +31,7 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
                    "loader worker pool for this performance knob to size",
     "local_rank": "the launcher's LOCAL_RANK wins (Megatron's rule); read as args.local_rank",
     "use_cpu_initialization": "always on: weights are drawn on the CPU by global name",
+    "rerun_mode": "only disabled is accepted (the other modes are refused), which is the behaviour",
 }
 
 

@@ -196,6 +196,13 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="Load weights only and start from iteration 0.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM: save a checkpoint and exit.")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Exit (status 0) after every iteration that is a multiple of this, saving a "
+                        "checkpoint first when --save is set.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Exit (status 0, after a checkpoint when --save is set) once training has run "
+                        "this long; the live ranks agree on it after every iteration (one store "
+                        "barrier per iteration while the flag is set).")
     g.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
                    help="Checkpoint format. Default torch (per-rank torch files), unlike Megatron-LM's "
                         "torch_dist, which ReCoVer does not support yet.")
@@ -236,6 +243,17 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="Also write `lm loss validation ppl` (exp of the loss). Needs "
                         "--tensorboard-dir.")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Disable Python's automatic garbage collection; collect every "
+                        "--manual-gc-interval iterations (and around evaluations) instead.")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="Iterations between collections with --manual-gc (0: only at start).")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="With --manual-gc: no collection before and after each evaluation.")
+    g.add_argument("--rerun-mode", default="disabled",
+                   help="Megatron's rerun state machine. Only `disabled` is supported (also the "
+                        "default here, unlike Megatron-LM's validate_results); other modes are "
+                        "refused.")
     g.add_argument("--metrics-file", default=None,
                    help="ReCoVer: append one JSON record per iteration to this JSONL file.")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,

@@ -88,6 +88,16 @@ def validate_logging(args: argparse.Namespace) -> None:
                                ("--eval-iters", args.eval_iters, 0)):
         if value < least:
             raise ArgumentError(flag, f"{flag} must be >= {least}, got {value}", f"pass {flag} {least}")
+    if args.rerun_mode != "disabled":
+        raise ArgumentError("--rerun-mode", f"--rerun-mode {args.rerun_mode} is not supported by "
+                            "ReCoVer yet (no rerun state machine)", "pass --rerun-mode disabled")
+    for flag, value in (("--exit-interval", args.exit_interval),
+                        ("--exit-duration-in-mins", args.exit_duration_in_mins)):
+        if value is not None and value <= 0:
+            raise ArgumentError(flag, f"{flag} must be > 0, got {value}", f"pass a positive {flag}")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError("--manual-gc-interval", "--manual-gc-interval must be >= 0",
+                            "pass --manual-gc-interval 0 (collect only at start) or more")
     for flag, value, least in (("--tensorboard-log-interval", args.tensorboard_log_interval, 1),
                                ("--tensorboard-queue-size", args.tensorboard_queue_size, 1)):
         if value < least:

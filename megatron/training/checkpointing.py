@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,6 +228,7 @@ class Checkpointer:
             raise CheckpointError("--save", f"{args.save} exists and is not a directory",
                                   "pass a directory path to --save")
         self.term = TermSignal() if args.exit_signal_handler else None
+        self.started = time.monotonic()  # for --exit-duration-in-mins
         self.last_saved: int | None = None
 
     def load(self, trainer) -> None:
@@ -248,16 +250,29 @@ class Checkpointer:
 
     def after_iteration(self, trainer) -> None:
         iteration, args = trainer.state.iteration, self.args
-        stop = self.term is not None and self.term.agreed(trainer)
+        stop = self._stop_reason(trainer)
         due = args.save and (iteration % args.save_interval == 0 or iteration == args.train_iters)
         if (due or stop) and args.save:
             self.save(trainer)
         if stop:
             if self.rank == 0:
-                print(f" exiting after iteration {iteration}: SIGTERM (--exit-signal-handler)"
+                print(f" exiting after iteration {iteration}: {stop}"
                       + ("" if args.save else ", no --save so no checkpoint"), flush=True)
             trainer.metrics.close()
             raise SystemExit(0)
+
+    def _stop_reason(self, trainer) -> str | None:
+        """Why every live rank exits after this iteration (the same answer on all of them)."""
+        iteration, args = trainer.state.iteration, self.args
+        if self.term is not None and self.term.agreed(trainer):
+            return "SIGTERM (--exit-signal-handler)"
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            return f"--exit-interval {args.exit_interval}"
+        if args.exit_duration_in_mins is not None:
+            over = (time.monotonic() - self.started) / 60 > args.exit_duration_in_mins
+            if trainer.any_rank(over, f"exit-duration/{iteration}"):  # clocks differ: agree
+                return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}"
+        return None
 
     def save(self, trainer) -> None:
         try:

@@ -6,6 +6,7 @@ the transaction in `recover_patches/recovery/iteration.py` calls in order.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import math
 import time
@@ -251,6 +252,9 @@ class Trainer:
         args = self.args
         if self.checkpointer is not None and load:
             self.checkpointer.load(self)
+        if args.manual_gc:  # Megatron's: no automatic collection pauses inside iterations
+            gc.disable()
+            gc.collect()
         transaction = self.transaction()
         while self.state.iteration < args.train_iters:
             start = time.perf_counter()
@@ -268,11 +272,19 @@ class Trainer:
         """What every live rank does together after an iteration (and its join, if any): save if
         due, evaluate if due. A spare that just joined runs it too, for the join's iteration."""
         args = self.args
+        if args.manual_gc and args.manual_gc_interval \
+                and self.state.iteration % args.manual_gc_interval == 0:
+            gc.collect()
         if self.checkpointer is not None:
             self.checkpointer.after_iteration(self)
         if args.eval_interval and self.valid_stage is not None \
                 and self.state.iteration % args.eval_interval == 0:
+            collect = args.manual_gc and args.manual_gc_eval
+            if collect:
+                gc.collect()
             self.evaluate()
+            if collect:
+                gc.collect()
 
     def record(self, outcome: IterationOutcome, seconds: float) -> None:
         args = self.args
