@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = init_default_group(args.distributed_backend, args.distributed_timeout_minutes,
                                      joining=incarnation > 0)
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
-                                   args.pipeline_model_parallel_size)
+                                   args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping)
     make_group = (torch_group_factory if membership is None else resilient_group_factory(
         membership, args.recover_timeout, args.distributed_backend, connect=incarnation == 0))
     groups = build_groups(topology, rank, make_group)

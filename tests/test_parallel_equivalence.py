@@ -87,6 +87,14 @@ def test_overlapped_bucket_reduction_matches(references, tmp_path_factory):
     assert_same_trajectory(run, ref, "fp32", 2)
 
 
+@pytest.mark.timeout(600)
+def test_tp_pp_dp_mapping_matches(references, tmp_path_factory):
+    """--use-tp-pp-dp-mapping reorders the ranks of (2,2,2): the same trajectory."""
+    ref = reference(references, tmp_path_factory, "fp32")
+    run = _train(tmp_path_factory, "fp32", 2, 2, 2, "--use-tp-pp-dp-mapping")
+    assert_same_trajectory(run, ref, "fp32", 2)
+
+
 MODEL_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
                "--group-query-attention", "--num-query-groups", "2",
                "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--rotary-base", "500",

@@ -24,6 +24,15 @@ def test_megatron_rank_order_and_groups():
         Topology.from_world(6, 2, 2)
 
 
+def test_tp_pp_dp_mapping_keeps_each_replica_contiguous():
+    t = Topology.from_world(8, 2, 2, dp_last=True)  # --use-tp-pp-dp-mapping
+    assert [t.coord(r) for r in (0, 1, 2, 5)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 1, 0)]
+    assert all(t.rank(*t.coord(r)) == r for r in range(8))
+    assert t.replica_ranks(0) == [0, 1, 2, 3] and t.replica_ranks(1) == [4, 5, 6, 7]
+    assert t.tp_ranks(1, 1) == [6, 7] and t.pp_ranks(0, 1) == [4, 6]
+    assert t.dp_ranks(1, 0) == [1, 5] and t.embedding_ranks(0, 0) == [0, 2]
+
+
 def test_sampler_addresses_samples_by_global_id():
     data = [{"tokens": [i, i], "labels": [i, i], "loss_mask": [1.0, 0.0], "position_ids": [0, 1]}
             for i in range(10)]

@@ -108,6 +108,9 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="Local rank; accepted for compatibility, the LOCAL_RANK env var wins.")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None,
                    help="Initialise weights on the CPU.")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="Order ranks tp, then pp, then dp (rank = tp + TP*pp + TP*PP*dp): a "
+                        "replica's ranks are contiguous. Default Megatron's tp, dp, pp.")
 
 
 def add_batch_args(parser: argparse.ArgumentParser) -> None:

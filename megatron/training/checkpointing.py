@@ -222,7 +222,8 @@ class Checkpointer:
     def __init__(self, args, rank: int, world_size: int) -> None:
         self.args, self.rank = args, rank
         self.topology = Topology.from_world(world_size, args.tensor_model_parallel_size,
-                                            args.pipeline_model_parallel_size)
+                                            args.pipeline_model_parallel_size,
+                                            args.use_tp_pp_dp_mapping)
         self.resume = find_resume_point(args, self.topology)
         if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
             raise CheckpointError("--save", f"{args.save} exists and is not a directory",
