@@ -39,7 +39,8 @@ def make_args(**overrides) -> argparse.Namespace:
                   data_cache_path=None, reset_position_ids=False, reset_attention_mask=False,
                   eod_mask_loss=False, train_iters=20, global_batch_size=4, eval_interval=10,
                   eval_iters=2, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
-                  train_samples=None, create_attention_mask_in_dataloader=True)
+                  train_samples=None, create_attention_mask_in_dataloader=True,
+                  mmap_bin_files=True)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -168,6 +169,14 @@ def test_blend_honours_weights(tmp_path):
         content = item["tokens"][item["tokens"] != EOD]
         assert bool(((content >= 500) == bool(source)).all())  # dataset_id names the real source
     assert abs(counts[0] / 400 - 0.25) < 0.02 and abs(counts[1] / 400 - 0.75) < 0.02
+
+
+def test_no_mmap_bin_files_reads_the_same_samples_without_a_memory_map(prefix):
+    mapped, _, _ = build_datasets(make_args(data_path=[prefix]), TOKENIZER)
+    read, _, _ = build_datasets(make_args(data_path=[prefix], mmap_bin_files=False), TOKENIZER)
+    assert tokens(read) == tokens(mapped)
+    assert read.dataset.mmap is False and mapped.dataset.mmap is True  # megatron-core's reader
+    assert type(read.dataset.bin_reader).__name__ != type(mapped.dataset.bin_reader).__name__
 
 
 def test_same_args_same_order_and_seed_matters(prefix):

@@ -182,6 +182,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    dest="create_attention_mask_in_dataloader",
                    help="The dataset builds no attention mask (attention is plain causal).")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document tokens.")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="Read the .bin files with plain file reads instead of memory-mapping them "
+                        "(megatron-core's IndexedDataset option).")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:

@@ -131,6 +131,7 @@ def build_datasets(args, tokenizer) -> tuple[Optional[Dataset], Optional[Dataset
         eod_mask_loss=bool(args.eod_mask_loss),
         create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
+        mmap_bin_files=args.mmap_bin_files,  # --no-mmap-bin-files: read the .bin with file reads
     )
     train, valid, test = _LocalBuilder(cls, sizes, lambda: True, config).build()
     return train, valid, test
