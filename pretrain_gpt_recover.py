@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.training.initialize import (build_groups, init_default_group,
                                               resilient_group_factory, torch_group_factory)
-    from megatron.training.metrics import MetricsWriter, TensorBoardConfig
+    from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
     from megatron.training.model import build_model, memory_note
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer, build_stage,
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         train_stage=build_stage(args, groups, model, train_ds, tracker, optimizer.scaler),
         valid_stage=None if valid_ds is None else build_stage(args, groups, model, valid_ds, tracker),
         link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
-        metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args)),
+        metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
+                              WandbConfig.from_args(args)),
         agreement=StoreAgreement(membership, timeout=args.recover_timeout,
                                  verdict_wait=membership.timeouts.verdict_wait,
                                  replica=replica_vote(groups, device)) if recovering else None,

@@ -19,7 +19,8 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "wandb"],
         "gpu": ["transformer-engine"],
+        "wandb": ["wandb"],
     },
 )

@@ -113,7 +113,8 @@ def fake_find_spec(monkeypatch, installed: set[str]) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name in installed else
-                        (None if name in ("tensorboard", "transformer_engine") else real(name, *a)))
+                        (None if name in ("tensorboard", "transformer_engine", "wandb")
+                         else real(name, *a)))
 
 
 # --- published configs -------------------------------------------------------------------------
@@ -343,6 +344,7 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--transformer-impl": "transformer_engine"}, 1, "cuda", "--transformer-impl", "not installed"),
     ({"--tensorboard-dir": "/tmp/tb"}, 1, "cpu", "--tensorboard-dir", "tensorboard"),
     ({"--rerun-mode": "validate_results"}, 1, "cpu", "--rerun-mode", "disabled"),
+    ({"--wandb-project": "p"}, 1, "cpu", "--wandb-project", "recover[wandb]"),
     ({"--exit-interval": "0"}, 1, "cpu", "--exit-interval", "> 0"),
     ({"--log-timers-to-tensorboard": ""}, 1, "cpu", "--log-timers-to-tensorboard",
      "--tensorboard-dir"),

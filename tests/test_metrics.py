@@ -101,3 +101,30 @@ def test_a_run_writes_every_tag_for_every_step_across_the_logging_ranks_death(tm
     assert live[:8] == [4] * 8 and live[8:] == [3] * 12  # rank 0's replica lost in iteration 9
     assert [e.step for e in events.Scalars("recovery-seconds") if e.value > 0] == [9]
     assert [e.step for e in events.Scalars("microbatches-recomputed") if e.value > 0] == [9]
+
+
+@pytest.mark.timeout(120)
+def test_wandb_offline_run_holds_the_same_scalar_keys(tmp_path):
+    """One process (no launcher), WANDB_MODE=offline: the run's .wandb file holds every scalar
+    key the TensorBoard writer uses, logged at every step."""
+    import os
+    import subprocess
+    import sys
+
+    from tests._launch_util import REPO
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONWARNINGS="ignore",
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt_recover.py"), *TINY_GPT,
+                           "--train-iters", "3", "--wandb-project", "recover-test",
+                           "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path),
+                           "--log-params-norm", "--log-throughput"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    data = runs[0].read_bytes()
+    for key in ("lm loss", "learning-rate", "batch-size", "grad-norm", "loss-scale",
+                "iteration-time", "throughput", "params-norm", "live-replicas",
+                "tokens-per-second", "recovery-seconds"):
+        assert data.count(key.encode()) >= 3, key  # one history record per step

@@ -249,6 +249,13 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="Also write `lm loss validation ppl` (exp of the loss). Needs "
                         "--tensorboard-dir.")
+    g.add_argument("--wandb-project", default="",
+                   help="Weights & Biases project: on when given, the same scalars as TensorBoard "
+                        "from the logging rank (needs the `wandb` extra; offline with "
+                        "WANDB_MODE=offline).")
+    g.add_argument("--wandb-exp-name", default="", help="W&B run name.")
+    g.add_argument("--wandb-save-dir", default="", help="Directory of W&B's local files.")
+    g.add_argument("--wandb-entity", default="", help="W&B entity (user or team).")
     g.add_argument("--manual-gc", action="store_true",
                    help="Disable Python's automatic garbage collection; collect every "
                         "--manual-gc-interval iterations (and around evaluations) instead.")

@@ -102,6 +102,9 @@ def validate_logging(args: argparse.Namespace) -> None:
                                ("--tensorboard-queue-size", args.tensorboard_queue_size, 1)):
         if value < least:
             raise ArgumentError(flag, f"{flag} must be >= {least}, got {value}", f"pass {flag} {least}")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project", "the wandb package is not installed",
+                            "pip install 'recover[wandb]' (or wandb) or drop the flag")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError("--tensorboard-dir", "the tensorboard package is not installed",
                             "pip install tensorboard or drop the flag")

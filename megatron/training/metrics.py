@@ -1,6 +1,7 @@
 """Megatron-style iteration log lines and a JSONL metrics file (one record per iteration)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -98,32 +99,78 @@ class TensorBoardWriter:
         step = record["iteration"]
         if "lm_loss" in record and step % self.config.log_interval:
             return
-        scalars = {tag: record.get(key) for key, tag in TENSORBOARD_TAGS.items()}
-        if self.config.validation_ppl and "valid_lm_loss" in record:
-            scalars["lm loss validation ppl"] = math.exp(min(20.0, record["valid_lm_loss"]))
-        if "live_replicas" in record:
-            scalars["live-replicas"] = len(record["live_replicas"])
-        if "recoveries" in record:
-            scalars["recovery-seconds"] = sum(sum(r["seconds"].values())
-                                              for r in record["recoveries"])
-            scalars["microbatches-recomputed"] = sum(len(r["lost_ids"])
-                                                     for r in record["recoveries"])
-        for replica, quota in record.get("quotas", {}).items():
-            scalars[f"quota/replica-{replica}"] = quota
-        if self.config.timers:
-            for phase, seconds in record.get("phase_seconds", {}).items():
-                tag, level = TIMER_TAGS.get(phase, (None, 3))
-                if tag is not None and level <= self.config.timing_level:
-                    scalars[tag] = seconds * 1000.0  # ms, as Megatron writes its timers
-        if self.config.memory:
-            scalars.update(record.get("memory", {}))
-        for tag, value in scalars.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(tag, value, step)
+        for tag, value in scalars(record, self.config).items():
+            self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+def scalars(record: dict, config: TensorBoardConfig) -> dict[str, float]:
+    """A record's scalars under Megatron's tags and ReCoVer's (TensorBoard and W&B alike)."""
+    out = {tag: record.get(key) for key, tag in TENSORBOARD_TAGS.items()}
+    if config.validation_ppl and "valid_lm_loss" in record:
+        out["lm loss validation ppl"] = math.exp(min(20.0, record["valid_lm_loss"]))
+    if "live_replicas" in record:
+        out["live-replicas"] = len(record["live_replicas"])
+    if "recoveries" in record:
+        out["recovery-seconds"] = sum(sum(r["seconds"].values()) for r in record["recoveries"])
+        out["microbatches-recomputed"] = sum(len(r["lost_ids"]) for r in record["recoveries"])
+    for replica, quota in record.get("quotas", {}).items():
+        out[f"quota/replica-{replica}"] = quota
+    if config.timers:
+        for phase, seconds in record.get("phase_seconds", {}).items():
+            tag, level = TIMER_TAGS.get(phase, (None, 3))
+            if tag is not None and level <= config.timing_level:
+                out[tag] = seconds * 1000.0  # ms, as Megatron writes its timers
+    if config.memory:
+        out.update(record.get("memory", {}))
+    return {tag: float(v) for tag, v in out.items()
+            if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """--wandb-project (on when given), --wandb-exp-name, --wandb-save-dir, --wandb-entity."""
+    project: str
+    exp_name: str
+    save_dir: str
+    entity: str
+    run_config: dict
+
+    @classmethod
+    def from_args(cls, args) -> "WandbConfig | None":
+        if not args.wandb_project:
+            return None
+        plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                 for k, v in vars(args).items() if k != "job_token"}
+        return cls(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir or ".",
+                   args.wandb_entity, plain)
+
+
+class WandbWriter:
+    """The same scalars to Weights & Biases (works offline: WANDB_MODE=offline). The run id is
+    derived from project, name and directory, so a new logging rank resumes the same run."""
+
+    def __init__(self, config: WandbConfig, scalars_config: TensorBoardConfig):
+        import wandb  # the `wandb` extra
+
+        run_id = hashlib.sha256(f"{config.project}/{config.exp_name}/{os.path.abspath(config.save_dir)}"
+                                .encode()).hexdigest()[:16]
+        self.config = scalars_config
+        self.run = wandb.init(project=config.project, name=config.exp_name or None,
+                              dir=config.save_dir, entity=config.entity or None, id=run_id,
+                              resume="allow", config=config.run_config)
+
+    def write(self, record: dict) -> None:
+        step = record["iteration"]
+        if "lm_loss" in record and step % self.config.log_interval:
+            return
+        self.run.log(scalars(record, self.config), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
@@ -155,9 +202,12 @@ class MetricsWriter:
     """Appends one JSON object per line; flushed every record so a killed job keeps its history.
     With a TensorBoard directory the same records also go there."""
 
-    def __init__(self, path: str | None, tensorboard: TensorBoardConfig | None = None):
+    def __init__(self, path: str | None, tensorboard: TensorBoardConfig | None = None,
+                 wandb: WandbConfig | None = None):
         self.path = path
         self.tensorboard = tensorboard
+        self.wandb = wandb
+        self._wandb: WandbWriter | None = None
         self._file: IO[str] | None = None
         self._tensorboard: TensorBoardWriter | None = None
 
@@ -174,6 +224,10 @@ class MetricsWriter:
             self._tensorboard = TensorBoardWriter(self.tensorboard)
         if self._tensorboard is not None:
             self._tensorboard.write(record)
+        if self.wandb is not None and self._wandb is None:
+            self._wandb = WandbWriter(self.wandb, self.tensorboard or TensorBoardConfig(""))
+        if self._wandb is not None:
+            self._wandb.write(record)
 
     def last_iteration(self) -> int:
         """The highest iteration already in the file (0 if none): after the logging rank dies,
@@ -200,6 +254,9 @@ class MetricsWriter:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def print_rank_line(text: str) -> None:
