@@ -200,6 +200,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load RNG state.")
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only and start from iteration 0.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="Take the LR schedule's values from the checkpoint. ReCoVer always does "
+                        "(its checkpoint restores the scheduler whole), which is this flag's meaning.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM: save a checkpoint and exit.")
     g.add_argument("--exit-interval", type=int, default=None,

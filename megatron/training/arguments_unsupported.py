@@ -42,6 +42,8 @@ UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
         ("--use-distributed-optimizer", 0),
         ("--overlap-param-gather", 0),
         ("--async-save", 0),
+        ("--use-persistent-ckpt-worker", 0),  # async save's worker: with --async-save (issue K)
+        ("--dist-ckpt-strictness", 1),  # torch_dist loading (issue K)
         ("--fp8-format", 1),
         ("--use-flash-attn", 0),
     )
