@@ -72,7 +72,10 @@ class LaunchUsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recover_patches.launch", allow_abbrev=False)
+    # Named as the user called it: the `recover-launch` entry point or the module.
+    invoked = os.path.basename(sys.argv[0])
+    prog = invoked if invoked == "recover-launch" else "python -m recover_patches.launch"
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", "--node_rank", type=int, default=0)

@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
               f"joined (state from replica {join['donor']}, survivors paused "
               f"{join['seconds']['pause'] * 1000:.0f} ms)")
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from recover_patches.plot import pyplot
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([i for i in sorted(ref)], [ref[i]["lm_loss"] for i in sorted(ref)],
             label="failure-free", linewidth=3, alpha=0.5)

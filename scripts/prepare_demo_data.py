@@ -26,10 +26,9 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # megatron-core warns on import that it found no GPU-only libraries: irrelevant for data work.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-import preprocess_data  # noqa: E402  (sibling script)
+from megatron.training import preprocess_data  # noqa: E402
 
 from megatron.training.tokenizer import EOD_TOKEN  # noqa: E402
 

@@ -1,13 +1,9 @@
-"""Markers: `gpu` tests need CUDA (scripts/gpu/check.sh runs them on a GPU machine); elsewhere
+"""Markers (declared in pyproject.toml): `gpu` tests need CUDA (scripts/gpu/check.sh runs them on a GPU machine); elsewhere
 they are skipped with that reason."""
 from __future__ import annotations
 
 import pytest
 import torch
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run by scripts/gpu/check.sh)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "schedule_overhead.py"
 
 

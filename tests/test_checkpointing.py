@@ -296,6 +296,7 @@ def _check(crashed, state_after_crash, resumed, kill_rank: int):
     assert [r["lr"] for r in resumed.records] == [r["lr"] for r in crashed.records[3:]]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_tp2_pp2_crash_in_save_keeps_last_good_and_resume_is_exact(tmp_path):
     # rank 0 writes mp_rank_00_000 and commits: killed after writing, before the rename
@@ -316,6 +317,7 @@ def test_tp2_pp2_crash_in_save_keeps_last_good_and_resume_is_exact(tmp_path):
     assert not other.exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_tp1_pp2_dp2_crash_of_a_non_writer_and_resume_is_exact(tmp_path):
     # rank 1 is replica 1's first stage: replica 0 writes, yet its death must still block the commit
@@ -330,6 +332,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_sigterm_to_one_rank_saves_and_every_rank_exits_0(tmp_path):
     metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
@@ -359,6 +362,7 @@ def test_sigterm_to_one_rank_saves_and_every_rank_exits_0(tmp_path):
     assert 2 <= last < 1000 and read_latest(ck) == last
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_fp16_resume_restores_main_params_and_the_loss_scaler(tmp_path):
     """fp32 main params and the loss scaler's state travel in the optimizer state: a resumed fp16

@@ -12,6 +12,8 @@ import pytest
 
 from tests._launch_util import REPO
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 
 @pytest.mark.timeout(900)
 def test_demo_survives_its_failure_with_a_falling_loss(tmp_path):

@@ -79,6 +79,7 @@ def kill_leftover_launches(out: Path) -> None:
             pass
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_short_benchmark_accounts_consistently(tmp_path):
     out = tmp_path / "etp"

@@ -26,12 +26,14 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_fp32_gpu_matches_cpu(tmp_path):
     gpu, cpu = losses(tmp_path, "gpu"), losses(tmp_path, "cpu", cpu=True)
     assert max(rel(g, c) for g, c in zip(gpu, cpu)) <= 1e-4, (gpu, cpu)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "256"]])
 def test_half_precision_trains_and_tracks_fp32(tmp_path, precision):

@@ -20,6 +20,8 @@ import pytest
 
 from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 ITERS, M = 14, 8
 COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even"]
 CHECKED = ["--check-weight-hash-across-dp-replicas-interval", "1"]

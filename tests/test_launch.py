@@ -86,6 +86,9 @@ def wait_for_files(tmp_path: Path, pattern: str, count: int, timeout: float = 10
         time.sleep(0.02)
 
 
+@pytest.mark.multiprocess
+
+
 def test_env_argv_and_preload(tmp_path):
     proc = start_launcher(tmp_path, 3, {}, "--preload", "xml.dom.minidom")
     code, err = finish(proc, tmp_path)
@@ -126,6 +129,9 @@ def test_a_cold_rank_is_a_fresh_interpreter(tmp_path):
     assert info["preloaded"] is False and info["argv"][1:] == [str(tmp_path), "{}"]
 
 
+@pytest.mark.multiprocess
+
+
 def test_multi_node_rank_numbering(tmp_path):
     # The port is only passed on here (nothing listens in these ranks); the last flag wins.
     proc = start_launcher(tmp_path, 2, {}, "--nnodes", "3", "--node-rank", "2", "--master-port", "1234")
@@ -134,6 +140,9 @@ def test_multi_node_rank_numbering(tmp_path):
     infos = [json.loads(p.read_text()) for p in tmp_path.glob("start.*")]
     assert sorted((i["RANK"], i["LOCAL_RANK"]) for i in infos) == [("4", "0"), ("5", "1")]
     assert {i["WORLD_SIZE"] for i in infos} == {"6"}
+
+
+@pytest.mark.multiprocess
 
 
 def test_failing_ranks_do_not_kill_the_others(tmp_path):
@@ -149,6 +158,9 @@ def test_failing_ranks_do_not_kill_the_others(tmp_path):
     assert not any(alive(pid) for pid in rank_pids(tmp_path))
 
 
+@pytest.mark.multiprocess
+
+
 def test_launcher_idles_while_ranks_run(tmp_path):
     """An exited rank must not leave the launcher spinning (it would starve the survivors)."""
     proc = start_launcher(tmp_path, 2, {"0": "exit3", "1": "nap"})
@@ -159,6 +171,9 @@ def test_launcher_idles_while_ranks_run(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 3  # the rank stopped the job for a restart
     assert (tmp_path / "done.1").exists()
     assert usage.ru_utime + usage.ru_stime < 0.8, usage  # launcher + tiny ranks, over ~2 s
+
+
+@pytest.mark.multiprocess
 
 
 def test_sigterm_is_forwarded_then_sigkill_after_grace(tmp_path):
@@ -182,6 +197,7 @@ def test_sigterm_is_forwarded_then_sigkill_after_grace(tmp_path):
     (["--heartbeat-timeout", "1"], "derive from the training script's --recover-timeout"),
     (["--standby"], "--standby joins a running job"),  # --no-coordinator, no port, no token
 ])
+@pytest.mark.multiprocess
 def test_usage_errors_exit_2_and_start_nothing(tmp_path, flags, needle):
     proc = start_launcher(tmp_path, 2, {}, *flags)
     code, err = finish(proc, tmp_path)

@@ -16,6 +16,8 @@ import pytest
 
 from tests._launch_util import TINY_GPT, launch
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 ITERS, M, TIMEOUT = 6, 8, 3.0
 LAYOUTS = {"1,1,4": ("1", "1"), "2,1,2": ("2", "1"), "1,2,2": ("1", "2")}
 

@@ -76,6 +76,7 @@ EVERY_STEP_TAGS = ["lm loss", "learning-rate", "batch-size", "grad-norm", "loss-
                    "microbatches-recomputed", "tokens-per-second"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_run_writes_every_tag_for_every_step_across_the_logging_ranks_death(tmp_path):
     """20 iterations at (1,1,4), TensorBoard only (no --metrics-file), every logging flag on; the

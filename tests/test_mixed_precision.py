@@ -8,6 +8,8 @@ import pytest
 
 from tests._launch_util import TINY_GPT, launch
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 M = 8
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from tests._launch_util import TINY_GPT, launch
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 ITERS = ["--train-iters", "6"]
 LAYOUTS = [(2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 2, 4)]  # (TP, PP, DP)
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"],

@@ -1,4 +1,4 @@
-"""scripts/preprocess_data.py and scripts/prepare_demo_data.py: round trips, atomic output, bad input."""
+"""megatron.training.preprocess_data (scripts/preprocess_data.py, recover-preprocess) and scripts/prepare_demo_data.py: round trips, atomic output, bad input."""
 
 import importlib
 import json
@@ -11,10 +11,10 @@ from tests.test_tokenizer import bpe_args, write_tiny_bpe
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-preprocess_data = importlib.import_module("preprocess_data")
 prepare_demo_data = importlib.import_module("prepare_demo_data")
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
+from megatron.training import preprocess_data  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

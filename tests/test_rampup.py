@@ -75,6 +75,7 @@ def expected_iterations() -> list[dict]:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_rampup_run_follows_the_ramp_across_a_failure(tmp_path):
     args = [*TINY_GPT, "--rampup-batch-size", str(START), str(INCR), str(SAMPLES),

@@ -8,6 +8,8 @@ import pytest
 
 from tests._launch_util import TINY_GPT, launch
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 ITERS = 12
 M = 8
 LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",

@@ -180,6 +180,7 @@ def session_alive(pgid: int) -> bool:
         return False
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_launch_node_trains_the_tiny_config_on_one_fake_node(stubs, tmp_path):
     metrics = tmp_path / "metrics.jsonl"

@@ -36,6 +36,8 @@ import pytest
 from recover_patches.collectives.timeouts import Timeouts
 from tests._launch_util import REPO, TINY_GPT, read_metrics
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 ITERS, FAULT_ITER, M = 4, 2, 8
 REPLICAS = {0: {0, 1, 4, 5}, 1: {2, 3, 6, 7}}
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

@@ -88,9 +88,8 @@ def table(summaries: dict[str, ArmSummary], budget: float) -> str:
 
 
 def plot(runs: dict[str, ArmRun], summaries: dict[str, ArmSummary], out: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from recover_patches.plot import pyplot
+    plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for name, run in runs.items():

@@ -187,9 +187,8 @@ def profile(arms, m: int, first: int) -> None:
 
 
 def plot(times: dict[str, list[float]], path: Path, device: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from recover_patches.plot import pyplot
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, samples in times.items():

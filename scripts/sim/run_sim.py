@@ -72,9 +72,8 @@ def report(name: str, description: str, results: dict[str, SimResult]) -> str:
 
 
 def plot(results: dict[str, SimResult], title: str, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from recover_patches.plot import pyplot
+    plt = pyplot()
 
     styles = {"recover": "-", "drop": "--", "checkpoint_restart": "-"}
     figure, axes = plt.subplots(figsize=(8, 4.5))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
 SCRIPT = Path(__file__).with_name("rank_scenarios.py")
 OP_TIMEOUT = 2.0  # --recover-timeout of the ranks: the heartbeat and stall timeouts derive from it
 
