@@ -20,13 +20,11 @@ import pytest
 
 from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
 
-pytestmark = pytest.mark.multiprocess  # every test here starts several processes
-
 ITERS, M = 14, 8
 COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even"]
 CHECKED = ["--check-weight-hash-across-dp-replicas-interval", "1"]
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]  # every test starts a job
 
 
 def faults(*specs: str) -> list[str]:
