@@ -125,10 +125,10 @@ def prepare(out_dir: str, vocab_size: int, max_bytes: int, force: bool) -> str:
         tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file
     )
     warm_up.join()
-    documents = ({"text": text} for _, text in sources)
+    documents = (({"text": text}, len(text.encode("utf-8"))) for _, text in sources)
     preprocess_data.preprocess(
         documents, tokenizer_args, os.path.join(out_dir, DATA_NAME), ["text"],
-        append_eod=True, workers=1, total=len(sources),
+        append_eod=True, workers=1, total_bytes=size, log_interval=500,
     )
     print(f"wrote {prefix}.bin/.idx in {time.monotonic() - start:.1f}s")
     return prefix

@@ -437,3 +437,20 @@ def test_megatron_test_config_flags_are_taken_or_refused_in_one_line(flags, caps
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"error: {flags[0]}" in err, err
         assert "unknown flag" not in err, err  # known to ReCoVer: taken or refused by name
+
+
+def test_huggingface_tokenizer_flags_reach_the_tokenizer(tmp_path):
+    from megatron.training.tokenizer import build_tokenizer
+    from tests.test_preprocess import write_hf_tokenizer
+
+    model = write_hf_tokenizer(tmp_path / "hf")
+    base = [a for a in TINY if a not in ("NullTokenizer", "--vocab-size", "128")]
+    args = validate_args(parse_args(base + ["HuggingFaceTokenizer", "--tokenizer-model", str(model)]), 1)
+    tokenizer = build_tokenizer(args)
+    assert tokenizer.detokenize([tokenizer.eod]) == "</s>"
+    from tokenizers import Tokenizer
+    # Megatron's HF vocab_size is len(tokenizer): added tokens counted
+    assert tokenizer.vocab_size == Tokenizer.from_file(str(model / "tokenizer.json")).get_vocab_size(True)
+    with pytest.raises(ArgumentError) as error:
+        validate_args(parse_args(base + ["HuggingFaceTokenizer"]), 1)
+    assert error.value.flag == "--tokenizer-model"

@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -152,3 +153,112 @@ def test_prepare_demo_data_is_deterministic(tmp_path):
         outputs.append([(out / f).read_bytes() for f in ("vocab.json", "merges.txt",
                                                          "stdlib_text_document.bin")])
     assert outputs[0] == outputs[1]
+
+
+def write_hf_tokenizer(directory: Path, eos: str | None = "</s>") -> Path:
+    """A small BPE tokenizer.json trained here (offline), whose post-processor prepends <s>, like
+    Llama's; tokenizer_config.json names the eos token as transformers writes it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(["hello world", "the quick brown fox", "jumps over lazy dogs"] * 5,
+                                  trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if eos is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": eos}}))
+    return directory
+
+
+def test_huggingface_tokenizer_from_a_local_directory(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    model = write_hf_tokenizer(tmp_path / "hf")
+    texts = ["hello world", "the lazy fox"]
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    argv = ["--input", str(source), "--output-prefix", str(tmp_path / "hf_out"), "--append-eod",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(model)]
+    assert preprocess_data.main(argv) == 0
+    reference = Tokenizer.from_file(str(model / "tokenizer.json"))
+    bos, eos = reference.token_to_id("<s>"), reference.token_to_id("</s>")
+    documents = read_back(f"{tmp_path / 'hf_out'}_text_document")
+    assert documents == [reference.encode(t).ids + [eos] for t in texts]
+    assert all(d[0] == bos for d in documents)  # the tokenizer's own special tokens, as Megatron
+
+    write_hf_tokenizer(tmp_path / "no_eos", eos=None)
+    err = _run_bad(tmp_path, capsys, [*argv[:-1], str(tmp_path / "no_eos")])
+    assert "--tokenizer-model" in err and "eos_token" in err
+
+
+def _many_documents(tmp_path: Path, n: int = 50) -> Path:
+    return write_jsonl(tmp_path / "many.jsonl", [{"text": f"hello {i}\nworld"} for i in range(n)])
+
+
+def test_partitions_give_the_same_files_as_one_and_leave_no_parts(tmp_path):
+    vocab_file, merge_file = write_tiny_bpe(tmp_path)
+    source = _many_documents(tmp_path, 101)
+    outputs = {}
+    for partitions, workers in (("1", "1"), ("3", "3")):
+        prefix = tmp_path / f"p{partitions}" / "c"
+        argv = ["--input", str(source), "--output-prefix", str(prefix), "--append-eod",
+                "--workers", workers, "--partitions", partitions, *bpe_flags(vocab_file, merge_file)]
+        assert preprocess_data.main(argv) == 0
+        outputs[partitions] = [(prefix.parent / f"c_text_document{s}").read_bytes()
+                               for s in (".bin", ".idx")]
+        assert sorted(p.name for p in prefix.parent.iterdir()) == [
+            "c_text_document.bin", "c_text_document.idx"]
+    assert outputs["1"] == outputs["3"]
+    assert len(read_back(f"{tmp_path / 'p3' / 'c'}_text_document")) == 101
+
+
+def test_a_bad_line_in_a_later_partition_leaves_nothing(tmp_path, capsys):
+    vocab_file, merge_file = write_tiny_bpe(tmp_path)
+    source = _many_documents(tmp_path, 20)
+    source.write_text(source.read_text() + "{broken\n")
+    out = tmp_path / "out"
+    err = _run_bad(tmp_path, capsys, ["--input", str(source), "--output-prefix", str(out / "c"),
+                                      "--partitions", "2", "--workers", "2",
+                                      *bpe_flags(vocab_file, merge_file)])
+    assert "many.jsonl:21" in err and "JSON" in err
+    assert list(out.iterdir()) == []
+
+
+def test_refused_and_invalid_runtime_flags_are_one_line(tmp_path, capsys):
+    base = ["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o"),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "5"]
+    assert "--workers" in _run_bad(tmp_path, capsys, [*base, "--workers", "3", "--partitions", "2"])
+    assert "--split-sentences" in _run_bad(tmp_path, capsys, [*base, "--split-sentences"])
+    assert "did you mean --partitions" in _run_bad(tmp_path, capsys, [*base, "--partition", "2"])
+
+
+def test_keep_newlines_keeps_them(tmp_path):
+    """Without a sentence splitter (refused) nothing removes newlines: --keep-newlines holds by
+    construction, and the documents decode back with every newline."""
+    vocab_file, merge_file = write_tiny_bpe(tmp_path)
+    source = _many_documents(tmp_path, 3)
+    prefix = tmp_path / "nl"
+    assert preprocess_data.main(["--input", str(source), "--output-prefix", str(prefix),
+                                 "--keep-newlines", *bpe_flags(vocab_file, merge_file)]) == 0
+    from megatron.training.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(bpe_args(vocab_file, merge_file))
+    decoded = [tokenizer.detokenize(d) for d in read_back(f"{prefix}_text_document")]
+    assert decoded == [f"hello {i}\nworld" for i in range(3)]
+
+
+@pytest.mark.parametrize("interval, shown", [(10, {10, 20, 30, 40, 50}), (25, {25, 50})])
+def test_progress_moves_every_log_interval_documents_with_rates(tmp_path, capsys, monkeypatch,
+                                                               interval, shown):
+    monkeypatch.setattr(preprocess_data, "CHUNK_DOCUMENTS", 5)
+    vocab_file, merge_file = write_tiny_bpe(tmp_path)
+    source = _many_documents(tmp_path, 50)
+    assert preprocess_data.main(["--input", str(source), "--output-prefix", str(tmp_path / "o"),
+                                 "--log-interval", str(interval),
+                                 *bpe_flags(vocab_file, merge_file)]) == 0
+    err = capsys.readouterr().err
+    assert {int(n) for n in re.findall(r"(\d+) docs, \d+ docs/s", err)} == shown
+    assert re.search(r"\d[kMG]?B/s", err), err[-500:]  # input MB/s from tqdm

@@ -50,11 +50,11 @@ class OneLineParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
             raise ArgumentError(flag, f"unknown flag {flag}",
                                 f"did you mean {close[0]}?" if close else
-                                f"drop it ({PROG} --help lists every flag)")
+                                f"drop it ({self.prog} --help lists every flag)")
         named = re.search(r"--[\w-]+", message)
         flag = named.group(0) if named else "arguments"
         raise ArgumentError(flag, re.sub(r"^argument [^:]+: ", "", message),
-                            f"see {PROG} --help for {flag}")
+                            f"see {self.prog} --help for {flag}")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         # unknown flags first: argparse would otherwise report a missing required flag instead

@@ -168,7 +168,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                         "(with a warning when --data-path is given).")
     g.add_argument("--mock-data", action="store_true", help="Train on synthetic data (no --data-path).")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["GPT2BPETokenizer", "NullTokenizer"], help="Tokenizer kind.")
+                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+                   help="Tokenizer kind.")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: a local directory holding tokenizer.json (offline).")
     g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json.")
     g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")

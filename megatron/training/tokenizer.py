@@ -18,7 +18,9 @@ from typing import Sequence
 from megatron.training.arguments_errors import UserError
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TYPES = ("GPT2BPETokenizer", "NullTokenizer")
+SUPPORTED_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+# Where a tokenizer.json directory names its end-of-sequence token (transformers writes it there).
+HF_CONFIG = "tokenizer_config.json"
 # pretrain_gpt.py's default when --tokenizer-type is not given.
 DEFAULT_TYPE = "GPT2BPETokenizer"
 
@@ -121,6 +123,73 @@ class GPT2BPETokenizer(Tokenizer):
         return ids
 
 
+class HuggingFaceTokenizer(Tokenizer):
+    """A local `tokenizer.json` (a directory holding one, or the file) through the `tokenizers`
+    library, offline; Megatron's HuggingFaceTokenizer loads the same files through transformers.
+
+    As there: tokenize() adds the tokenizer's own special tokens (its post-processor, e.g. a BOS),
+    the vocabulary counts added tokens, and eod is the end-of-sequence token, read from
+    `tokenizer_config.json`'s "eos_token" next to the file.
+    """
+
+    def __init__(self, model: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = os.path.join(model, "tokenizer.json") if os.path.isdir(model) else model
+        if not os.path.isfile(path):
+            raise TokenizerError("--tokenizer-model", f"no tokenizer.json at {path}",
+                                 "pass a directory holding tokenizer.json (or the file itself)")
+        try:
+            self._hf = HFTokenizer.from_file(path)
+        except Exception as error:  # tokenizers raises plain Exception on a bad file
+            raise TokenizerError("--tokenizer-model", f"cannot load {path}: {error}",
+                                 "pass a tokenizer.json written by the tokenizers library") from error
+        eos = _eos_token(os.path.join(os.path.dirname(path), HF_CONFIG))
+        eod = self._hf.token_to_id(eos) if eos is not None else None
+        if eod is None:
+            raise TokenizerError(
+                "--tokenizer-model",
+                f"no end-of-sequence token: {HF_CONFIG} next to {path} names none in the vocabulary",
+                f'write {{"eos_token": "<token>"}} into {HF_CONFIG} beside tokenizer.json')
+        self._eod, self._path = eod, os.path.abspath(path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._hf.encode(text).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self._hf.encode_batch(list(texts))]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        ids = super().unique_identifiers
+        ids["tokenizer_model"] = self._path
+        return ids
+
+
+def _eos_token(config_path: str) -> str | None:
+    """transformers' tokenizer_config.json names eos_token as a string or {"content": ...}."""
+    try:
+        with open(config_path, encoding="utf-8") as stream:
+            eos = json.load(stream).get("eos_token")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise TokenizerError("--tokenizer-model", f"cannot read {config_path}: {error}",
+                             f"fix or remove {config_path}") from error
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+
+
 class NullTokenizer(Tokenizer):
     """Megatron's NullTokenizer: text is space-separated ids, ids 0..V-1 are tokens and V is eod.
 
@@ -152,6 +221,11 @@ def build_tokenizer(args) -> Tokenizer:
         vocab_file = _required_file(args.vocab_file, "--vocab-file", "vocab.json")
         merge_file = _required_file(args.merge_file, "--merge-file", "merges.txt")
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "HuggingFaceTokenizer":
+        if not args.tokenizer_model:
+            raise TokenizerError("--tokenizer-model", "HuggingFaceTokenizer needs a tokenizer",
+                                 "pass --tokenizer-model DIR (a directory holding tokenizer.json)")
+        return HuggingFaceTokenizer(args.tokenizer_model)
     if kind == "NullTokenizer":
         vocab_size = args.vocab_size
         if vocab_size is None or int(vocab_size) < 1:
