@@ -15,13 +15,17 @@ the checkpoint named in the message.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
 
+from recover_patches.log import configure
+
 EXIT_USER_ERROR, EXIT_RESTART = 2, 3
+logger = logging.getLogger(__name__)
 
 
 def _user_error(text: str) -> int:
@@ -29,21 +33,13 @@ def _user_error(text: str) -> int:
     return EXIT_USER_ERROR
 
 
-def _say(rank: int, text: str) -> None:
-    # one write per line: the membership watcher thread prints too (see _report_epochs), and
-    # other ranks share the stream; flushed first so nothing pending cuts the line in two
-    sys.stdout.flush()
-    sys.stdout.write(f"[recover] rank {rank}: {text}\n")
-    sys.stdout.flush()
-
-
-def _report_epochs(membership, rank: int) -> None:
+def _report_epochs(membership) -> None:
     """Every rank logs the moment it learns of a new membership epoch, naming the dead ranks, so
     each survivor's log shows when it knew (tests time these lines). Runs on the membership
     watcher thread, which must never die of a logging error."""
     def report(epoch: int, dead: frozenset[int]) -> None:
         try:
-            _say(rank, f"membership epoch {epoch}: dead ranks {sorted(dead)}")
+            logger.info(f"membership epoch {epoch}: dead ranks {sorted(dead)}")
         except Exception:
             pass
     membership.add_listener(report)
@@ -54,22 +50,21 @@ def _wait_as_standby(standby: str) -> int | None:
     the exit status: the job completed or stopped without needing it."""
     from recover_patches.collectives.errors import CoordinatorError
     from recover_patches.collectives.standby import JobEnded, become, wait_for_slot
-    print(f"[recover] standby {standby}: waiting for the slot of a dead rank", flush=True)
+    logger.info(f"standby {standby}: waiting for the slot of a dead rank")
     try:
         outcome = wait_for_slot(standby)
     except CoordinatorError as err:
-        print(f"[recover] standby {standby}: stopping: {err}", flush=True)
+        logger.info(f"standby {standby}: stopping: {err}")
         return EXIT_RESTART
     if outcome is JobEnded.COMPLETE:
-        print(f"[recover] standby {standby}: the job completed without needing it: exiting",
-              flush=True)
+        logger.info(f"standby {standby}: the job completed without needing it: exiting")
         return 0
     if outcome is JobEnded.STOPPED:
-        print(f"[recover] standby {standby}: the job stopped (no live replica to re-form): "
-              "exiting", flush=True)
+        logger.info(f"standby {standby}: the job stopped (no live replica to re-form): exiting")
         return EXIT_RESTART
     become(outcome)
-    _say(outcome.rank, f"standby {standby} takes this rank (incarnation {outcome.incarnation})")
+    configure(outcome.rank, stream="stdout")
+    logger.info(f"standby {standby} takes this rank (incarnation {outcome.incarnation})")
     return None
 
 
@@ -78,15 +73,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.training.arguments import parse_and_validate
     from megatron.training.initialize import env_rank_world
+    from recover_patches.collectives.standby import standby_id
 
-    _, world = env_rank_world()
+    env_rank, world = env_rank_world()
+    configure(None if standby_id() is not None else env_rank, stream="stdout")
     args = parse_and_validate(argv, world_size=world,
                               device="cuda" if torch.cuda.is_available() else "cpu")
     if args.coordinator_addr:  # the flags win over the launcher's env
         os.environ["RECOVER_COORDINATOR"] = args.coordinator_addr
     if args.job_token:
         os.environ["RECOVER_JOB_TOKEN"] = args.job_token
-    from recover_patches.collectives.standby import standby_id
     if standby_id() is not None:
         if not args.recover:
             return _user_error("RECOVER_STANDBY: a standby process takes over a dead rank in the "
@@ -125,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             membership = MembershipClient.from_env(timeout=args.recover_timeout)
         except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
-            _say(rank, f"{err}: leaving")
+            logger.info(f"{err}: leaving")
             return 0
         except CoordinatorError as err:
             return _user_error(f"--coordinator-addr / RECOVER_COORDINATOR: {err}")
-        _report_epochs(membership, rank)
+        _report_epochs(membership)
     elif args.recover:
-        _say(rank, "no coordinator (RECOVER_COORDINATOR unset, e.g. under torchrun): in-job "
-                   "recovery is off; start with `python -m recover_patches.launch` to enable it")
+        logger.info("no coordinator (RECOVER_COORDINATOR unset, e.g. under torchrun): in-job "
+                    "recovery is off; start with `python -m recover_patches.launch` to enable it")
 
     from megatron.training.initialize import (build_groups, init_default_group,
                                               resilient_group_factory, torch_group_factory)
@@ -174,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         memory_note(model, grads.extra_bytes_per_param())
         if args.device == "cuda" and args.gradient_accumulation_fusion:
-            _say(rank, "gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
-                       "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
+            logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
+                        "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     recovering = membership is not None and args.recover
     trainer = Trainer(
@@ -189,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         agreement=StoreAgreement(membership, timeout=args.recover_timeout,
                                  verdict_wait=membership.timeouts.verdict_wait,
                                  replica=replica_vote(groups, device)) if recovering else None,
-        log_failure=lambda err, phase: _say(rank, f"peer failure in {phase}: {err}"),
+        log_failure=lambda err, phase: logger.info(f"peer failure in {phase}: {err}"),
         **({} if membership is None else {"mark": membership.mark}))
     if recovering:
         assert membership is not None and trainer.agreement is not None
@@ -207,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if spare:
                     assert trainer.grow is not None
-                    _say(rank, "waiting as a spare until this rank's replica is re-formed")
+                    logger.info("waiting as a spare until this rank's replica is re-formed")
                     trainer.record_join(trainer.grow.wait_as_spare())
                     trainer.finish_iteration()  # with the others: the join iteration's save/eval
                     load = False  # the state came from a live replica
@@ -216,37 +212,37 @@ def main(argv: list[str] | None = None) -> int:
             except ReplicaLost as err:  # raised only by recovery, which needs the membership client
                 assert membership is not None
                 if not args.recover_spares:
-                    _say(rank, f"{err}; this replica is broken, leaving cleanly (the others go on)")
+                    logger.info(f"{err}; this replica is broken, leaving cleanly (the others go on)")
                     membership.close(leave=True)
                     os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
-                _say(rank, f"{err}; this replica is broken")
+                logger.info(f"{err}; this replica is broken")
                 spare = True
     except JobComplete as err:  # a spare never needed
         assert membership is not None
-        _say(rank, f"{err}: exiting")
+        logger.info(f"{err}: exiting")
         membership.close(leave=True)
         os._exit(0)
     except JobStopped as err:
         assert membership is not None
-        _say(rank, f"stopping: the job stopped while this rank waited as a spare ({err})")
+        logger.info(f"stopping: the job stopped while this rank waited as a spare ({err})")
         membership.close(leave=True)
         os._exit(EXIT_RESTART)
     except CheckpointError as err:  # found only when reading the files (e.g. a damaged archive)
         return _user_error(str(err))
     except WeightMismatch as err:  # every rank raises it together (the replica group agrees)
-        _say(rank, f"stopping: {err}. Restart with --load {restart_from}")
+        logger.info(f"stopping: {err}. Restart with --load {restart_from}")
         if membership is not None:
             membership.close(leave=True)
         os._exit(EXIT_RESTART)
     except (TooFewReplicas, RecoveryStalled) as err:  # likewise
         assert membership is not None
-        _say(rank, f"stopping: {err}. Restart with --load {restart_from}")
+        logger.info(f"stopping: {err}. Restart with --load {restart_from}")
         membership.close(leave=True)
         os._exit(EXIT_RESTART)
     except PeerFailure as err:
         where = ("outside the recoverable training iteration, e.g. in evaluation" if recovering
                  else "in-job recovery is off")
-        _say(rank, f"stopping: {err} ({where}). Restart with --load {restart_from}")
+        logger.info(f"stopping: {err} ({where}). Restart with --load {restart_from}")
         if membership is not None:
             membership.close(leave=True)
         os._exit(EXIT_RESTART)

@@ -32,12 +32,14 @@ an iteration it joins after never fires.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt", "coordinator")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "checkpoint",
@@ -144,9 +146,7 @@ class FaultInjector:
         fault.fired = True
         where = f"iter {iteration} phase {fault.phase}" + (
             f" microbatch {microbatch}" if microbatch is not None else "")
-        print(f"[recover.faults] rank {self.rank}: injecting {fault.kind} at {where}",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        logger.info(f"injecting {fault.kind} at {where}")  # flushed: the process may end now
         if fault.kind in ("inf", "corrupt"):
             if fault.kind not in self.actions:
                 raise RuntimeError(f"a {fault.kind} fault fired before the trainer set its action")

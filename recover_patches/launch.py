@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import logging
 import os
 import runpy
 import secrets
@@ -62,7 +63,10 @@ import threading
 import traceback
 from typing import NoReturn
 
-from recover_patches.supervisor import LOG_PREFIX, Rank, Supervisor, log, summarize
+from recover_patches.log import configure
+from recover_patches.supervisor import Rank, Supervisor, summarize
+
+logger = logging.getLogger("recover_patches.launch")  # by name: also when run as __main__ (python -m)
 
 DEFAULT_PRELOAD = "torch,megatron.core"
 
@@ -152,9 +156,9 @@ def preload(modules: str) -> bool:
         importlib.import_module(name.strip())
     if threading.active_count() > 1:
         # fork() copies only the calling thread; a lock held by another thread stays held forever.
-        log(f"warning: {threading.active_count() - 1} thread(s) running before fork")
+        logger.warning(f"{threading.active_count() - 1} thread(s) running before fork")
     if not children_can_use_cuda():
-        log("warning: --preload touched CUDA; ranks start as fresh interpreters instead")
+        logger.warning("--preload touched CUDA; ranks start as fresh interpreters instead")
         return False
     return True
 
@@ -262,11 +266,12 @@ def fork_rank(script: str, script_args: list[str], env: dict[str, str], warm: bo
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure(stream="stderr")
     args = build_parser().parse_args(argv)
     try:
         validate(args)
     except LaunchUsageError as e:
-        print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
+        logger.error(str(e))
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: threads are sized at init
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() leaves forks usable
@@ -281,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             coordinator = start_or_join_coordinator(args, token)
         except CoordinatorError as e:
-            print(f"{LOG_PREFIX} error: {e}", file=sys.stderr)
+            logger.error(str(e))
             return 2
         extra_env = coordinator.env()
         if coordinator.pid is not None:
-            log(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
+            logger.info(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
             extra_env["RECOVER_COORDINATOR_PID"] = str(coordinator.pid)  # the `coordinator` fault
     if args.master_port == 0:  # after the coordinator bound its own port 0: never the same one
         args.master_port = free_port(args.master_addr)
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             link = coordinator.connect()
         except RuntimeError as e:  # includes CoordinatorError: supervise without it
-            log(f"cannot reach the coordinator ({e}); supervising without it")
+            logger.info(f"cannot reach the coordinator ({e}); supervising without it")
     sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements, coordinator)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)

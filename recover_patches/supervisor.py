@@ -3,19 +3,15 @@ exits to the coordinator, fence the ones it declared dead, start replacements, a
 launch's exit status (rules in `recover_patches/launch.py`'s docstring)."""
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-LOG_PREFIX = "[recover.launch]"
-
-
-def log(message: str) -> None:
-    print(f"{LOG_PREFIX} {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,7 +66,7 @@ class Supervisor:
             return
         self.stop_signal = signum
         self.kill_deadline = time.monotonic() + self.term_grace
-        log(f"got {signal.Signals(signum).name}: sending SIGTERM to {len(self.live())} rank(s)")
+        logger.info(f"got {signal.Signals(signum).name}: sending SIGTERM to {len(self.live())} rank(s)")
         self._signal_all(signal.SIGTERM)
 
     def _signal_all(self, sig: int) -> None:
@@ -111,7 +107,7 @@ class Supervisor:
                 if not self.live():
                     return
                 if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
-                    log(f"grace period over: SIGKILL to {len(self.live())} rank(s)")
+                    logger.info(f"grace period over: SIGKILL to {len(self.live())} rank(s)")
                     self._signal_all(signal.SIGKILL)
                     self.kill_deadline = float("inf")
                 if self.coordinator is not None and self.stop_signal is None:
@@ -154,7 +150,7 @@ class Supervisor:
                 new = self.respawn(r)
                 r.replaced = True
                 self.ranks[new.pid] = new
-                log(f"{r.name} ({describe(r.exit_code or 0)}): started replacement pid "
+                logger.info(f"{r.name} ({describe(r.exit_code or 0)}): started replacement pid "
                     f"{new.pid} ({new.name}, incarnation {new.incarnation}, "
                     f"{self.replacements_left} left)")
 
@@ -165,7 +161,7 @@ class Supervisor:
             return
         for standby, (rank, incarnation) in self.link.assignments(list(waiting)).items():
             waiting[standby].rank, waiting[standby].incarnation = rank, incarnation
-            log(f"standby {standby} (pid {waiting[standby].pid}) took rank {rank}")
+            logger.info(f"standby {standby} (pid {waiting[standby].pid}) took rank {rank}")
 
     def _should_replace(self, r: Rank) -> bool:
         return (self.respawn is not None and self.replacements_left > 0
@@ -176,7 +172,7 @@ class Supervisor:
         for r in self.live():
             if dead.get(r.rank, -1) >= r.incarnation and (r.rank, r.incarnation) not in self.fenced:
                 self.fenced.add((r.rank, r.incarnation))
-                log(f"{r.name} declared dead by the coordinator: SIGKILL")
+                logger.info(f"{r.name} declared dead by the coordinator: SIGKILL")
                 os.kill(r.pid, signal.SIGKILL)
 
 
@@ -184,28 +180,28 @@ def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) 
     failed = [r for r in ranks if r.exit_code != 0 and not r.replaced]
     for r in ranks:
         if r.replaced:
-            log(f"{r.name} (pid {r.pid}) {describe(r.exit_code or 0)}: replaced")
+            logger.info(f"{r.name} (pid {r.pid}) {describe(r.exit_code or 0)}: replaced")
     ranks = [r for r in ranks if not r.replaced]
     for r in failed:
-        log(f"{r.name} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
+        logger.info(f"{r.name} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
     if not failed:
-        log(f"all {len(ranks)} "
+        logger.info(f"all {len(ranks)} "
             f"{'standby process(es)' if any(r.standby for r in ranks) else 'rank(s)'} exited 0")
         return 0
     if completion is not None:
         epoch, dead = completion
         unexpected = [r.rank for r in failed if r.rank not in dead]
         if not unexpected:
-            log(f"{len(failed)} of {len(ranks)} rank(s) failed, but the job declared completion at "
+            logger.info(f"{len(failed)} of {len(ranks)} rank(s) failed, but the job declared completion at "
                 f"epoch {epoch} with those ranks already dead: success")
             return 0
-        log(f"job declared completion at epoch {epoch}, but rank(s) {unexpected} failed outside it")
+        logger.info(f"job declared completion at epoch {epoch}, but rank(s) {unexpected} failed outside it")
     codes = {r.exit_code for r in failed}
     if codes == {2}:
-        log(f"{len(failed)} of {len(ranks)} rank(s) stopped on a user error (status 2)")
+        logger.info(f"{len(failed)} of {len(ranks)} rank(s) stopped on a user error (status 2)")
         return 2
     if codes <= {2, 3}:
-        log(f"{len(failed)} of {len(ranks)} rank(s) stopped the job for a restart (status 3)")
+        logger.info(f"{len(failed)} of {len(ranks)} rank(s) stopped the job for a restart (status 3)")
         return 3
-    log(f"{len(failed)} of {len(ranks)} rank(s) failed")
+    logger.info(f"{len(failed)} of {len(ranks)} rank(s) failed")
     return 1

@@ -13,3 +13,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_pytest_found_it():
+    """An entry point run in-process (launch.main, a coordinator's main) configures logging for the
+    whole process; undo it so the next test's caplog still sees every record."""
+    yield
+    import logging
+
+    from recover_patches.log import PACKAGES
+    for package in PACKAGES:
+        logger = logging.getLogger(package)
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True

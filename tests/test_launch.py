@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -205,8 +206,10 @@ def test_usage_errors_exit_2_and_start_nothing(tmp_path, flags, needle):
     assert not list(tmp_path.glob("start.*"))
 
 
-def test_exit_rule_with_declared_completion(capsys):
+def test_exit_rule_with_declared_completion(caplog):
     from recover_patches.supervisor import Rank, summarize
+
+    caplog.set_level(logging.INFO, logger="recover_patches.supervisor")
 
     def ranks(*codes):  # raw wait statuses: exit code c, or killed by signal -c
         return [Rank(rank=i, pid=100 + i, status=(c << 8) if c >= 0 else -c)
@@ -218,7 +221,7 @@ def test_exit_rule_with_declared_completion(capsys):
     assert summarize(ranks(2, 2), None) == 2                      # the ranks' user error
     assert summarize(ranks(0, 3, 2), None) == 3                   # stopped for a restart
     assert summarize(ranks(2, 1), None) == 1                      # anything else: a failure
-    err = capsys.readouterr().err
+    err = "\n".join(r.getMessage() for r in caplog.records)
     assert "rank 1 (pid 101) failed: killed by signal SIGKILL" in err
     assert "rank 2 (pid 102) failed: exit code 1" in err
     assert "but rank(s) [2] failed outside it" in err

@@ -73,7 +73,6 @@ def test_killed_ranks_keep_the_trajectory(reference, tmp_path, name):
     for rec in recoveries:
         assert rec["lost_ids"] and set(rec["seconds"]) >= {"detection", "rebuild"}
     assert len(records[-1]["live_replicas"]) == 4 - len(KILLS[name]) // 2
-    assert "[recover] iteration" in run.stdout
     if spares:  # no replacement was started: they wait until the job completes, then exit 0
         assert "waiting as a spare" in run.stdout and "leaving cleanly" not in run.stdout
         assert "the job completed while this rank waited as a spare: exiting" in run.stdout

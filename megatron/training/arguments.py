@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import re
 import sys
 from typing import NoReturn
@@ -37,6 +38,7 @@ __all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args", "pars
            "global_batch_size_at", "PROG"]
 
 PROG = "pretrain_gpt_recover.py"
+logger = logging.getLogger(__name__)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -104,7 +106,7 @@ def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu"
     # Printed only once everything passed, so a failing run shows exactly one error line.
     if args.rank == 0:
         for line in warnings:
-            print(line, file=sys.stderr, flush=True)
+            logger.warning(line)
     return args
 
 

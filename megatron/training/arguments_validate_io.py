@@ -28,7 +28,7 @@ def validate_data(args: argparse.Namespace) -> list[str]:
         if args.mock_data:
             args.split = MOCK_DATA_SPLIT
         else:
-            warnings.append("WARNING: --split not given with --data-path; using the legacy "
+            warnings.append("--split not given with --data-path; using the legacy "
                             f'default "{LEGACY_DEFAULT_SPLIT}"')
             args.split = LEGACY_DEFAULT_SPLIT
     if args.num_workers < 0:

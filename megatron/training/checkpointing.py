@@ -22,6 +22,7 @@ training goes on), on the bootstrap default group otherwise.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -35,6 +36,8 @@ import torch
 from megatron.training.arguments_errors import UserError
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "recover_metadata.json"
@@ -235,7 +238,7 @@ class Checkpointer:
     def load(self, trainer) -> None:
         if self.resume is None:
             if self.args.load and self.rank == 0:
-                print(f" no checkpoint in {self.args.load} yet: starting from scratch", flush=True)
+                logger.info(f"no checkpoint in {self.args.load} yet: starting from scratch")
             return
         coord = trainer.groups.coord
         path = self.resume.directory / rank_dir_name(coord.tp, coord.pp, self.topology.pp) / RANK_FILE
@@ -246,8 +249,8 @@ class Checkpointer:
                                   "point --load at an intact checkpoint directory") from None
         apply_rank_state(trainer, state, self.args)
         if self.rank == 0:
-            print(f" loaded checkpoint {self.resume.directory} (iteration {self.resume.iteration}"
-                  f"{', weights only: --finetune' if self.args.finetune else ''})", flush=True)
+            logger.info(f"loaded checkpoint {self.resume.directory} (iteration {self.resume.iteration}"
+                        f"{', weights only: --finetune' if self.args.finetune else ''})")
 
     def after_iteration(self, trainer) -> None:
         iteration, args = trainer.state.iteration, self.args
@@ -257,8 +260,8 @@ class Checkpointer:
             self.save(trainer)
         if stop:
             if self.rank == 0:
-                print(f" exiting after iteration {iteration}: {stop}"
-                      + ("" if args.save else ", no --save so no checkpoint"), flush=True)
+                logger.info(f"exiting after iteration {iteration}: {stop}"
+                            + ("" if args.save else ", no --save so no checkpoint"))
             trainer.metrics.close()
             raise SystemExit(0)
 
@@ -279,8 +282,8 @@ class Checkpointer:
         try:
             self._save(trainer)
         except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
-            print(f" [recover] rank {self.rank}: checkpoint of iteration {trainer.state.iteration}"
-                  f" abandoned ({err}); the last good checkpoint stays", flush=True)
+            logger.warning(f"checkpoint of iteration {trainer.state.iteration} abandoned ({err}); "
+                           "the last good checkpoint stays")
 
     def _save(self, trainer) -> None:
         iteration = trainer.state.iteration
@@ -306,7 +309,7 @@ class Checkpointer:
         trainer.barrier(f"ckpt/{iteration}/committed")
         self.last_saved = iteration
         if self.rank == 0:
-            print(f" saved checkpoint {final} (iteration {iteration})", flush=True)
+            logger.info(f"saved checkpoint {final} (iteration {iteration})")
 
     def _write_rank_file(self, trainer, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)

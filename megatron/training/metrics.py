@@ -6,7 +6,6 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from typing import IO
@@ -257,11 +256,3 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.close()
             self._wandb = None
-
-
-def print_rank_line(text: str) -> None:
-    """One line in one write: ranks share the launcher's stdout, and a line written in pieces
-    can be cut by another rank's line."""
-    sys.stdout.flush()
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()

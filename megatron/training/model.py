@@ -11,9 +11,9 @@ last-stage outputs to fp32 (the loss does that), and it would nest every state-d
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
 from recover_patches.rng import derive_seed
+
+logger = logging.getLogger(__name__)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -219,15 +221,15 @@ def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
     return model.to(device=device, dtype=args.params_dtype)
 
 
-def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, file=sys.stdout) -> None:
+def memory_note(model: torch.nn.Module, grad_bytes_per_param: int) -> None:
     """Start-up line: bytes per parameter of weights, fp32 main weights, Adam, gradient buffers."""
     n = sum(p.numel() for p in model.parameters())
     weight = next(model.parameters()).element_size()
     main = 0 if weight == 4 else 4
-    print(f"[recover] {n} parameters on this rank: {weight} (weights) + {main} (fp32 main weights)"
+    logger.info(f"{n} parameters on this rank: {weight} (weights) + {main} (fp32 main weights)"
           f" + 8 (Adam) + {grad_bytes_per_param} (fp32 gradient buffers: local + out-of-place "
           f"reduced; Megatron's DDP keeps one, 4) = {weight + main + 8 + grad_bytes_per_param} "
-          "bytes per parameter", file=file, flush=True)
+          "bytes per parameter")
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import logging
 import math
 import time
 from collections import deque
@@ -20,8 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.arguments import global_batch_size_at
 from megatron.training.initialize import ParallelGroups
-from megatron.training.metrics import (MetricsWriter, gpt_flops, log_line, memory_scalars,
-                                       print_rank_line)
+from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import (LossScaler, MainParamsAdamW, clip_factor, count_zeros,
                                          global_grad_norm, sync_sequence_parallel_grads,
                                          sync_tied_embedding_grads)
@@ -37,7 +37,10 @@ from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
 from recover_patches.schedule import run_1f1b, run_forward_only
 from recover_patches.stage import GPTStage
 from recover_patches.workload.policy import even_plan, stable_plan
+from recover_patches.log import PLAIN
 from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
+
+logger = logging.getLogger(__name__)
 
 
 class WeightMismatch(RuntimeError):
@@ -324,8 +327,8 @@ class Trainer:
             self._was_logging = True
         self.metrics.write(rec)
         for r in outcome.recoveries:
-            print_rank_line(
-                f" [recover] iteration {self.state.iteration} round {r.round}: {r.failure} "
+            logger.info(
+                f"iteration {self.state.iteration} round {r.round}: {r.failure} "
                 f"(seen in {r.phase}) | epoch {r.epoch}, dead ranks {r.dead}, lost replicas "
                 f"{r.lost_replicas} | lost microbatches {r.lost_ids} -> "
                 + (", ".join(f"replica {k}: {v}" for k, v in r.replanned.items() if v) or "dropped")
@@ -333,7 +336,8 @@ class Trainer:
         if self.state.iteration % args.log_interval == 0 or self.state.iteration == 1 \
                 or outcome.recoveries:
             skipped = self.state.skipped_iterations
-            print_rank_line(log_line(rec, args.train_iters, skipped - self._skipped_at_last_line))
+            logger.info(log_line(rec, args.train_iters, skipped - self._skipped_at_last_line),
+                        extra=PLAIN)  # Megatron's line, as Megatron prints it
             self._skipped_at_last_line = skipped
 
     def record_join(self, join: JoinRecord) -> None:
@@ -347,8 +351,8 @@ class Trainer:
                      f"{join.bytes_sent / 2**20 / max(transfer, 1e-9):.1f} MiB/s")
         elif join.bytes_received:
             moved = f", {join.bytes_received / 2**20:.2f} MiB received"
-        print_rank_line(
-            f" [recover] rank {self.groups.rank}: after iteration {join.iteration}, epoch "
+        logger.info(
+            f"after iteration {join.iteration}, epoch "
             f"{join.epoch}: replicas {join.joined} joined (state from replica {join.donor}{moved}), "
             f"dropped {join.dropped}"
             f"{f', join of {join.abandoned} abandoned' if join.abandoned else ''}; live {join.live}; "
@@ -373,8 +377,8 @@ class Trainer:
         if self.agreement is None or self._evaluation_agreed(failure is None):
             assert loss is not None
             if self.is_logging_rank:
-                print_rank_line(f" validation loss at iteration {self.state.iteration} | "
-                                f"lm loss value: {loss:.6E} |")
+                logger.info(f" validation loss at iteration {self.state.iteration} | "
+                            f"lm loss value: {loss:.6E} |", extra=PLAIN)
                 self.metrics.write({"iteration": self.state.iteration, "valid_lm_loss": loss})
             return loss
         self.groups.abandon()
@@ -382,8 +386,8 @@ class Trainer:
         self.record_join(self.grow.at_boundary(self.state.iteration, sync=True, key="eval"))
         reason = str(failure) if failure is not None else "another rank's evaluation failed"
         if self.is_logging_rank:
-            print_rank_line(f" [recover] evaluation at iteration {self.state.iteration} skipped: "
-                            f"{reason} | live replicas {self.live.live_replicas}")
+            logger.warning(f"evaluation at iteration {self.state.iteration} skipped: {reason} | "
+                           f"live replicas {self.live.live_replicas}")
             self.metrics.write({"iteration": self.state.iteration, "valid_skipped": reason})
         return None
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -46,12 +47,11 @@ from recover_patches.collectives import protocol as P
 from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
 from recover_patches.collectives.timeouts import Timeouts
+from recover_patches.log import configure
+
+logger = logging.getLogger("recover_patches.collectives.coordinator")  # by name: also when run as __main__ (python -m)
 
 TICK = 0.02  # seconds between polls of the store: bounds detection latency, costs ~nothing
-
-
-def log(message: str) -> None:
-    print(f"[recover.coordinator] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Coordinator:
         for rank in sorted(self.registered):
             self.store.queue_push(P.notify_key(rank), str(epoch))
         if epoch:
-            log(f"epoch {epoch}: dead ranks {sorted(self.state.dead)} ({reason})")
+            logger.info(f"epoch {epoch}: dead ranks {sorted(self.state.dead)} ({reason})")
             self.liveness.new_epoch(epoch)
             self.unresolved_logged = False
             for r in self.state.joining:
@@ -126,7 +126,7 @@ class Coordinator:
         if not self.stopped and (reason := self.state.stopped_reason()) is not None:
             self.stopped = True
             self.store.set(P.STOPPED, reason)
-            log(f"job stopped: {reason}")
+            logger.warning(f"job stopped: {reason}")
 
     def _standbys(self) -> None:
         """Hand orphaned slots to standby processes; send them home when none ever will be."""
@@ -135,7 +135,7 @@ class Coordinator:
             self.store.set(P.assigned_key(standby), assignment)
             self.store.add(P.ASSIGNED_COUNT, 1)
             self.store.queue_push(P.standby_key(standby), assignment)
-            log(f"standby {standby} takes rank {slot} (incarnation {incarnation})")
+            logger.info(f"standby {standby} takes rank {slot} (incarnation {incarnation})")
         for standby in self.state.release_standbys():
             ended = P.COMPLETE if self.state.completed_at is not None else P.STOPPED
             self.store.queue_push(P.standby_key(standby), ended)
@@ -162,7 +162,7 @@ class Coordinator:
                 self.liveness.watch(hello["rank"])
                 self.registered.add(hello["rank"])
             if reason is not None:
-                log(f"refused {hello['role']} {hello['rank']}: {reason}")
+                logger.info(f"refused {hello['role']} {hello['rank']}: {reason}")
             self.raw.set(P.reply_key(n), reason or P.OK)
             self.next_hello += 1
 
@@ -181,7 +181,7 @@ class Coordinator:
             self.store.set(P.epoch_key(epoch), json.dumps(record))
             self.store.set(P.EPOCH, str(epoch))
             self.liveness.new_epoch(epoch)
-            log(f"restored epoch {epoch} (dead ranks {sorted(self.state.dead)}) from rank {rank}")
+            logger.info(f"restored epoch {epoch} (dead ranks {sorted(self.state.dead)}) from rank {rank}")
         self.state.incarnation[rank] = incarnation
         self.state.issued[rank] = max(self.state.issued.get(rank, 0), incarnation)
 
@@ -226,7 +226,7 @@ class Coordinator:
             elif kind == "complete":
                 self._complete(report["rank"])
             elif kind == "suspect":
-                log(f"rank {report['rank']} suspects {report['suspects']} in {report['where'][:160]}")
+                logger.info(f"rank {report['rank']} suspects {report['suspects']} in {report['where'][:160]}")
                 self.liveness.waiting(report["rank"], report["suspects"], report.get("epoch", 0),
                                       report["where"])
 
@@ -235,7 +235,7 @@ class Coordinator:
             self.state.completed_at = self.state.epoch
             self.store.set(P.COMPLETE, json.dumps({"epoch": self.state.epoch,
                                                    "dead": sorted(self.state.dead), "by": by_rank}))
-            log(f"job declared complete by rank {by_rank} at epoch {self.state.epoch}")
+            logger.info(f"job declared complete by rank {by_rank} at epoch {self.state.epoch}")
 
     def _check_heartbeats(self) -> None:
         """Read every watched rank's heartbeat (one multi_get), then declare the silent and the
@@ -254,7 +254,7 @@ class Coordinator:
                 self.state.mark_dead(r, why)
                 self.liveness.forget(r)
         if not self.unresolved_logged and (seen := self.liveness.unresolved(members)):
-            log(f"no verdict yet: {seen}")
+            logger.warning(f"no verdict yet: {seen}")
             self.unresolved_logged = True
 
     def serve(self, linger: float | None = None) -> None:
@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1 or (args.recover_timeout is not None and args.recover_timeout < 1):
         print("error: need --world-size >= 1 and --recover-timeout >= 1", file=sys.stderr)
         return 2
+    configure(stream="stderr")
     server = start_server(args.host, args.port)
-    log(f"serving on port {server.port} for {args.world_size} rank(s)")
+    logger.info(f"serving on port {server.port} for {args.world_size} rank(s)")
     run(server, CoordinatorConfig(args.world_size, args.job_token, args.recover_timeout),
         linger=None if args.stay else 10.0)
     return 0

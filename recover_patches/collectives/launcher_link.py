@@ -5,6 +5,7 @@ Kept out of `launch.py` so that the launcher imports torch only when a coordinat
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from recover_patches.collectives import protocol as P
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN
+
+logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0
 
@@ -50,8 +53,7 @@ class LauncherLink:
             return action()
         except RuntimeError as e:
             self._lost_at, self._retry_at = time.monotonic(), time.monotonic() + 0.5
-            print(f"[recover.launch] lost the coordinator ({str(e)[:80]}); reconnecting",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"lost the coordinator ({str(e)[:80]}); reconnecting")
             return default
 
     def _reconnected(self) -> bool:
@@ -64,11 +66,10 @@ class LauncherLink:
             self._retry_at = time.monotonic() + 1.0
             if time.monotonic() - self._lost_at > RECONNECT_WITHIN:
                 self.broken = True
-                print(f"[recover.launch] the coordinator did not come back ({e}); supervising "
-                      "without it", file=sys.stderr, flush=True)
+                logger.warning(f"the coordinator did not come back ({e}); supervising without it")
             return False
         self._lost_at, self._epoch = None, -1
-        print("[recover.launch] reconnected to the coordinator", file=sys.stderr, flush=True)
+        logger.info("reconnected to the coordinator")
         return True
 
     def report_exit(self, rank: int, code: int, incarnation: int = 0,
@@ -135,8 +136,7 @@ class CoordinatorHandle:
     def restart_if_dead(self) -> None:
         if self.pid is None or os.waitpid(self.pid, os.WNOHANG)[0] == 0:
             return
-        print(f"[recover.launch] the coordinator (pid {self.pid}) died: starting a new one on port "
-              f"{self.port}", file=sys.stderr, flush=True)
+        logger.warning(f"the coordinator (pid {self.pid}) died: starting a new one on port {self.port}")
         self.pid, _ = fork_coordinator(self.port, self.token, self.world_size, restarted=True)
         self.restarts += 1
 

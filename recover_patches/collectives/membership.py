@@ -20,8 +20,8 @@ the gap (the commit vote) wait for `wait_reconnected()` and retry.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +33,8 @@ from recover_patches.collectives import protocol as P
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, MembershipTimeout)
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN, Timeouts
+
+logger = logging.getLogger(__name__)
 
 EpochListener = Callable[[int, frozenset[int]], None]
 ReconnectListener = Callable[[dist.Store], None]
@@ -278,16 +280,14 @@ class MembershipClient:
     def _reconnect(self, error: Exception) -> bool:
         """The coordinator went away: register with its successor, telling it this rank's latest
         epoch record; then re-announce what it had been told (waiting as a spare)."""
-        print(f"[recover.membership] rank {self.rank}: lost the coordinator ({str(error)[:80]}); "
-              "reconnecting", file=sys.stderr, flush=True)
+        logger.warning(f"lost the coordinator ({str(error)[:80]}); reconnecting")
         deadline = time.monotonic() + RECONNECT_WITHIN
         while not self._stop.is_set():
             try:
                 self._open(5.0, rejoin={"epoch": self._epoch, "record": self._record})
                 break
             except JobTokenRefused as refused:  # declared dead meanwhile: fenced
-                print(f"[recover.membership] rank {self.rank}: {refused}: exiting", file=sys.stderr,
-                      flush=True)
+                logger.error(f"{refused}: exiting")
                 os._exit(1)
             except (CoordinatorUnreachable, RuntimeError) as e:
                 if time.monotonic() > deadline:
@@ -302,14 +302,12 @@ class MembershipClient:
         if self._spare_slots is not None:
             self.wait_as_spare(self._spare_slots)
         self._adopt(*self._read_latest(self._watch_store))
-        print(f"[recover.membership] rank {self.rank}: reconnected to the coordinator",
-              file=sys.stderr, flush=True)
+        logger.info("reconnected to the coordinator")
         return True
 
     def _lost(self, error: Exception) -> None:
         if not self._stop.is_set():
-            print(f"[recover.membership] rank {self.rank}: lost the coordinator: {error}",
-                  file=sys.stderr, flush=True)
+            logger.error(f"lost the coordinator: {error}")
 
     def _adopt(self, epoch: int, dead: frozenset[int], record: dict) -> None:
         with self._changed:
@@ -328,6 +326,5 @@ class MembershipClient:
         if (self.rank in dead and P.dead_incarnations(record)[self.rank] >= self.incarnation) \
                 or taken != self.incarnation:  # another process of this slot re-forms its replica
             # Fenced: the job moved on without us. Going on could only corrupt its state.
-            print(f"[recover.membership] rank {self.rank} was declared dead in epoch {epoch}: exiting",
-                  file=sys.stderr, flush=True)
+            logger.error(f"rank {self.rank} was declared dead in epoch {epoch}: exiting")
             os._exit(1)

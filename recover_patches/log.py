@@ -1,0 +1,70 @@
+"""Python `logging` for every ReCoVer process: one logger per module (`logging.getLogger(__name__)`),
+configured once by each entry point (a rank, the launcher, the coordinator, a standby).
+
+A record is one line, `[recover.<module>] rank R: message` (no `rank R:` outside a rank; `warning:`
+or `error:` before the message at those levels), written
+with one write and flushed: the ranks of a node share the launcher's stdout, and a line written in
+pieces could be cut by another rank's. Megatron's own log lines (`iteration N/ M | ...`, `validation
+loss ...`) pass `extra=PLAIN` and appear byte for byte as Megatron prints them, for the scripts that
+parse them. The metrics JSONL, not this text, is the record that tools and tests read.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+# The packages whose loggers this configures; anything else (megatron-core, torch) keeps its own.
+PACKAGES = ("recover_patches", "megatron.training", "pretrain_gpt_recover", "__main__")
+PLAIN = {"plain": True}  # logger.info(line, extra=PLAIN): the line as is, without the prefix
+
+
+def tag(logger_name: str) -> str:
+    """`recover_patches.collectives.membership` -> `recover.membership`; the front-end -> `recover`."""
+    if logger_name.startswith("recover_patches."):
+        return "recover." + logger_name.rsplit(".", 1)[1]
+    return "recover"
+
+
+class LineFormatter(logging.Formatter):
+    def __init__(self, rank: int | None) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        if getattr(record, "plain", False):
+            return text
+        who = f" rank {self.rank}:" if self.rank is not None else ""
+        level = f" {record.levelname.lower()}:" if record.levelno >= logging.WARNING else ""
+        return f"[{tag(record.name)}]{who}{level} {text}"
+
+
+class _CurrentStream(logging.StreamHandler):
+    """Writes to whatever sys.stdout / sys.stderr is now (a test's capture, a redirected stream)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name = name
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return getattr(sys, self._name)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the name decides
+        pass
+
+
+def configure(rank: int | None = None, stream: str = "stderr", level: int = logging.INFO) -> None:
+    """Send this process's records to sys.<stream> with the rank prefix. Ranks use stdout (where
+    Megatron prints); the launcher and the coordinator stderr. Calling it again (a forked rank, a
+    standby that got its rank) replaces the previous set-up."""
+    handler = _CurrentStream(stream)
+    handler.setFormatter(LineFormatter(rank))
+    for package in PACKAGES:
+        logger = logging.getLogger(package)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level)
+        logger.propagate = False
