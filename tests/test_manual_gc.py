@@ -1,0 +1,82 @@
+"""--manual-gc, --manual-gc-interval, --no-manual-gc-eval: the Trainer's loop (train() and
+finish_iteration(), run on a stand-in for the rest of the Trainer) disables automatic collection and
+collects at the points Megatron-LM does: at the start, every interval, around each evaluation."""
+from __future__ import annotations
+
+import gc
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.training.training import Trainer, TrainState
+
+
+class Loop:
+    """What Trainer.train / finish_iteration read besides the flags; records what happened."""
+
+    def __init__(self, args: Namespace, events: list) -> None:
+        self.args, self.state, self.events = args, TrainState(), events
+        self.checkpointer, self.grow, self.valid_stage, self.history = None, None, object(), []
+
+    def transaction(self):
+        return self
+
+    def run(self, iteration: int, ids: list[int]):
+        self.events.append(("iteration", iteration, gc.isenabled()))
+        return SimpleNamespace(sync=None)
+
+    def microbatch_ids(self) -> list[int]:
+        return [0]
+
+    def record(self, outcome, seconds: float) -> None:
+        pass
+
+    def finish_iteration(self) -> None:
+        Trainer.finish_iteration(self)  # type: ignore[arg-type]
+
+    def evaluate(self) -> None:
+        self.events.append(("eval", self.state.iteration))
+
+
+def events_of(monkeypatch, **flags) -> list:
+    args = Namespace(**{"train_iters": 8, "eval_interval": 4, "micro_batch_size": 1,
+                        "manual_gc": False,
+                        "manual_gc_interval": 0, "manual_gc_eval": True, **flags})
+    events: list = []
+    loop = Loop(args, events)
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append(("collect", loop.state.iteration)))
+    try:
+        Trainer.train(loop)  # type: ignore[arg-type]
+    finally:
+        gc.enable()
+    return events
+
+
+def collects(events) -> list[int]:
+    return [e[1] for e in events if e[0] == "collect"]
+
+
+def test_manual_gc_collects_at_start_every_interval_and_around_evaluations(monkeypatch):
+    events = events_of(monkeypatch, manual_gc=True, manual_gc_interval=3)
+    assert [e[2] for e in events if e[0] == "iteration"] == [False] * 8  # no automatic collection
+    # start; after 3; eval at 4 (before, after); after 6; eval at 8 (before, after)
+    assert collects(events) == [0, 3, 4, 4, 6, 8, 8]
+    assert events.index(("collect", 4)) < events.index(("eval", 4)) < len(events) - 1
+
+
+def test_no_interval_and_no_eval_collection(monkeypatch):
+    assert collects(events_of(monkeypatch, manual_gc=True)) == [0, 4, 4, 8, 8]
+    assert collects(events_of(monkeypatch, manual_gc=True, manual_gc_eval=False)) == [0]
+
+
+def test_without_manual_gc_python_collects_as_usual(monkeypatch):
+    events = events_of(monkeypatch, manual_gc=False, manual_gc_interval=3)
+    assert collects(events) == []
+    assert all(e[2] for e in events if e[0] == "iteration")  # automatic collection stays on
+
+
+@pytest.fixture(autouse=True)
+def _gc_back_on():
+    yield
+    gc.enable()
