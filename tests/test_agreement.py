@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch.distributed as dist
@@ -190,3 +191,31 @@ def test_store_keys_stay_flat_over_many_iterations():
     assert counts[9] == counts[-1] and counts[-1] <= 16, counts  # flat after the first iterations
     leaky = run(20, cleanup=False)
     assert leaky[-1] > leaky[9] + 50, leaky  # the control grows by every vote and barrier
+
+
+def test_a_barrier_outlives_an_epoch_that_only_adds_a_member_but_not_a_members_death():
+    """A replacement registering starts an epoch at any moment (seen flaky in test_grow_back: a
+    checkpoint's barrier was abandoned for it); only the death of a member stops the wait."""
+    import threading
+
+    store = dist.HashStore()
+    joined = FakeMembership(store, 0, epoch=2, dead={5})  # epoch 2 after 1: rank 5's replacement
+    early = StoreAgreement(joined, timeout=2.0)
+    late = StoreAgreement(FakeMembership(store, 1, epoch=1, dead={5}), timeout=2.0)
+    outcome: list = []
+
+    def wait() -> None:
+        try:
+            early.barrier("ckpt/4", [0, 1], 1)
+            outcome.append("passed")
+        except PeerFailure as failure:
+            outcome.append(failure)
+    waiter = threading.Thread(target=wait)
+    waiter.start()  # rank 0 waits in the newer epoch for rank 1
+    time.sleep(0.1)
+    late.barrier("ckpt/4", [0, 1], 1)
+    waiter.join(5)
+    assert outcome == ["passed"]
+    dying = StoreAgreement(FakeMembership(store, 0, epoch=2, dead={1}), timeout=2.0)
+    with pytest.raises(PeerFailure, match=r"declared members \[1\] dead"):
+        dying.barrier("ckpt/6", [0, 1], 1)  # rank 1 never arrives: it is dead

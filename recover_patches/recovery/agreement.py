@@ -239,8 +239,8 @@ class StoreAgreement:
 
     def barrier(self, key: str, members: Iterable[int], epoch: int, also: tuple[str, ...] = ()
                 ) -> None:
-        """All `members` reached recovery attempt `key` at `epoch`; a newer epoch (someone else
-        died meanwhile) abandons the attempt on every rank alike. `also`: keys read right after
+        """All `members` reached recovery attempt `key` at `epoch`; a newer epoch declaring one of
+        them dead abandons the attempt on every rank alike. `also`: keys read right after
         this barrier, deleted with it."""
         self._surviving_restarts(lambda: self._barrier(key, frozenset(members), epoch, also))
         passed = f"recover/barrier/{key}/all"
@@ -258,9 +258,13 @@ class StoreAgreement:
                 self.store.delete_key(stale)
         deadline, pause = time.monotonic() + self.timeout, self.poll
         while not self.store.check([prefix + "all"]):
-            if self.membership.epoch() > epoch:
-                raise PeerFailure(epoch, self.membership.dead_ranks(), "recovery.barrier",
-                                  f"epoch {self.membership.epoch()} started during recovery")
+            # Only a newer epoch that declares one of `members` dead stops the wait: an epoch that
+            # adds a member (a replacement registering, at any moment) leaves every member able to
+            # arrive, and its join happens at the next iteration boundary.
+            if self.membership.epoch() > epoch and (lost := self.membership.dead_ranks() & members):
+                raise PeerFailure(epoch, lost, "recovery.barrier",
+                                  f"epoch {self.membership.epoch()} declared members {sorted(lost)} "
+                                  "dead during the barrier")
             if time.monotonic() > deadline:
                 self.membership.report_failure((), f"barrier {key}: not all arrived in "
                                                    f"{self.timeout:g}s")
