@@ -157,18 +157,21 @@ def main(argv: list[str] | None = None) -> int:
                                    args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping)
     make_group = (torch_group_factory if membership is None else resilient_group_factory(
         membership, args.recover_timeout, args.distributed_backend, connect=incarnation == 0))
-    groups = build_groups(topology, rank, make_group)
+    groups = build_groups(topology, rank, make_group, args.num_distributed_optimizer_instances
+                          if args.use_distributed_optimizer else None)
     tracker = install_rng_tracker(device, args.seed)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     args.padded_vocab_size = vocab  # as Megatron-LM sets it (the FLOP count reads it)
     model = build_model(args, groups.pg_collection(), groups.coord.pp, groups.coord.tp, vocab,
                         device)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, args, groups)
     scheduler = build_scheduler(optimizer, args)
     grads = build_grad_buffer(args, groups, optimizer)
     if rank == 0:
-        memory_note(model, grads.extra_bytes_per_param())
+        memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
+            topology.dp // args.num_distributed_optimizer_instances
+            if args.use_distributed_optimizer else 1))
         if args.device == "cuda" and args.gradient_accumulation_fusion:
             logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
                         "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
@@ -236,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(EXIT_RESTART)
     except (TooFewReplicas, RecoveryStalled) as err:  # likewise
         assert membership is not None
+        if args.use_distributed_optimizer:
+            err = f"{err} (--use-distributed-optimizer: a lost replica's optimizer shards are not " \
+                  "yet recovered in-step, whatever --num-distributed-optimizer-instances)"
         logger.info(f"stopping: {err}. Restart with --load {restart_from}")
         membership.close(leave=True)
         os._exit(EXIT_RESTART)

@@ -271,7 +271,7 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 
 @pytest.mark.parametrize("flag", [
     "--num-layers-per-virtual-pipeline-stage 2", "--expert-model-parallel-size 2", "--num-experts 8",
-    "--use-distributed-optimizer", "--overlap-param-gather", "--async-save",
+    "--overlap-param-gather", "--async-save",
     "--fp8-format hybrid", "--use-flash-attn",
     "--context-parallel-size 2", "--optimizer sgd", "--ckpt-format torch_dist",
     "--cross-entropy-loss-fusion"])
@@ -457,3 +457,23 @@ def test_huggingface_tokenizer_flags_reach_the_tokenizer(tmp_path):
     with pytest.raises(ArgumentError) as error:
         validate_args(parse_args(base + ["HuggingFaceTokenizer"]), 1)
     assert error.value.flag == "--tokenizer-model"
+
+
+@pytest.mark.parametrize("extra, world, flag", [
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"], 4,
+     "--num-distributed-optimizer-instances"),  # K must divide DP
+    (["--num-distributed-optimizer-instances", "2"], 4, "--num-distributed-optimizer-instances"),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "0"], 4,
+     "--num-distributed-optimizer-instances"),
+    (["--overlap-param-gather"], 4, "--overlap-param-gather"),  # not built: refused by name
+])
+def test_distributed_optimizer_flags_are_checked(extra, world, flag):
+    with pytest.raises(ArgumentError) as error:
+        validate_args(parse_args(TINY + extra), world)
+    assert error.value.flag == flag
+
+
+def test_distributed_optimizer_flags_are_taken():
+    args = validate_args(parse_args(TINY + ["--use-distributed-optimizer",
+                                            "--num-distributed-optimizer-instances", "2"]), 4)
+    assert args.use_distributed_optimizer and args.num_distributed_optimizer_instances == 2

@@ -99,6 +99,12 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Start each gradient bucket's DP reduction as soon as the last microbatch's "
                         "backward has made it final.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard fp32 main params and Adam moments over the replicas of an instance "
+                        "(megatron/training/distributed_optimizer.py).")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="With --use-distributed-optimizer: DP replicas form this many instances, "
+                        "each holding a whole copy of the optimizer state.")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Parameters per gradient bucket. Default: one bucket, or with "
                         "--overlap-grad-reduce max(40M, 1M * data-parallel size).")

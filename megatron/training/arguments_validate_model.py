@@ -33,6 +33,7 @@ def validate_parallel(args: argparse.Namespace, world_size: int) -> None:
             f"launch a multiple of {tp * pp} ranks or change the TP/PP sizes")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
+    validate_distributed_optimizer(args)
     args.rank = int(os.environ.get("RANK", "0"))
     # Megatron-LM semantics: the launcher's LOCAL_RANK wins over the (legacy) flag.
     env_local_rank = os.environ.get("LOCAL_RANK")
@@ -40,6 +41,19 @@ def validate_parallel(args: argparse.Namespace, world_size: int) -> None:
         args.local_rank = int(env_local_rank)
     elif args.local_rank is None:
         args.local_rank = 0
+
+
+def validate_distributed_optimizer(args: argparse.Namespace) -> None:
+    k, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+    flag = "--num-distributed-optimizer-instances"
+    if k < 1:
+        raise ArgumentError(flag, f"{flag} must be >= 1, got {k}", f"pass {flag} 1 or more")
+    if k > 1 and not args.use_distributed_optimizer:
+        raise ArgumentError(flag, f"{flag} {k} shards nothing without --use-distributed-optimizer",
+                            "add --use-distributed-optimizer or drop the flag")
+    if dp % k:
+        raise ArgumentError(flag, f"{flag} {k} does not divide the data-parallel size {dp}",
+                            f"pass a divisor of {dp}")
 
 
 def validate_model_shape(args: argparse.Namespace) -> None:

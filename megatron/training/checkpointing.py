@@ -163,7 +163,7 @@ def cpu_tracker():
     return get_cuda_rng_tracker()  # recover_patches.rng installs its device tracker in its place
 
 
-def rank_state(trainer, args) -> dict:
+def rank_state(trainer, args, optimizer_state: dict | None = None) -> dict:
     topo, coord = trainer.groups.topology, trainer.groups.coord
     state = {
         "format": FORMAT, "iteration": trainer.state.iteration,
@@ -173,7 +173,8 @@ def rank_state(trainer, args) -> dict:
         "model": trainer.model.state_dict(),
     }
     if not args.no_save_optim:
-        state["optimizer"] = trainer.optimizer.state_dict()
+        state["optimizer"] = (trainer.optimizer.state_dict() if optimizer_state is None
+                              else optimizer_state)
         state["opt_param_scheduler"] = trainer.scheduler.state_dict()
     if not args.no_save_rng:
         state["rng_state"] = {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()}
@@ -298,8 +299,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         trainer.barrier(f"ckpt/{iteration}/prepared")
+        # on every rank: the distributed optimizer gathers its instance's shards (a collective)
+        optimizer_state = None if self.args.no_save_optim else trainer.optimizer.state_dict()
         if is_writer:
-            self._write_rank_file(trainer, tmp / rank_dir_name(coord.tp, coord.pp, self.topology.pp))
+            self._write_rank_file(trainer, tmp / rank_dir_name(coord.tp, coord.pp, self.topology.pp),
+                                  optimizer_state)
         if is_leader:
             write_atomically(tmp / METADATA_FILE, self._metadata(trainer).encode())
         trainer.faults.at("checkpoint", iteration)  # iter=I in --inject-fault means "saving I"
@@ -311,10 +315,10 @@ class Checkpointer:
         if self.rank == 0:
             logger.info(f"saved checkpoint {final} (iteration {iteration})")
 
-    def _write_rank_file(self, trainer, directory: Path) -> None:
+    def _write_rank_file(self, trainer, directory: Path, optimizer_state: dict | None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / RANK_FILE, "wb") as f:
-            torch.save(rank_state(trainer, self.args), f)
+            torch.save(rank_state(trainer, self.args, optimizer_state), f)
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(directory)

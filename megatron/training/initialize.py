@@ -53,6 +53,8 @@ class ParallelGroups:
     embedding: dist.ProcessGroup | None  # first + last stage (tied embeddings), None if PP == 1
     dp: dist.ProcessGroup  # one rank per replica with this (tp, pp): gradient reduction
     self_group: dist.ProcessGroup  # size 1: megatron-core's context-parallel group
+    # --use-distributed-optimizer: the DP ranks of this rank's instance (the optimizer's shards)
+    instance: dist.ProcessGroup | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -64,7 +66,8 @@ class ParallelGroups:
 
     def all_groups(self) -> list[dist.ProcessGroup]:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
-        groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group]
+        groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group,
+                  self.instance]
         return [g for g in groups if g is not None]
 
     def raise_latched(self) -> None:
@@ -103,7 +106,10 @@ class ParallelGroups:
         return pgs
 
 
-def build_groups(topology: Topology, rank: int, make_group: GroupFactory) -> ParallelGroups:
+def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
+                 optimizer_instances: int | None = None) -> ParallelGroups:
+    """optimizer_instances K (--use-distributed-optimizer): also the group of this rank's instance,
+    DP / K consecutive replicas."""
     c = topology.coord(rank)
     tp = make_group(f"tp.replica{c.replica}.stage{c.pp}", topology.tp_ranks(c.replica, c.pp))
     pp = make_group(f"pp.replica{c.replica}.tp{c.tp}", topology.pp_ranks(c.tp, c.replica))
@@ -114,7 +120,13 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory) -> Par
                                topology.embedding_ranks(c.tp, c.replica))
     dp = make_group(f"dp.tp{c.tp}.stage{c.pp}", topology.dp_ranks(c.tp, c.pp))
     self_group = make_group(f"self.rank{rank}", [rank])
-    return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group)
+    instance = None
+    if optimizer_instances is not None:
+        size = topology.dp // optimizer_instances
+        first = c.replica // size * size
+        instance = make_group(f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}",
+                              topology.dp_ranks(c.tp, c.pp, range(first, first + size)))
+    return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance)
 
 
 def env_rank_world() -> tuple[int, int]:

@@ -221,15 +221,19 @@ def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
     return model.to(device=device, dtype=args.params_dtype)
 
 
-def memory_note(model: torch.nn.Module, grad_bytes_per_param: int) -> None:
-    """Start-up line: bytes per parameter of weights, fp32 main weights, Adam, gradient buffers."""
+def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_shards: int = 1
+                ) -> None:
+    """Start-up line: bytes per parameter of weights, fp32 main weights, Adam, gradient buffers;
+    main weights and Adam divided over `optimizer_shards` (--use-distributed-optimizer)."""
     n = sum(p.numel() for p in model.parameters())
     weight = next(model.parameters()).element_size()
-    main = 0 if weight == 4 else 4
-    logger.info(f"{n} parameters on this rank: {weight} (weights) + {main} (fp32 main weights)"
-          f" + 8 (Adam) + {grad_bytes_per_param} (fp32 gradient buffers: local + out-of-place "
-          f"reduced; Megatron's DDP keeps one, 4) = {weight + main + 8 + grad_bytes_per_param} "
-          "bytes per parameter")
+    main = (0 if weight == 4 else 4) / optimizer_shards  # fp32: the main weights are the model's
+    adam = 8 / optimizer_shards
+    sharded = f", main weights and Adam over {optimizer_shards} shards" if optimizer_shards > 1 else ""
+    logger.info(f"{n} parameters on this rank: {weight} (weights) + {main:g} (fp32 main weights)"
+                f" + {adam:g} (Adam) + {grad_bytes_per_param} (fp32 gradient buffers: local + "
+                f"out-of-place reduced; Megatron's DDP keeps one, 4) = "
+                f"{weight + main + adam + grad_bytes_per_param:g} bytes per parameter{sharded}")
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -8,12 +8,15 @@ allocate on CUDA; these small equivalents keep Megatron's semantics and run anyw
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+if TYPE_CHECKING:
+    from megatron.training.distributed_optimizer import ShardedAdamW
 
 
 class MainParamsAdamW:
@@ -121,6 +124,10 @@ class LossScaler:
                                                int(state["hysteresis_tracker"]))
 
 
+# What the trainer steps: sharded over an instance's replicas with --use-distributed-optimizer.
+Optimizer = Union[MainParamsAdamW, "ShardedAdamW"]
+
+
 def build_loss_scaler(args) -> LossScaler | None:
     if not args.fp16:
         return None  # bf16 and fp32 need no scaling
@@ -130,7 +137,7 @@ def build_loss_scaler(args) -> LossScaler | None:
                       window=args.loss_scale_window, hysteresis=args.hysteresis)
 
 
-def build_optimizer(model: torch.nn.Module, args) -> MainParamsAdamW:
+def build_optimizer(model: torch.nn.Module, args, groups=None) -> "Optimizer":
     """Weight decay is skipped for biases and 1-D parameters (megatron-core's standard groups).
     Note: `_get_param_groups` agrees on group keys with an all_gather_object on the default group,
     so every rank must call this at start-up (bootstrap, before any failure can matter)."""
@@ -138,10 +145,17 @@ def build_optimizer(model: torch.nn.Module, args) -> MainParamsAdamW:
                              weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              clip_grad=args.clip_grad)
-    groups = _get_param_groups([model], config, None)
-    return MainParamsAdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                           eps=args.adam_eps, weight_decay=args.weight_decay,
-                           scaler=build_loss_scaler(args))
+    param_groups = _get_param_groups([model], config, None)
+    hyper = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                 weight_decay=args.weight_decay, scaler=build_loss_scaler(args))
+    if not args.use_distributed_optimizer:
+        return MainParamsAdamW(param_groups, **hyper)
+    from megatron.training.distributed_optimizer import ShardedAdamW
+    from recover_patches.recovery.grad_buffer import flat_offsets
+    size = groups.topology.dp // args.num_distributed_optimizer_instances
+    return ShardedAdamW(param_groups, offsets=flat_offsets([p for g in param_groups for p in g["params"]]),
+                        shard=groups.coord.replica % size, shards=size, instance_group=groups.instance,
+                        **hyper)
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:

@@ -22,7 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.arguments import global_batch_size_at
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
-from megatron.training.optimizer import (LossScaler, MainParamsAdamW, clip_factor, count_zeros,
+from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
                                          global_grad_norm, sync_sequence_parallel_grads,
                                          sync_tied_embedding_grads)
 from recover_patches.collectives.errors import PeerFailure
@@ -68,7 +68,7 @@ class Trainer:
     args: argparse.Namespace
     groups: ParallelGroups
     model: torch.nn.Module
-    optimizer: MainParamsAdamW
+    optimizer: Optimizer
     scheduler: OptimizerParamScheduler
     grads: GradBuffer
     train_stage: GPTStage
@@ -92,7 +92,9 @@ class Trainer:
         self.device = self.grads.device
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
                                  replica_ranks=topo.replica_ranks,
-                                 min_replicas=self.args.recover_min_replicas, replicas=topo.dp)
+                                 # the distributed optimizer's shards die with their replica
+                                 min_replicas=topo.dp if self.args.use_distributed_optimizer
+                                 else self.args.recover_min_replicas, replicas=topo.dp)
         self.timer = MicrobatchTimer(pipeline_depth=topo.pp)
         self.timings: dict[int, float | None] = {}
         self._execute_seconds = 0.0
@@ -439,7 +441,7 @@ def build_stage(args, groups: ParallelGroups, model, dataset, tracker,
                     loss_scale=None if scaler is None else (lambda: scaler.scale))
 
 
-def build_grad_buffer(args, groups: ParallelGroups, optimizer: MainParamsAdamW) -> GradBuffer:
+def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> GradBuffer:
     """Megatron's bucket rule: one bucket unless overlapping; then --ddp-bucket-size, default
     max(40M, 1M x DP) parameters."""
     bucket = args.ddp_bucket_size

@@ -54,6 +54,16 @@ class ReducedGradients:
     replica_weight_hashes: list[int] = field(default_factory=list)  # 0: not sent
 
 
+def flat_offsets(params: Sequence[torch.Tensor]) -> dict[torch.Tensor, int]:
+    """Where each parameter lives in the flat buffers: in reverse order, so buckets fill up in the
+    order backward produces the gradients. The distributed optimizer shards this same space."""
+    offsets, offset = {}, 0
+    for p in reversed(params):
+        offsets[p] = offset
+        offset += p.numel()
+    return offsets
+
+
 class GradBuffer:
     def __init__(self, params: Sequence[torch.Tensor], *, replicas: int, dp_group,
                  device: torch.device | str = "cpu", bucket_numel: int | None = None,
@@ -68,12 +78,12 @@ class GradBuffer:
         self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
                                  device=self.device)
         self.reduced = torch.zeros_like(self.local)
-        self._offsets: dict[torch.Tensor, int] = {}
+        self._offsets = flat_offsets(self.params)
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the buffers; last holds the tail
         self._bucket_of: dict[torch.Tensor, int] = {}
-        offset, start = 0, 0
+        start = 0
         for p in reversed(self.params):  # backward produces the last layers' grads first
-            self._offsets[p] = offset
+            offset = self._offsets[p]
             setattr(p, "main_grad", self.local[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
             self._bucket_of[p] = len(self.buckets)
