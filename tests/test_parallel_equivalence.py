@@ -112,15 +112,19 @@ def test_model_flags_keep_layouts_equivalent(tmp_path_factory):
     assert_same_trajectory(split, single, "fp32", 1)
 
 
-DIST_OPT = [(1, 1, 4, 1), (1, 1, 4, 2), (1, 2, 2, 1)]  # (TP, PP, DP, instances K)
+DIST_OPT = [(1, 1, 4, 1, "fp32"), (1, 1, 4, 2, "fp32"), (1, 2, 2, 1, "fp32"), (1, 1, 4, 2, "bf16")]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp,pp,dp,k", DIST_OPT, ids=[f"tp{t}-pp{p}-dp{d}-k{k}" for t, p, d, k in DIST_OPT])
-def test_distributed_optimizer_matches_single_process(references, tmp_path_factory, tp, pp, dp, k):
-    """--use-distributed-optimizer shards Adam over DP / K replicas: the same trajectory."""
-    ref = reference(references, tmp_path_factory, "fp32")
-    run = _train(tmp_path_factory, "fp32", tp, pp, dp, "--use-distributed-optimizer",
-                 "--num-distributed-optimizer-instances", str(k))
+@pytest.mark.parametrize("tp,pp,dp,k,precision", DIST_OPT,
+                         ids=[f"tp{t}-pp{p}-dp{d}-k{k}-{x}" for t, p, d, k, x in DIST_OPT])
+def test_distributed_optimizer_matches_single_process(references, tmp_path_factory, tp, pp, dp, k,
+                                                      precision):
+    """--use-distributed-optimizer shards Adam over DP / K replicas: the same trajectory, and
+    the replicas' weights compared every iteration stay bitwise identical (else status 3)."""
+    ref = reference(references, tmp_path_factory, precision)
+    run = _train(tmp_path_factory, precision, tp, pp, dp, "--use-distributed-optimizer",
+                 "--num-distributed-optimizer-instances", str(k),
+                 "--check-weight-hash-across-dp-replicas-interval", "1")
     assert f"over {dp // k} shards" in run.stdout  # the start-up memory line says it sharded
-    assert_same_trajectory(run, ref, "fp32", dp)
+    assert_same_trajectory(run, ref, precision, dp)
