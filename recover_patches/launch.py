@@ -66,7 +66,8 @@ from typing import NoReturn
 from recover_patches.log import configure
 from recover_patches.supervisor import Rank, Supervisor, summarize
 
-logger = logging.getLogger("recover_patches.launch")  # by name: also when run as __main__ (python -m)
+# by name, not __name__: also when run as __main__ (python -m)
+logger = logging.getLogger("recover_patches.launch")
 
 DEFAULT_PRELOAD = "torch,megatron.core"
 

@@ -153,9 +153,9 @@ def build_optimizer(model: torch.nn.Module, args, groups=None) -> "Optimizer":
     from megatron.training.distributed_optimizer import ShardedAdamW
     from recover_patches.recovery.grad_buffer import flat_offsets
     size = groups.topology.dp // args.num_distributed_optimizer_instances
-    return ShardedAdamW(param_groups, offsets=flat_offsets([p for g in param_groups for p in g["params"]]),
-                        shard=groups.coord.replica % size, shards=size, instance_group=groups.instance,
-                        **hyper)
+    flat = flat_offsets([p for g in param_groups for p in g["params"]])
+    return ShardedAdamW(param_groups, offsets=flat, shard=groups.coord.replica % size, shards=size,
+                        instance_group=groups.instance, **hyper)
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:

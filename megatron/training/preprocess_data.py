@@ -35,7 +35,8 @@ from megatron.training.tokenizer import SUPPORTED_TYPES, build_tokenizer
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 # Named as the user called it: the `recover-preprocess` entry point or the script.
-PROG = "recover-preprocess" if os.path.basename(sys.argv[0]) == "recover-preprocess" else "preprocess_data.py"
+PROG = ("recover-preprocess" if os.path.basename(sys.argv[0]) == "recover-preprocess"
+        else "preprocess_data.py")
 JSON_SUFFIXES = (".json", ".jsonl")
 CHUNK_DOCUMENTS = 64  # documents per tokenization task: large enough to amortise IPC
 

@@ -49,7 +49,8 @@ from recover_patches.collectives.membership_state import MembershipState
 from recover_patches.collectives.timeouts import Timeouts
 from recover_patches.log import configure
 
-logger = logging.getLogger("recover_patches.collectives.coordinator")  # by name: also when run as __main__ (python -m)
+# by name, not __name__: also when run as __main__ (python -m)
+logger = logging.getLogger("recover_patches.collectives.coordinator")
 
 TICK = 0.02  # seconds between polls of the store: bounds detection latency, costs ~nothing
 
@@ -181,7 +182,8 @@ class Coordinator:
             self.store.set(P.epoch_key(epoch), json.dumps(record))
             self.store.set(P.EPOCH, str(epoch))
             self.liveness.new_epoch(epoch)
-            logger.info(f"restored epoch {epoch} (dead ranks {sorted(self.state.dead)}) from rank {rank}")
+            logger.info(f"restored epoch {epoch} (dead ranks {sorted(self.state.dead)}) from rank "
+                        f"{rank}")
         self.state.incarnation[rank] = incarnation
         self.state.issued[rank] = max(self.state.issued.get(rank, 0), incarnation)
 
@@ -226,7 +228,8 @@ class Coordinator:
             elif kind == "complete":
                 self._complete(report["rank"])
             elif kind == "suspect":
-                logger.info(f"rank {report['rank']} suspects {report['suspects']} in {report['where'][:160]}")
+                logger.info(f"rank {report['rank']} suspects {report['suspects']} in "
+                            f"{report['where'][:160]}")
                 self.liveness.waiting(report["rank"], report["suspects"], report.get("epoch", 0),
                                       report["where"])
 
