@@ -151,8 +151,8 @@ class Supervisor:
                 r.replaced = True
                 self.ranks[new.pid] = new
                 logger.info(f"{r.name} ({describe(r.exit_code or 0)}): started replacement pid "
-                    f"{new.pid} ({new.name}, incarnation {new.incarnation}, "
-                    f"{self.replacements_left} left)")
+                            f"{new.pid} ({new.name}, incarnation {new.incarnation}, "
+                            f"{self.replacements_left} left)")
 
     def _learn_slots(self) -> None:
         """Which slot each standby process was given: fencing and exit reports go by slot."""
@@ -186,16 +186,17 @@ def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) 
         logger.info(f"{r.name} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
     if not failed:
         logger.info(f"all {len(ranks)} "
-            f"{'standby process(es)' if any(r.standby for r in ranks) else 'rank(s)'} exited 0")
+                    f"{'standby process(es)' if any(r.standby for r in ranks) else 'rank(s)'} exited 0")
         return 0
     if completion is not None:
         epoch, dead = completion
         unexpected = [r.rank for r in failed if r.rank not in dead]
         if not unexpected:
-            logger.info(f"{len(failed)} of {len(ranks)} rank(s) failed, but the job declared completion at "
-                f"epoch {epoch} with those ranks already dead: success")
+            logger.info(f"{len(failed)} of {len(ranks)} rank(s) failed, but the job declared "
+                        f"completion at epoch {epoch} with those ranks already dead: success")
             return 0
-        logger.info(f"job declared completion at epoch {epoch}, but rank(s) {unexpected} failed outside it")
+        logger.info(f"job declared completion at epoch {epoch}, but rank(s) {unexpected} failed "
+                    "outside it")
     codes = {r.exit_code for r in failed}
     if codes == {2}:
         logger.info(f"{len(failed)} of {len(ranks)} rank(s) stopped on a user error (status 2)")
