@@ -48,34 +48,35 @@ def assert_same_state(a: dict, b: dict) -> None:
         assert torch.equal(x, y)
 
 
+def step_both(plain: MainParamsAdamW, mine: ShardedAdamW, steps: range) -> bool:
+    """The same gradients into both; True when their weights are then bitwise equal."""
+    for step in steps:
+        plain.step(grads_for(step))
+        mine.step(grads_for(step))
+    return all(torch.equal(p, q) for p, q in zip(plain.model_params, mine.model_params))
+
+
+def resumed(plain: MainParamsAdamW, mine: ShardedAdamW) -> ShardedAdamW:
+    """`mine` restarted from `plain`'s (unsharded) checkpoint: weights first, as the model loads."""
+    with torch.no_grad():
+        for p, q in zip(plain.model_params, mine.model_params):
+            q.copy_(p)
+    mine.load_state_dict(plain.state_dict())
+    return mine
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_shard_steps_and_saves_as_the_unsharded_optimizer(dtype):
     plain, mine = MainParamsAdamW(make_params(dtype), **HYPER), sharded(make_params(dtype))
     assert_same_state(mine.state_dict(), plain.state_dict())  # before any step: no state
-    for step in range(3):
-        plain.step(grads_for(step))
-        mine.step(grads_for(step))
-    for p, q in zip(plain.model_params, mine.model_params):
-        assert torch.equal(p, q)
+    assert step_both(plain, mine, range(3))
     assert_same_state(mine.state_dict(), plain.state_dict())
-
-
-def resume_and_compare(plain: MainParamsAdamW, mine: ShardedAdamW, step: int) -> None:
-    """`mine` loads `plain`'s (unsharded) checkpoint; one more step leaves both bitwise equal."""
-    with torch.no_grad():  # the checkpoint's weights come with the model, before the optimizer
-        for p, q in zip(plain.model_params, mine.model_params):
-            q.copy_(p)
-    mine.load_state_dict(plain.state_dict())
-    plain.step(grads_for(step))
-    mine.step(grads_for(step))
-    for p, q in zip(plain.model_params, mine.model_params):
-        assert torch.equal(p, q)
 
 
 def test_loads_an_unsharded_state_and_goes_on_identically():
     plain = MainParamsAdamW(make_params(torch.bfloat16), **HYPER)
     plain.step(grads_for(0))
-    resume_and_compare(plain, sharded(make_params(torch.bfloat16)), 1)
+    assert step_both(plain, resumed(plain, sharded(make_params(torch.bfloat16))), range(1, 2))
 
 
 def _free_port() -> int:
@@ -91,14 +92,11 @@ def _shard_rank(rank: int, shards: int, port: int, dtype: torch.dtype, failures)
         plain = MainParamsAdamW(make_params(dtype), **HYPER)
         mine = sharded(make_params(dtype), rank, shards, dist.group.WORLD)
         assert sum(f.numel() for f in mine.fragments) < sum(p.numel() for p in mine.model_params)
-        for step in range(3):
-            plain.step(grads_for(step))
-            mine.step(grads_for(step))
-        for p, q in zip(plain.model_params, mine.model_params):
-            assert torch.equal(p, q)
+        assert step_both(plain, mine, range(3))
         assert_same_state(mine.state_dict(), plain.state_dict())
         # a checkpoint of any K loads into this K: restart from the unsharded state
-        resume_and_compare(plain, sharded(make_params(dtype), rank, shards, dist.group.WORLD), 3)
+        again = resumed(plain, sharded(make_params(dtype), rank, shards, dist.group.WORLD))
+        assert step_both(plain, again, range(3, 4))
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent, which asserts
         failures.put(f"rank {rank}: {error!r}")
