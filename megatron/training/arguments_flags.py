@@ -241,7 +241,8 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-params-norm", action="store_true",
                    help="Compute the fp32 main params' L2 norm every iteration: `params norm` in the "
                         "log line, `params-norm` in TensorBoard (one small collective per iteration "
-                        "over the replica's model-parallel ranks).")
+                        "over the replica's model-parallel ranks). With --use-distributed-optimizer "
+                        "the norm of the model's weights (the main ones are sharded).")
     g.add_argument("--log-num-zeros-in-grad", action="store_true",
                    help="Count the zeros of the reduced gradient every iteration: `num zeros` in the "
                         "log line, `num-zeros` in TensorBoard.")
