@@ -65,6 +65,11 @@ class ShardedAdamW:
                                        weight_decay=weight_decay)
         self._groups_params = [list(g["params"]) for g in groups]
 
+    @property
+    def _device(self) -> torch.device:
+        """Where collectives' tensors live: NCCL takes only the GPU's (checkpoints load on CPU)."""
+        return self.model_params[0].device
+
     def _overlap(self, p: torch.Tensor) -> tuple[int, int]:
         o = self.offsets[p]
         return max(self.lo, o) - o, min(self.hi, o + p.numel()) - o
@@ -85,7 +90,7 @@ class ShardedAdamW:
     def gather_weights(self) -> None:
         """Every slice's updated weights to every member of the instance."""
         dtype = self.model_params[0].dtype
-        mine = torch.zeros(self.chunk, dtype=dtype, device=self.model_params[0].device)
+        mine = torch.zeros(self.chunk, dtype=dtype, device=self._device)
         with torch.no_grad():
             for fragment, (i, start, end) in zip(self.fragments, self.pieces):
                 at = self.offsets[self.model_params[i]] + start - self.lo
@@ -105,7 +110,7 @@ class ShardedAdamW:
 
     def _whole(self, of_fragment) -> list[torch.Tensor]:
         """A per-fragment fp32 tensor (a moment, a main param) gathered into whole per-param ones."""
-        mine = torch.zeros(self.chunk, dtype=torch.float32, device=self.model_params[0].device)
+        mine = torch.zeros(self.chunk, dtype=torch.float32, device=self._device)
         for fragment, (i, start, end) in zip(self.fragments, self.pieces):
             at = self.offsets[self.model_params[i]] + start - self.lo
             mine[at:at + end - start].copy_(of_fragment(fragment))
@@ -141,7 +146,7 @@ class ShardedAdamW:
         return result
 
     def _any_started(self) -> bool:
-        flag = torch.tensor([float(bool(self.inner.state))])
+        flag = torch.tensor([float(bool(self.inner.state))], device=self._device)
         if self.instance_group is not None and self.instance_group.size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.instance_group)
         return bool(flag.item())
@@ -149,7 +154,7 @@ class ShardedAdamW:
     def _step_count(self) -> float:
         """Adam's step, the same on every fragment; a rank with no fragment learns it."""
         mine = max((float(s["step"]) for s in self.inner.state.values()), default=0.0)
-        step = torch.tensor([mine])
+        step = torch.tensor([mine], device=self._device)
         if self.instance_group is not None and self.instance_group.size() > 1:
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.instance_group)
         return float(step.item())
@@ -175,6 +180,7 @@ class ShardedAdamW:
                 if saved_state is not None:
                     self.inner.state[fragment] = {
                         "step": torch.tensor(float(saved_state["step"])),
-                        **{n: saved_state[n].reshape(-1)[start:end].clone().float() for n in _MOMENTS}}
+                        **{n: saved_state[n].reshape(-1)[start:end].to(fragment.device, torch.float32,
+                                                                      copy=True) for n in _MOMENTS}}
         if self.copies:  # the other slices' weights: from their owners
             self.gather_weights()
