@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                               resilient_group_factory, torch_group_factory)
     from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
     from megatron.training.model import build_model, memory_note
+    from megatron.training.distributed_optimizer import ShardedAdamW
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer, build_stage,
                                             link_for, replica_vote)
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         assert membership is not None and trainer.agreement is not None
         trainer.grow = GrowBack(
             live=trainer.live, agreement=trainer.agreement, membership=membership,
-            abandon=groups.abandon, rebuild=groups.rebuild,
+            abandon=groups.abandon, rebuild=trainer.rebuild,
             send_state=lambda replica: send_state(trainer, replica),
             receive_state=lambda replica: receive_state(trainer, replica), hook=trainer.hook)
     if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if spare:
                     assert trainer.grow is not None
+                    if isinstance(optimizer, ShardedAdamW):
+                        optimizer.forget()  # out of date when the replica re-forms
                     logger.info("waiting as a spare until this rank's replica is re-formed")
                     trainer.record_join(trainer.grow.wait_as_spare())
                     trainer.finish_iteration()  # with the others: the join iteration's save/eval
@@ -239,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(EXIT_RESTART)
     except (TooFewReplicas, RecoveryStalled) as err:  # likewise
         assert membership is not None
-        if args.use_distributed_optimizer:
-            err = f"{err} (--use-distributed-optimizer: a lost replica's optimizer shards are not " \
-                  "yet recovered in-step, whatever --num-distributed-optimizer-instances)"
+        if trainer.one_optimizer_copy:
+            err = f"{err} (--use-distributed-optimizer with --num-distributed-optimizer-instances " \
+                  "1 keeps one copy of the optimizer state: K >= 2 survives a lost replica)"
         logger.info(f"stopping: {err}. Restart with --load {restart_from}")
         membership.close(leave=True)
         os._exit(EXIT_RESTART)

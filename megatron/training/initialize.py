@@ -55,6 +55,7 @@ class ParallelGroups:
     self_group: dist.ProcessGroup  # size 1: megatron-core's context-parallel group
     # --use-distributed-optimizer: the DP ranks of this rank's instance (the optimizer's shards)
     instance: dist.ProcessGroup | None = None
+    per_instance: int = 0  # replicas per instance (instance of replica r: r // per_instance)
 
     @property
     def is_first_stage(self) -> bool:
@@ -88,10 +89,17 @@ class ParallelGroups:
     def rebuild(self, live_replicas: Sequence[int], epoch: int, key: str = "") -> None:
         """New backends for the agreed epoch: the DP group keeps one rank per live replica; the
         groups inside this replica keep their members (all alive) but get fresh backends, so no
-        message of an abandoned round can ever be matched in the next one."""
+        message of an abandoned round can ever be matched in the next one. The distributed
+        optimizer's instance keeps its live replicas."""
         c, topo = self.coord, self.topology
+        mates = [r for r in live_replicas if self.per_instance
+                 and r // self.per_instance == c.replica // self.per_instance]
         for g in self.all_groups():
-            members = topo.dp_ranks(c.tp, c.pp, live_replicas) if g is self.dp else g.members
+            members = g.members
+            if g is self.dp:
+                members = topo.dp_ranks(c.tp, c.pp, live_replicas)
+            elif g is self.instance:
+                members = topo.dp_ranks(c.tp, c.pp, mates)
             g.rebuild(epoch, members, key)
 
     def pg_collection(self) -> ProcessGroupCollection:
@@ -120,13 +128,14 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
                                topology.embedding_ranks(c.tp, c.replica))
     dp = make_group(f"dp.tp{c.tp}.stage{c.pp}", topology.dp_ranks(c.tp, c.pp))
     self_group = make_group(f"self.rank{rank}", [rank])
-    instance = None
+    instance, size = None, 0
     if optimizer_instances is not None:
         size = topology.dp // optimizer_instances
         first = c.replica // size * size
         instance = make_group(f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}",
                               topology.dp_ranks(c.tp, c.pp, range(first, first + size)))
-    return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance)
+    return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
+                          size)
 
 
 def env_rank_world() -> tuple[int, int]:

@@ -90,6 +90,14 @@ class MainParamsAdamW:
                     p.copy_(m)
 
 
+    def replicated_state_dict(self) -> dict:
+        """What a joining replica takes from a live one: all of it (nothing is sharded)."""
+        return self.state_dict()
+
+    def load_replicated_state_dict(self, state: dict) -> None:
+        self.load_state_dict(state)
+
+
 class LossScaler:
     """fp16 loss scaling with Megatron's rules (megatron-core's grad scalers live on CUDA).
     Dynamic: after `hysteresis` overflowing iterations the scale halves (not below `min_scale`);

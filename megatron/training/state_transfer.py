@@ -23,7 +23,8 @@ from megatron.training.checkpointing import cpu_tracker
 def live_state(trainer) -> dict:
     return {
         "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
+        # the distributed optimizer's shards come by re-sharding when the groups are rebuilt
+        "optimizer": trainer.optimizer.replicated_state_dict(),
         "opt_param_scheduler": trainer.scheduler.state_dict(),
         "iteration": trainer.state.iteration,
         "consumed_samples": trainer.state.consumed_samples,
@@ -35,7 +36,7 @@ def live_state(trainer) -> dict:
 
 def apply_live_state(trainer, state: dict) -> None:
     trainer.model.load_state_dict(state["model"], strict=True)
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.optimizer.load_replicated_state_dict(state["optimizer"])
     # megatron-core's scheduler *adds* the saved step count to its own (made for fresh ones, as
     # at a checkpoint load): a spare that trained before its replica broke must start from 0
     trainer.scheduler.num_steps = 0

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.arguments import global_batch_size_at
+from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
@@ -92,8 +93,9 @@ class Trainer:
         self.device = self.grads.device
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
                                  replica_ranks=topo.replica_ranks,
-                                 # the distributed optimizer's shards die with their replica
-                                 min_replicas=topo.dp if self.args.use_distributed_optimizer
+                                 # one instance of the distributed optimizer: its shards die
+                                 # with their replica
+                                 min_replicas=topo.dp if self.one_optimizer_copy
                                  else self.args.recover_min_replicas, replicas=topo.dp)
         self.timer = MicrobatchTimer(pipeline_depth=topo.pp)
         self.timings: dict[int, float | None] = {}
@@ -103,6 +105,16 @@ class Trainer:
         self._store_ops_seen = 0  # the agreement's count at the last record
         self._skipped_at_last_line = 0
         self.faults.actions.update(inf=self.grads.poison, corrupt=self.corrupt_a_weight)
+        # the distributed optimizer's all-gather failed after a commit: this replica's weights
+        # miss slices that other instances hold (replica-agreed at the end of the step)
+        self.weights_stale = False
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.before_gather = lambda: self.hook("param_gather")
+
+    @property
+    def one_optimizer_copy(self) -> bool:
+        return self.args.use_distributed_optimizer \
+            and self.args.num_distributed_optimizer_instances == 1
 
     def hook(self, phase: str, microbatch: int | None = None) -> None:
         """Progress mark and injection point; iterations are numbered from 1 as in the logs."""
@@ -202,18 +214,28 @@ class Trainer:
             if factor != 1.0:
                 self.grads.reduced_grads.mul_(factor)
             self.hook("optimizer")
-            self.optimizer.step(grads)
+            try:
+                self.optimizer.step(grads)
+            except PeerFailure as err:  # only the distributed optimizer's weight all-gather
+                if self.agreement is None:
+                    raise
+                # committed and stepped: every slice's new state lives in some instance, and
+                # the next iteration's recovery re-shards it (`rebuild`) before computing
+                logger.warning(f"weights incomplete until the next recovery: {err}")
+                self.weights_stale = True
             self.scheduler.step(increment=reduced.totals.microbatches * self.args.micro_batch_size)
         if self.args.log_params_norm:  # the fp32 main params, after the step
             extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
                                                     self.groups.replica, self.groups.coord.tp)
         self.grads.zero()
-        loss_and_times = torch.tensor([reduced.totals.loss_sum, *reduced.replica_times],
-                                      dtype=torch.float64, device=self.device)
+        loss_and_times = torch.tensor([reduced.totals.loss_sum, float(self.weights_stale),
+                                       *reduced.replica_times], dtype=torch.float64,
+                                      device=self.device)
         if self.groups.replica.size() > 1:  # loss lives on the last stage; times: slowest stage
             dist.all_reduce(loss_and_times, op=dist.ReduceOp.MAX, group=self.groups.replica)
         values = loss_and_times.tolist()
-        self.timings = timings_from_wire(dict(enumerate(values[1:])))
+        self.weights_stale = bool(values[1])  # all of the replica's ranks recover together
+        self.timings = timings_from_wire(dict(enumerate(values[2:])))
         return {"lm_loss": values[0] / tokens, "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": loss_scale,
                 "skipped_iterations": self.state.skipped_iterations, **extra,
@@ -235,12 +257,24 @@ class Trainer:
             return bool(t.item())
         return self.agreement.any_flag(key, self.live.members(), self.live.epoch, flag)
 
+    def refresh(self) -> None:
+        if self.weights_stale:
+            raise PeerFailure(self.live.epoch, (), "distopt.param_gather",
+                              "the last step's weight all-gather failed in this replica")
+
+    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> None:
+        """New groups for the agreed live replicas; the distributed optimizer's shards follow."""
+        self.groups.rebuild(live_replicas, epoch, key)
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.reshard(live_replicas, self.groups.per_instance, self.groups.dp)
+            self.weights_stale = False
+
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(
             live=self.live, plan=self.plan, execute=self.execute, reduce=self.reduce,
             step=self.step, agreement=self.agreement, abandon=self.groups.abandon,
-            check_reduced=self.groups.raise_latched,
-            rebuild=self.groups.rebuild, snapshot=self.grads.snapshot, restore=self.grads.restore,
+            check_reduced=self.groups.raise_latched, refresh=self.refresh,
+            rebuild=self.rebuild, snapshot=self.grads.snapshot, restore=self.grads.restore,
             drop_lost=self.args.recover_policy == "drop",
             on_failure=self.log_failure, hook=self.hook)
 

@@ -2,6 +2,9 @@
 
     1. plan     layer 3 maps the M global microbatch ids to the live replicas
     2. execute  this replica runs its pipeline schedule over its quota; grads accumulate locally
+                (first `refresh`: a replica whose weights are incomplete -- the distributed
+                optimizer's all-gather failed after the last commit -- computes nothing and
+                recovers, then computes its own quota with its share of the lost ids)
     3. reduce   out-of-place DP reduction of grads + microbatch count, tokens, id checksums, loss
     4. commit   all members agree the reduction completed everywhere; exactly the planned ids
                 were reduced, else stop loudly (a bug, not a failure)
@@ -79,7 +82,7 @@ class RecoveryRecord:
     """One recovery, for logs and metrics."""
     round: int  # agreement attempts made so far in the iteration
     failure: str  # the PeerFailure (group.op, suspects) that started it
-    phase: str  # where this rank saw it: execute / reduce / commit
+    phase: str  # where this rank saw it: refresh / execute / reduce / commit
     epoch: int
     dead: list[int]
     lost_replicas: list[int]
@@ -109,6 +112,9 @@ class IterationTransaction:
     step: Stepper
     agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
     abandon: Callable[[], None] = lambda: None  # drop every group's backend: peers fail fast
+    # before computing: PeerFailure if this replica's weights are incomplete (the same answer on
+    # all its ranks); a rebuild makes them whole again
+    refresh: Callable[[], None] = lambda: None
     # before the vote: raise a failure of an operation whose wait() returned before it ended
     # (NCCL's waits do not block the host; layer 1's watchdog latches what went wrong)
     check_reduced: Callable[[], None] = lambda: None
@@ -129,13 +135,16 @@ class IterationTransaction:
         todo, kept = first_plan.get(m.replica, []), Totals.of_ids([])
         recoveries: list[RecoveryRecord] = []
         saved = None  # gradients as of `kept`, taken before each recovery round
+        owed: list[int] = []  # this replica's round-0 quota, if round 0 stopped at `refresh`
         # Agreement attempts made in this iteration. Ranks can fail at different steps of a
         # recovery, but every attempt consumes one newer agreed epoch, so this count -- not a
         # rank's own round number -- names rounds and attempts identically on every survivor.
         self._attempts = 0
         for round_ in range(self.max_attempts):
-            phase, clock = "execute", time.perf_counter()
+            phase, clock = "refresh", time.perf_counter()
             try:
+                self.refresh()
+                phase = "execute"
                 done = self.execute(todo)  # 2: accumulates on top of `kept`
                 local = kept + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
                 seconds["execute"] += time.perf_counter() - clock
@@ -176,7 +185,7 @@ class IterationTransaction:
                                                False)
             if round_ > 0:  # recovery rounds are atomic: undo this one's partial work
                 self.restore(saved)
-            elif phase != "execute":  # round 0 finished on every stage of a live replica
+            elif phase not in ("refresh", "execute"):  # round 0 finished on every stage
                 kept = local
             record = self._recover(iteration, failure, phase, ids, owner)
             if round_ == 0 and phase == "execute":
@@ -184,9 +193,11 @@ class IterationTransaction:
                 # the replica; a live replica with a torn round 0 would commit a wrong gradient
                 raise RuntimeError(f"iteration {iteration}: round 0 was cut short ({failure}) "
                                    f"but replica {m.replica} stays live")
+            if round_ == 0 and phase == "refresh":  # nothing ran: the replica still owes it all
+                owed = first_plan.get(m.replica, [])
             replanned = record.replanned
             saved = self.snapshot()
-            todo = replanned.get(m.replica, [])
+            todo = owed + replanned.get(m.replica, [])
             recoveries.append(record)
         raise RuntimeError(f"iteration {iteration}: no commit after {self.max_attempts} rounds")
 

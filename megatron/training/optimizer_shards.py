@@ -1,0 +1,73 @@
+"""Where the distributed optimizer's state lives, and what moves when the live replicas change.
+
+The DP replicas form K instances of S consecutive replicas (replica r is in instance r // S). The
+live replicas of an instance split the flat parameter space into equal chunks, in replica order:
+the j-th of n live replicas holds [j * ceil(N / n), (j + 1) * ceil(N / n)) clipped to N. Every
+instance with a live replica thus holds a whole copy, which is what lets survivors fetch the
+shards of a dead replica from another instance. All functions here are pure: every rank computes
+the same answer from the same agreed inputs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Elements [lo, hi) of the flat space go from group rank `src` to group rank `dst`."""
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+class ShardLost(Exception):
+    """No live rank holds [lo, hi): the optimizer state there died with its replicas."""
+
+    def __init__(self, lo: int, hi: int):
+        super().__init__(f"[{lo}, {hi})")
+        self.lo, self.hi = lo, hi
+
+
+def shard_range(numel: int, shard: int, shards: int) -> tuple[int, int]:
+    chunk = math.ceil(numel / shards)
+    return min(shard * chunk, numel), min((shard + 1) * chunk, numel)
+
+
+def instance_positions(live_replicas: Sequence[int], per_instance: int) -> list[tuple[int, int]]:
+    """(shard, shards) of each live replica, in the order given: its place among its instance's
+    live replicas, and how many there are."""
+    result = []
+    for r in live_replicas:
+        mates = sorted(q for q in live_replicas if q // per_instance == r // per_instance)
+        result.append((mates.index(r), len(mates)))
+    return result
+
+
+def _missing(wanted: tuple[int, int], held: tuple[int, int]) -> list[tuple[int, int]]:
+    (a, b), (c, d) = wanted, held
+    if c >= d:
+        return [(a, b)] if a < b else []
+    return [(x, y) for x, y in ((a, min(b, c)), (max(a, d), b)) if x < y]
+
+
+def plan_transfers(held: Sequence[tuple[int, int]],
+                   wanted: Sequence[tuple[int, int]]) -> list[Transfer]:
+    """Every piece of each rank's wanted range that it does not hold itself, from the lowest rank
+    that holds it. `held[i]` and `wanted[i]` are group rank i's ranges ((x, x): nothing).
+    Raises ShardLost for the first piece no rank holds."""
+    transfers = []
+    for dst, want in enumerate(wanted):
+        for lo, hi in _missing(want, held[dst]):
+            at = lo
+            while at < hi:
+                src = next((i for i, (c, d) in enumerate(held) if i != dst and c <= at < d), None)
+                if src is None:
+                    ends = [c for c, _ in held if at < c < hi]
+                    raise ShardLost(at, min(ends, default=hi))
+                end = min(hi, held[src][1])
+                transfers.append(Transfer(src, dst, at, end))
+                at = end
+    return transfers
