@@ -85,7 +85,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shard_rank(rank: int, shards: int, port: int, dtype: torch.dtype, failures) -> None:
+def _shard_rank(rank: int, port: int, dtype: torch.dtype, failures, shards: int = 3) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=shards)
@@ -107,9 +107,47 @@ def _shard_rank(rank: int, shards: int, port: int, dtype: torch.dtype, failures)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_three_shards_over_gloo_match_the_unsharded_optimizer_bitwise(dtype):
+    assert _run_ranks(_shard_rank, 3, dtype) == []
+
+
+def _reshard_rank(rank: int, port: int, dtype: torch.dtype, failures) -> None:
+    """DP = 4 in K = 2 instances {0, 1}, {2, 3}. Replica 1 is lost after 2 steps: replica 0
+    takes the whole state (replica 3 sends the dead slice); after 2 more it rejoins empty-handed
+    and gets its slice back. Every step's weights, and the final state, are the unsharded
+    optimizer's, bitwise."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=4)
+        first, second = dist.new_group([0, 1]), dist.new_group([2, 3])
+        survivors, alone = dist.new_group([0, 2, 3]), dist.new_group([0])
+        plain = MainParamsAdamW(make_params(dtype), **HYPER)
+        mine = sharded(make_params(dtype), rank % 2, 2, first if rank < 2 else second)
+        assert step_both(plain, mine, range(2))
+        if rank == 1:  # lost: what it held is out of date by the time it comes back
+            mine.forget()
+            plain.step(grads_for(2))
+            plain.step(grads_for(3))
+        else:
+            mine.instance_group = alone if rank == 0 else second
+            mine.reshard([0, 2, 3], 2, survivors)
+            if rank == 0:
+                assert (mine.lo, mine.hi) == (0, mine.numel)
+            assert step_both(plain, mine, range(2, 4))
+        mine.instance_group = first if rank < 2 else second
+        mine.reshard([0, 1, 2, 3], 2, dist.group.WORLD)
+        assert step_both(plain, mine, range(4, 6))
+        assert_same_state(mine.state_dict(), plain.state_dict())
+        dist.destroy_process_group()
+    except BaseException as error:  # reported to the parent, which asserts
+        failures.put(f"rank {rank}: {error!r}")
+        raise
+
+
+def _run_ranks(target, nprocs: int, *args) -> list[str]:
+    """Start `nprocs` ranks of `target(rank, port, *args, failures)`; their errors, all killed."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     failures = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(_shard_rank, args=(3, _free_port(), dtype, failures), nprocs=3,
+    context = mp.start_processes(target, args=(_free_port(), *args, failures), nprocs=nprocs,
                                  join=False, start_method="spawn")
     try:
         while not context.join(timeout=90):
@@ -123,7 +161,14 @@ def test_three_shards_over_gloo_match_the_unsharded_optimizer_bitwise(dtype):
     errors = []
     while not failures.empty():
         errors.append(failures.get())
-    assert errors == []
+    return errors
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resharding_after_a_loss_and_a_rejoin_keeps_the_unsharded_trajectory(dtype):
+    assert _run_ranks(_reshard_rank, 4, dtype) == []
 
 
 @pytest.mark.multiprocess
@@ -149,18 +194,46 @@ def test_a_sharded_checkpoint_resumes_without_sharding_on_the_trajectory(tmp_pat
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_lost_replica_stops_the_job_for_a_restart(tmp_path):
-    """Sharded state is not recovered in-step yet: a kill stops every survivor with status 3 and
-    the restart command, and no iteration commits after the failure."""
+def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_path):
+    """DP = 4, K = 2: replica 2 dies in backward (its instance's survivor takes the whole state
+    from the other instance), later replica 1 dies in the weight all-gather after stepping its
+    slice (replica 0's weights stay incomplete until iteration 6's recovery re-shards). Every
+    iteration commits M ids on the failure-free losses, and the replicas' weights compared after
+    every iteration are bitwise identical."""
+    from tests._launch_util import TINY_GPT, launch
+
+    common = [*TINY_GPT, "--train-iters", "8"]
+    reference = launch(1, common, tmp_path / "ref.jsonl")
+    run = launch(4, [*common, "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                     "2", "--check-weight-hash-across-dp-replicas-interval", "1",
+                     "--inject-fault", "kill:rank=2,iter=3,phase=backward",
+                     "--inject-fault", "kill:rank=1,iter=5,phase=param_gather"],
+                 tmp_path / "run.jsonl", launcher_args=[])  # recovery on: the coordinator
+    assert reference.returncode == run.returncode == 0, run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, 9))
+    assert all(r["microbatches"] == 8 for r in records)
+    assert [r["live_replicas"] for r in records] == [[0, 1, 2, 3]] * 2 + [[0, 1, 3]] * 3 + [[0, 3]] * 3
+    assert [p["phase"] for r in records for p in r["recoveries"]] == ["reduce", "refresh"]
+    assert [r.get("weights_checked_after") for r in records] == [None, *range(1, 8)]
+    for mine, theirs in zip(records, reference.records):
+        assert abs(mine["lm_loss"] - theirs["lm_loss"]) <= 1e-5 * theirs["lm_loss"], (mine, theirs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_with_one_instance_a_lost_replica_stops_the_job_for_a_restart(tmp_path):
+    """K = 1 keeps a single copy of the optimizer state: a kill stops every survivor with status 3,
+    naming --load and K >= 2, and no iteration commits after the failure."""
     from tests._launch_util import TINY_GPT, launch
 
     run = launch(4, [*TINY_GPT, "--train-iters", "6", "--use-distributed-optimizer",
-                     "--num-distributed-optimizer-instances", "2", "--save", str(tmp_path / "ckpt"),
-                     "--save-interval", "2", "--inject-fault", "kill:rank=1,iter=4,phase=backward"],
+                     "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                     "--inject-fault", "kill:rank=1,iter=4,phase=backward"],
                  tmp_path / "metrics.jsonl", launcher_args=[])  # recovery on: the coordinator
     # every survivor stops with status 3; the launcher sums that with the kill as a failure (1)
     assert run.returncode == 1, run.stderr[-2000:]
     assert all(f"rank {r} (pid" in run.stderr for r in (0, 2, 3))
     assert run.stderr.count("failed: exit code 3") == 3, run.stderr[-2000:]
     assert [r["iteration"] for r in run.records if "lm_loss" in r] == [1, 2, 3]
-    assert "--use-distributed-optimizer" in run.stdout and f"--load {tmp_path / 'ckpt'}" in run.stdout
+    assert "K >= 2" in run.stdout and f"--load {tmp_path / 'ckpt'}" in run.stdout

@@ -36,6 +36,10 @@ class FakeJob:
                                  replica_ranks=lambda r: RANKS[r])
 
     # transaction parts
+    def refresh(self):  # this replica's weights are incomplete (a failed all-gather after a step)
+        if self.script.get(self.round, ("", set()))[0] == "refresh":
+            raise PeerFailure(self.live.epoch, (), "distopt.param_gather")
+
     def execute(self, ids):
         self.executed.append(list(ids))
         if self.script.get(self.round, ("", set()))[0] == "execute":
@@ -88,6 +92,7 @@ class FakeJob:
         return IterationTransaction(live=self.live, plan=self.plan, execute=self.execute,
                                     reduce=self.reduce, step=self.step, agreement=self,
                                     abandon=self.abandon, rebuild=self.rebuild,
+                                    refresh=self.refresh,
                                     snapshot=lambda: len(self.executed),
                                     restore=self.restored.append, drop_lost=drop)
 
@@ -179,3 +184,25 @@ def test_a_failure_latched_after_the_reduction_returned_aborts_the_commit():
     assert votes[0] is False  # this rank told the others no commit is possible
     assert out.recoveries[0].phase == "reduce" and out.recoveries[0].lost_replicas == [2]
     assert out.totals.microbatches == 8 and out.ids == IDS
+
+
+def test_a_replica_with_incomplete_weights_computes_its_quota_after_recovery():
+    # replica 1 died in the distributed optimizer's all-gather after iteration 5's step: replica
+    # 0's weights miss its slice, so it computes nothing until the rebuild has re-sharded
+    job = FakeJob(me=0, script={0: ("refresh", {1})})
+    out = job.transaction().run(6, IDS)
+    assert job.executed == [[40, 41, 42]]  # its own round-0 quota, then its share of replica 1's
+    assert out.recoveries[0].phase == "refresh" and out.recoveries[0].lost_ids == [42, 43]
+    assert out.ids == IDS and out.totals.microbatches == 8
+    assert out.assignment == {0: [40, 41, 42], 2: [43, 44, 45], 3: [46, 47]}
+
+
+def test_the_owed_quota_survives_a_failure_in_the_recovery_round():
+    job = FakeJob(me=0, script={0: ("refresh", {1}), 1: ("reduce", {2})})
+    out = job.transaction().run(6, IDS)
+    # round 2 replans the ids of both dead round-0 owners over replicas 0 and 3; replica 0 still
+    # owes its own round-0 quota, which the aborted round 1 had computed and then undone
+    assert job.executed == [[40, 41, 42], [40, 41, 42, 43]]
+    assert job.restored == [0]
+    assert out.ids == IDS and out.totals.microbatches == 8
+    assert out.assignment == {0: [40, 41, 42, 43], 3: [44, 45, 46, 47]}
