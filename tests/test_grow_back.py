@@ -86,6 +86,23 @@ def test_a_replacement_rejoins_and_the_trajectory_is_the_failure_free_one(tmp_pa
     assert "started replacement" in run.stderr and "all 4 rank(s) exited 0" in run.stderr
 
 
+def test_a_replacement_takes_its_optimizer_shard_back_from_the_instances(tmp_path, reference):
+    # --use-distributed-optimizer, K = 2: replica 2's survivor-less instance mate (replica 3)
+    # takes the whole state; at the join the replacement gets its slice back by re-sharding
+    run = run_job(tmp_path, *CHECKED, "--use-distributed-optimizer",
+                  "--num-distributed-optimizer-instances", "2",
+                  "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                  *faults("kill:rank=2,iter=3,phase=forward",
+                          "slow:rank=1,seconds=0.15,iter=4,phase=forward"), replacements=1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = assert_failure_free_trajectory(run, reference["dp4"])
+    assert "abandoned" not in run.stdout, run.stdout[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    live = [len(r["live_replicas"]) for r in records]
+    assert live[2] == 3 and live[-1] == 4, live
+    assert [j["joined"] for j in joins(run)] == [[2]]
+
+
 def test_a_pipeline_replica_is_re_formed_from_its_waiting_survivor(tmp_path, reference):
     # (1,2,2): replica 1 is rank 1 (stage 0) and rank 3 (stage 1); rank 3 dies in backward
     run = run_job(tmp_path, "--pipeline-model-parallel-size", "2", *CHECKED,

@@ -104,7 +104,9 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "(megatron/training/distributed_optimizer.py).")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                    help="With --use-distributed-optimizer: DP replicas form this many instances, "
-                        "each holding a whole copy of the optimizer state.")
+                        "each holding a whole copy of the optimizer state. K >= 2 survives lost "
+                        "replicas in-step (their slices come from another instance); K = 1 "
+                        "stops for a restart with --load.")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Parameters per gradient bucket. Default: one bucket, or with "
                         "--overlap-grad-reduce max(40M, 1M * data-parallel size).")

@@ -53,9 +53,8 @@ class ShardedAdamW:
         self.copies = any(p.dtype != torch.float32 for p in self.model_params)
         self._groups_params = [list(g["params"]) for g in groups]
         self._groups_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        self._adam = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
         self.before_gather: Callable[[], None] = lambda: None  # fault injection point
-        self.inner: torch.optim.AdamW | None = None
         self.shards = shards
         lo, hi = shard_range(self.numel, shard, shards)
         self._place(lo, hi, self._from_weights(lo, hi), None, 0)
@@ -114,7 +113,10 @@ class ShardedAdamW:
                         states.append((fragment, {"step": torch.tensor(float(step)), **{
                             n: m[at:at + end - start] for n, m in zip(_MOMENTS, moments)}}))
                 fragment_groups.append({**hyper, "params": fragments})
-        previous, self.inner = self.inner, torch.optim.AdamW(fragment_groups, **self._adam)
+        previous = getattr(self, "inner", None)  # None while __init__ places the first slice
+        self.inner: torch.optim.AdamW = torch.optim.AdamW(
+            fragment_groups, lr=self._lr, betas=self._betas, eps=self._eps,
+            weight_decay=self._weight_decay)
         if previous is not None:
             for group, old in zip(self.inner.param_groups, previous.param_groups):
                 group.update({k: v for k, v in old.items() if k != "params"})
@@ -123,13 +125,11 @@ class ShardedAdamW:
 
     @property
     def param_groups(self) -> list[dict]:
-        assert self.inner is not None
         return self.inner.param_groups
 
     def step(self, grads: Sequence[torch.Tensor]) -> None:
         """`grads[i]`: the final fp32 gradient of `model_params[i]` (whole; only the slice is used).
         A PeerFailure can come only from the weights' all-gather, after this slice stepped."""
-        assert self.inner is not None
         for fragment, (i, start, end) in zip(self.fragments, self.pieces):
             fragment.grad = grads[i].view(-1)[start:end]
         self.inner.step()
@@ -182,7 +182,6 @@ class ShardedAdamW:
 
     def state_dict(self) -> dict:
         """MainParamsAdamW's (unsharded) state dict; a collective over the instance."""
-        assert self.inner is not None
         inner = self.inner.state_dict()
         state: dict = {}
         if self._any_started():  # every member calls every collective below, or none
@@ -204,7 +203,6 @@ class ShardedAdamW:
         return result
 
     def _any_started(self) -> bool:
-        assert self.inner is not None
         flag = torch.tensor([float(bool(self.inner.state))], device=self._device)
         if self.instance_group is not None and self.instance_group.size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.instance_group)
@@ -222,7 +220,6 @@ class ShardedAdamW:
         """Take this rank's slice of an unsharded state dict (any K, or none, wrote it)."""
         if "optimizer" not in state:
             state = {"optimizer": state, "fp32_from_fp16_params": []}
-        assert self.inner is not None
         saved = state["optimizer"]
         for group, hyper in zip(self.inner.param_groups, saved["param_groups"]):
             group.update({k: v for k, v in hyper.items() if k != "params"})
@@ -246,13 +243,13 @@ class ShardedAdamW:
             self.gather_weights()
 
     # -- the replicas changed -------------------------------------------------------------------
-    def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> None:
+    def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:
         """Take this rank's slice for the live replicas `live_replicas` (instances of
         `per_instance` consecutive replicas), then gather the instance's weights. A collective over
         `dp_group`: one rank per live replica, in replica order, each taking part. Pieces move
         point to point from the lowest rank holding them; a rank's old slice stays until the
-        whole new one arrived. TooFewReplicas if some piece died with every rank that held it."""
-        assert self.inner is not None
+        whole new one arrived. TooFewReplicas if some piece died with every rank that held it.
+        Returns the bytes this rank received."""
         live = sorted(live_replicas)
         me, size = (0, 1) if dp_group is None else (dp_group.rank(), dp_group.size())
         positions = instance_positions(live, per_instance)
@@ -290,11 +287,11 @@ class ShardedAdamW:
         self.shards = positions[me][1]
         self._place(lo, hi, fresh[0], (fresh[1], fresh[2]) if started else None, step)
         self.gather_weights()
+        return 4 * len(fresh) * sum(t.hi - t.lo for t in transfers if t.dst == me)
 
     def _held_ranges(self, dp_group, size: int) -> tuple[list[tuple[int, int]], int]:
         """Every group rank's slice and Adam step; a rank behind the newest step (a spare's old
         state) counts as holding nothing."""
-        assert self.inner is not None
         step = max((int(s["step"]) for s in self.inner.state.values()), default=0)
         mine = torch.tensor([self.lo, self.hi, step], dtype=torch.int64, device=self._device)
         every = mine
@@ -311,7 +308,6 @@ class ShardedAdamW:
 
     def replicated_state_dict(self) -> dict:
         """What every rank holds whole (a joining replica's copy; the shards come by `reshard`)."""
-        assert self.inner is not None
         state: dict = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
                                         for g in self.inner.param_groups]}
         if self.scaler is not None:

@@ -266,8 +266,15 @@ class Trainer:
         """New groups for the agreed live replicas; the distributed optimizer's shards follow."""
         self.groups.rebuild(live_replicas, epoch, key)
         if isinstance(self.optimizer, ShardedAdamW):
-            self.optimizer.reshard(live_replicas, self.groups.per_instance, self.groups.dp)
+            start = time.perf_counter()
+            received = self.optimizer.reshard(live_replicas, self.groups.per_instance,
+                                              self.groups.dp)
             self.weights_stale = False
+            if received:
+                logger.info(f"distributed optimizer: slice [{self.optimizer.lo}, "
+                            f"{self.optimizer.hi}) for live replicas {live_replicas}, "
+                            f"{received / 2**20:.2f} MiB received, "
+                            f"{(time.perf_counter() - start) * 1000:.0f} ms")
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(

@@ -8,6 +8,10 @@ SIGKILLed at iteration --fail-at, and compares median ms/iteration of the iterat
 failure with the failure-free run's. retention = (t_free / t_after) / ((D - f) / D); 1.0 is ideal.
 On a machine with fewer cores than ranks, the survivors also get the dead ranks' CPU, which flatters
 the number: use --dp <= cores for an honest reading (2 on this machine).
+
+--distributed-optimizer-instances K runs both arms with --use-distributed-optimizer: the recovery's
+rebuild then includes re-sharding the optimizer state (the dead replica's slice comes from another
+instance); --hidden-size scales the model, and with it the bytes that move.
 """
 from __future__ import annotations
 
@@ -21,16 +25,16 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+MODEL = ["--num-layers", "4", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
          "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
          "--log-interval", "1000", "--eval-interval", "100000", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--recover-balance", "even"]
 
 
-def run(dp: int, iters: int, faults: list[str], out: Path) -> list[dict]:
+def run(dp: int, iters: int, faults: list[str], out: Path, extra: list[str]) -> list[dict]:
     args = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(dp),
-            "--master-port", "0", "pretrain_gpt_recover.py", *MODEL,
+            "--master-port", "0", "pretrain_gpt_recover.py", *MODEL, *extra,
             "--global-batch-size", str(2 * 4 * dp), "--train-iters", str(iters),
             "--metrics-file", str(out)]
     for f in faults:
@@ -49,7 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--fail-at", type=int, default=8, help="iteration of the kills")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--distributed-optimizer-instances", type=int, default=0, metavar="K",
+                   help="0: the plain optimizer; K: --use-distributed-optimizer with K instances")
     a = p.parse_args(argv)
+    extra = ["--hidden-size", str(a.hidden_size)]
+    if a.distributed_optimizer_instances:
+        if a.dp % a.distributed_optimizer_instances:
+            p.error("--distributed-optimizer-instances must divide --dp")
+        extra += ["--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                  str(a.distributed_optimizer_instances)]
     if not 0 < a.fail < a.dp:
         p.error(f"--fail must be between 1 and --dp - 1 = {a.dp - 1}")
     if not 2 <= a.fail_at <= a.iters - 5:
@@ -58,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     free_ms, after_ms, parts, spike = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(a.repeats):  # interleaved: the machine's load hits both arms alike
-            ff = run(a.dp, a.iters, [], Path(tmp) / f"free{k}.jsonl")
-            fl = run(a.dp, a.iters, faults, Path(tmp) / f"fail{k}.jsonl")
+            ff = run(a.dp, a.iters, [], Path(tmp) / f"free{k}.jsonl", extra)
+            fl = run(a.dp, a.iters, faults, Path(tmp) / f"fail{k}.jsonl", extra)
             free_ms += [r["ms_per_iteration"] for r in ff[a.fail_at + 1:]]
             after_ms += [r["ms_per_iteration"] for r in fl[a.fail_at + 1:]]
             failed = fl[a.fail_at - 1]
@@ -71,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ideal = (a.dp - a.fail) / a.dp
     retention = (t_free / t_after) / ideal
     print(f"D={a.dp} replicas, f={a.fail} killed at iteration {a.fail_at}, "
-          f"{a.repeats} interleaved pairs, M={4 * a.dp} microbatches/iteration")
+          f"{a.repeats} interleaved pairs, M={4 * a.dp} microbatches/iteration, hidden "
+          f"{a.hidden_size}, " + (f"distributed optimizer K={a.distributed_optimizer_instances}"
+                                  if a.distributed_optimizer_instances else "plain optimizer"))
     print(f"  failure-free   median {t_free:8.1f} ms/iteration")
     print(f"  after failure  median {t_after:8.1f} ms/iteration (same global batch)")
     print(f"  failed iteration: {statistics.median(spike):.0f} ms longer than a failure-free one")
