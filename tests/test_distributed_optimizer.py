@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.optimizer import MainParamsAdamW
-from recover_patches.recovery.grad_buffer import flat_offsets
+from recover_patches.recovery.grad_buffer import flat_layout
 
 SHAPES = [(5, 3), (7,), (4, 4), (3,)]  # odd sizes: shard boundaries cut through parameters
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -26,9 +26,13 @@ def make_params(dtype: torch.dtype) -> list[dict]:
                                                      "wd_mult": 0.0}]
 
 
-def sharded(groups, shard=0, shards=1, group=None) -> ShardedAdamW:
+def sharded(groups, shard=0, shards=1, group=None, per_instance=None) -> ShardedAdamW:
+    """Two buckets of 19 and 22 parameters, padded to a multiple of the instance size: shard
+    ranges cut through parameters in both."""
     flat = [p for g in groups for p in g["params"]]
-    return ShardedAdamW(groups, offsets=flat_offsets(flat), shard=shard, shards=shards,
+    layout = flat_layout(flat, bucket_numel=10, pad_to=per_instance or shards)
+    assert len(layout.buckets) == 2
+    return ShardedAdamW(groups, layout=layout, shard=shard, shards=shards,
                         instance_group=group, **HYPER)
 
 
@@ -131,7 +135,7 @@ def _reshard_rank(rank: int, port: int, dtype: torch.dtype, failures) -> None:
             mine.instance_group = alone if rank == 0 else second
             mine.reshard([0, 2, 3], 2, survivors)
             if rank == 0:
-                assert (mine.lo, mine.hi) == (0, mine.numel)
+                assert mine.ranges == mine.layout.buckets
             assert step_both(plain, mine, range(2, 4))
         mine.instance_group = first if rank < 2 else second
         mine.reshard([0, 1, 2, 3], 2, dist.group.WORLD)

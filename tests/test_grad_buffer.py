@@ -154,3 +154,15 @@ def test_buckets_start_in_the_same_order_on_every_rank(monkeypatch):
         base = buf.reduced.data_ptr()
         orders[rank] = [(ptr - base) // 4 for r, ptr in issued if r == rank]
     assert orders["overlapping"] == orders["idle"] == sorted(orders["idle"])
+
+
+def test_layout_pads_buckets_and_gives_a_marked_parameter_its_own():
+    from recover_patches.recovery.grad_buffer import flat_layout
+    params = [torch.zeros(n) for n in (5, 7, 6, 3)]  # laid out in reverse: 3, 6, 7, 5
+    layout = flat_layout(params, bucket_numel=8, pad_to=4, alone=lambda p: p is params[1])
+    # [3 + 6 = 9 -> 12) [the 7 alone -> 8) [5 -> 8): every bucket a multiple of 4
+    assert layout.buckets == [(0, 12), (12, 20), (20, 28)] and layout.numel == 28
+    assert [layout.offsets[p] for p in params] == [20, 12, 3, 0]
+    # the defaults: one bucket, no padding, the same reversed offsets
+    plain = flat_layout(params)
+    assert plain.buckets == [(0, 21)] and [plain.offsets[p] for p in params] == [16, 9, 3, 0]

@@ -3,25 +3,26 @@ main params and Adam moments sharded over the replicas of an instance, and re-sh
 replicas die or join.
 
 The DP replicas form K instances of S = DP / K consecutive replicas (`optimizer_shards.py` says
-who holds what). Every rank still receives the whole reduced gradient (ReCoVer's out-of-place
-all-reduce, which also carries the commit bookkeeping), but keeps main params and moments only for
-its slice of the flat parameter space (the gradient buffer's layout, `flat_offsets`). After its
-step each rank all-gathers the other slices' updated weights from its instance. Adam is
-elementwise, so the weights are bitwise those of the unsharded optimizer, and every instance holds
-a whole copy of the optimizer state.
+who holds what). As in Megatron, each bucket of the gradient buffer's flat layout (`FlatLayout`,
+padded to a multiple of S, the tied embedding in a bucket of its own so both pipeline ends shard
+it alike) is split evenly over the instance: a rank keeps main params and moments for its range of
+every bucket. Every rank still receives the whole reduced gradient (ReCoVer's out-of-place
+all-reduce, which also carries the commit bookkeeping) and steps its ranges; then the instance
+all-gathers the weights, bucket by bucket. Adam is elementwise, so the weights are bitwise those of
+the unsharded optimizer, and every instance holds a whole copy of the optimizer state.
 
 When the live replicas change (`reshard`, called with every rebuild of the groups), each live rank
-takes its new slice: what it lacks comes point to point from a live rank that holds it -- from its
-own instance's survivors, or from another instance for the slices that died. A rank keeps its old
-slice until it has the whole new one, so a failure during the move leaves every rank holding some
-valid range and the next attempt plans from there.
+takes its new ranges: what it lacks comes point to point from a live rank that holds it -- from
+its own instance's survivors, or from another instance for the ranges that died. A rank keeps its
+old ranges until it has the whole new ones, so a failure during the move leaves every rank holding
+valid ranges and the next attempt plans from there.
 
 Not yet as the issue asks: the gradient is all-reduced, not reduce-scattered (2x the traffic of
 Megatron's reduce-scatter for the gradients), and the all-gather is not overlapped
 (--overlap-param-gather is refused).
 
 Checkpoints keep the unsharded format: `state_dict()` gathers the instance's shards (every member
-of the instance must call it), `load_state_dict()` takes its slice, so any K loads any checkpoint.
+of the instance must call it), `load_state_dict()` takes its ranges, so any K loads any checkpoint.
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.optimizer import LossScaler
-from megatron.training.optimizer_shards import (ShardLost, instance_positions, plan_transfers,
-                                                shard_range)
+from megatron.training.optimizer_shards import (ShardLost, bucket_ranges, instance_positions,
+                                                plan_transfers)
+from recover_patches.recovery.grad_buffer import FlatLayout
 from recover_patches.recovery.iteration import TooFewReplicas
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -41,23 +43,28 @@ _CHUNK = 1 << 24
 
 
 class ShardedAdamW:
-    """MainParamsAdamW's interface over this rank's slice [lo, hi) of the flat parameter space."""
+    """MainParamsAdamW's interface over this rank's range of each bucket of the flat space."""
 
-    def __init__(self, groups: list[dict], *, offsets: dict[torch.Tensor, int], shard: int,
-                 shards: int, instance_group, lr: float, betas: tuple[float, float], eps: float,
+    def __init__(self, groups: list[dict], *, layout: FlatLayout, shard: int, shards: int,
+                 instance_group, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, scaler: LossScaler | None = None):
         self.scaler, self.instance_group = scaler, instance_group
         self.model_params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
         self.main_params = self.model_params  # what --log-params-norm and faults read: whole
-        self.offsets, self.numel = offsets, sum(p.numel() for p in self.model_params)
+        self.layout, self.offsets = layout, layout.offsets
         self.copies = any(p.dtype != torch.float32 for p in self.model_params)
         self._groups_params = [list(g["params"]) for g in groups]
         self._groups_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
         self.before_gather: Callable[[], None] = lambda: None  # fault injection point
+        # the bucket of each parameter, and the parameters of each bucket
+        self._bucket = [next(b for b, (s, e) in enumerate(layout.buckets)
+                             if s <= layout.offsets[p] < e) for p in self.model_params]
+        self._bucket_params = [[i for i, c in enumerate(self._bucket) if c == b]
+                               for b in range(len(layout.buckets))]
         self.shards = shards
-        lo, hi = shard_range(self.numel, shard, shards)
-        self._place(lo, hi, self._from_weights(lo, hi), None, 0)
+        ranges = bucket_ranges(layout.buckets, shard, shards)
+        self._place(ranges, self._from_weights(ranges), None, 0)
 
     @property
     def _device(self) -> torch.device:
@@ -65,30 +72,39 @@ class ShardedAdamW:
         return self.model_params[0].device
 
     @property
-    def chunk(self) -> int:
-        return -(-self.numel // self.shards)
+    def held_numel(self) -> int:
+        return sum(hi - lo for lo, hi in self.ranges)
 
-    def _overlap(self, p: torch.Tensor) -> tuple[int, int]:
-        o = self.offsets[p]
-        return max(self.lo, o) - o, min(self.hi, o + p.numel()) - o
+    @staticmethod
+    def _bases(ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """Where each bucket's range starts in the rank's local (concatenated) tensors."""
+        bases, at = [], 0
+        for lo, hi in ranges:
+            bases.append(at)
+            at += hi - lo
+        return bases
 
-    def _from_weights(self, lo: int, hi: int) -> torch.Tensor:
-        flat = torch.empty(hi - lo, dtype=torch.float32, device=self._device)
-        for p in self.model_params:
-            o = self.offsets[p]
-            a, b = max(lo, o), min(hi, o + p.numel())
-            if a < b:
-                flat[a - lo:b - lo].copy_(p.detach().view(-1)[a - o:b - o])
+    def _from_weights(self, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+        bases = self._bases(ranges)
+        flat = torch.empty(sum(hi - lo for lo, hi in ranges), dtype=torch.float32,
+                           device=self._device)
+        for p, b in zip(self.model_params, self._bucket):
+            (lo, hi), o = ranges[b], self.offsets[p]
+            a, z = max(lo, o), min(hi, o + p.numel())
+            if a < z:
+                flat[bases[b] + a - lo:bases[b] + z - lo].copy_(p.detach().view(-1)[a - o:z - o])
         return flat
 
-    def _place(self, lo: int, hi: int, main: torch.Tensor,
+    def _place(self, ranges: list[tuple[int, int]], main: torch.Tensor,
                moments: tuple[torch.Tensor, torch.Tensor] | None, step: int) -> None:
-        """Hold [lo, hi): fragments with `main`'s values (flat fp32 over the range, also written
-        into the model's weights there), and Adam's moments and step if it has stepped. The
-        hyperparameters the scheduler set on the previous inner optimizer carry over."""
-        self.lo, self.hi = lo, hi
-        # per parameter overlapping the slice: (index in model_params, start, end in the param)
-        self.pieces: list[tuple[int, int, int]] = []
+        """Hold `ranges` (one per bucket): fragments with `main`'s values (the ranges' fp32 values,
+        concatenated; also written into the model's weights there), and Adam's moments and step if
+        it has stepped. The hyperparameters the scheduler set on the previous inner optimizer
+        carry over."""
+        self.ranges, self._base = ranges, self._bases(ranges)
+        # per parameter overlapping its bucket's range: (index in model_params, start, end in the
+        # param, where `start` sits in the local tensors)
+        self.pieces: list[tuple[int, int, int, int]] = []
         self.fragments: list[torch.nn.Parameter] = []
         fragment_groups, states, index = [], [], -1
         with torch.no_grad():
@@ -96,24 +112,26 @@ class ShardedAdamW:
                 fragments = []
                 for p in params:
                     index += 1
-                    start, end = self._overlap(p)
-                    if start >= end:
+                    b, o = self._bucket[index], self.offsets[p]
+                    lo, hi = ranges[b]
+                    a, z = max(lo, o), min(hi, o + p.numel())
+                    if a >= z:
                         continue
-                    at = self.offsets[p] + start - lo
-                    values = main[at:at + end - start]
-                    weights = p.detach().view(-1)[start:end]
+                    at = self._base[b] + a - lo
+                    values = main[at:at + z - a]
+                    weights = p.detach().view(-1)[a - o:z - o]
                     weights.copy_(values)
                     # fp32: the fragment is a view, the step writes the model's weights in place
                     fragment = torch.nn.Parameter(weights if p.dtype == torch.float32
                                                   else values, requires_grad=False)
-                    self.pieces.append((index, start, end))
+                    self.pieces.append((index, a - o, z - o, at))
                     self.fragments.append(fragment)
                     fragments.append(fragment)
                     if moments is not None:
                         states.append((fragment, {"step": torch.tensor(float(step)), **{
-                            n: m[at:at + end - start] for n, m in zip(_MOMENTS, moments)}}))
+                            n: m[at:at + z - a] for n, m in zip(_MOMENTS, moments)}}))
                 fragment_groups.append({**hyper, "params": fragments})
-        previous = getattr(self, "inner", None)  # None while __init__ places the first slice
+        previous = getattr(self, "inner", None)  # None while __init__ places the first ranges
         self.inner: torch.optim.AdamW = torch.optim.AdamW(
             fragment_groups, lr=self._lr, betas=self._betas, eps=self._eps,
             weight_decay=self._weight_decay)
@@ -130,7 +148,7 @@ class ShardedAdamW:
     def step(self, grads: Sequence[torch.Tensor]) -> None:
         """`grads[i]`: the final fp32 gradient of `model_params[i]` (whole; only the slice is used).
         A PeerFailure can come only from the weights' all-gather, after this slice stepped."""
-        for fragment, (i, start, end) in zip(self.fragments, self.pieces):
+        for fragment, (i, start, end, _) in zip(self.fragments, self.pieces):
             fragment.grad = grads[i].view(-1)[start:end]
         self.inner.step()
         for fragment in self.fragments:
@@ -139,17 +157,23 @@ class ShardedAdamW:
         self.gather_weights()
 
     def gather_weights(self) -> None:
-        """Every slice's updated weights to every member of the instance."""
+        """Every range's updated weights to every member of the instance, bucket by bucket."""
         dtype = self.model_params[0].dtype
-        mine = torch.zeros(self.chunk, dtype=dtype, device=self._device)
         with torch.no_grad():
-            for fragment, (i, start, end) in zip(self.fragments, self.pieces):
-                at = self.offsets[self.model_params[i]] + start - self.lo
-                mine[at:at + end - start].copy_(fragment)
-            whole = self._all_gather(mine)
-            for p in self.model_params:
-                o = self.offsets[p]
-                p.view(-1).copy_(whole[o:o + p.numel()])
+            for b, whole in enumerate(self._gather_buckets(lambda f: f, dtype)):
+                s = self.layout.buckets[b][0]
+                for i in self._bucket_params[b]:
+                    p, o = self.model_params[i], self.offsets[self.model_params[i]]
+                    p.view(-1).copy_(whole[o - s:o - s + p.numel()])
+
+    def _gather_buckets(self, of_fragment, dtype: torch.dtype):
+        """Per bucket: the instance's chunks of a per-fragment tensor, all-gathered (a generator:
+        one bucket's buffer at a time)."""
+        local = self._flat(of_fragment, dtype)
+        for b, ((s, e), (lo, hi)) in enumerate(zip(self.layout.buckets, self.ranges)):
+            mine = torch.zeros(-(-(e - s) // self.shards), dtype=dtype, device=self._device)
+            mine[:hi - lo].copy_(local[self._base[b]:self._base[b] + hi - lo])
+            yield self._all_gather(mine)
 
     def _all_gather(self, mine: torch.Tensor) -> torch.Tensor:
         size = 1 if self.instance_group is None else self.instance_group.size()
@@ -159,25 +183,27 @@ class ShardedAdamW:
         dist.all_gather_single(whole, mine, group=self.instance_group)
         return whole
 
-    def _flat(self, of_fragment) -> torch.Tensor:
-        """A per-fragment fp32 tensor (a moment, a main param) as one flat tensor over [lo, hi)."""
-        flat = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self._device)
-        for fragment, (i, start, end) in zip(self.fragments, self.pieces):
-            at = self.offsets[self.model_params[i]] + start - self.lo
+    def _flat(self, of_fragment, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A per-fragment tensor (a moment, a main param) as this rank's local tensor: its
+        ranges' values, concatenated."""
+        flat = torch.zeros(self.held_numel, dtype=dtype, device=self._device)
+        for fragment, (_, start, end, at) in zip(self.fragments, self.pieces):
             flat[at:at + end - start].copy_(of_fragment(fragment))
         return flat
 
     def _whole(self, of_fragment) -> list[torch.Tensor]:
         """A per-fragment fp32 tensor gathered over the instance into whole per-param ones."""
-        mine = torch.zeros(self.chunk, dtype=torch.float32, device=self._device)
-        mine[:self.hi - self.lo].copy_(self._flat(of_fragment))
-        whole = self._all_gather(mine)
-        return [whole[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p).clone()
-                for p in self.model_params]
+        result: list[torch.Tensor] = [torch.empty(0)] * len(self.model_params)
+        for b, whole in enumerate(self._gather_buckets(of_fragment, torch.float32)):
+            s = self.layout.buckets[b][0]
+            for i in self._bucket_params[b]:
+                p, o = self.model_params[i], self.offsets[self.model_params[i]]
+                result[i] = whole[o - s:o - s + p.numel()].view_as(p).clone()
+        return result
 
     def reload_model_params(self) -> None:
         with torch.no_grad():
-            for fragment, (i, start, end) in zip(self.fragments, self.pieces):
+            for fragment, (i, start, end, _) in zip(self.fragments, self.pieces):
                 fragment.copy_(self.model_params[i].view(-1)[start:end])
 
     def state_dict(self) -> dict:
@@ -229,7 +255,7 @@ class ShardedAdamW:
             self.scaler.load_state_dict(state["grad_scaler"])
         self.inner.state.clear()
         with torch.no_grad():
-            for fragment, (i, start, end) in zip(self.fragments, self.pieces):
+            for fragment, (i, start, end, _) in zip(self.fragments, self.pieces):
                 fragment.copy_(mains[i].view(-1)[start:end])
                 if self.copies:
                     self.model_params[i].view(-1)[start:end].copy_(fragment)
@@ -239,72 +265,81 @@ class ShardedAdamW:
                         "step": torch.tensor(float(saved_state["step"])),
                         **{n: saved_state[n].reshape(-1)[start:end].to(fragment.device, torch.float32,
                                                                       copy=True) for n in _MOMENTS}}
-        if self.copies:  # the other slices' weights: from their owners
+        if self.copies:  # the other ranges' weights: from their owners
             self.gather_weights()
 
     # -- the replicas changed -------------------------------------------------------------------
     def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:
-        """Take this rank's slice for the live replicas `live_replicas` (instances of
+        """Take this rank's ranges for the live replicas `live_replicas` (instances of
         `per_instance` consecutive replicas), then gather the instance's weights. A collective over
         `dp_group`: one rank per live replica, in replica order, each taking part. Pieces move
-        point to point from the lowest rank holding them; a rank's old slice stays until the
-        whole new one arrived. TooFewReplicas if some piece died with every rank that held it.
+        point to point from the lowest rank holding them; a rank's old ranges stay until the
+        whole new ones arrived. TooFewReplicas if some piece died with every rank that held it.
         Returns the bytes this rank received."""
         live = sorted(live_replicas)
         me, size = (0, 1) if dp_group is None else (dp_group.rank(), dp_group.size())
         positions = instance_positions(live, per_instance)
-        wanted = [shard_range(self.numel, j, n) for j, n in positions]
+        wanted = [bucket_ranges(self.layout.buckets, j, n) for j, n in positions]
         held, step = self._held_ranges(dp_group, size)
         try:
-            transfers = plan_transfers(held, wanted)
+            plans = [plan_transfers([h[b] for h in held], [w[b] for w in wanted])
+                     for b in range(len(self.layout.buckets))]
         except ShardLost as lost:
             raise TooFewReplicas(
                 f"the distributed optimizer's state {lost} of this stage's flat parameters was "
                 f"held only by lost replicas (live: {live}); "
                 "--num-distributed-optimizer-instances K keeps K copies") from None
-        lo, hi = wanted[me]
+        ranges, bases, old = wanted[me], self._bases(wanted[me]), self.ranges
         started = step > 0
-        fresh = [torch.zeros(hi - lo, dtype=torch.float32, device=self._device)
-                 for _ in range(1 + 2 * started)]
+        fresh = [torch.zeros(sum(hi - lo for lo, hi in ranges), dtype=torch.float32,
+                             device=self._device) for _ in range(1 + 2 * started)]
         inner, mine = self.inner, []
-        if held[me][0] < held[me][1]:  # this rank's valid slice: main params, then moments
+        if any(lo < hi for lo, hi in held[me]):  # valid: main params, then moments
             mine = [self._flat(lambda f: f)] + [
                 self._flat(lambda f, n=n: inner.state[f][n]) for n in _MOMENTS if started]
-            a, b = max(lo, self.lo), min(hi, self.hi)
-            for new, old in zip(fresh, mine):
-                if a < b:
-                    new[a - lo:b - lo].copy_(old[a - self.lo:b - self.lo])
-        for t in transfers:
-            if me == t.src:
-                for part in mine:
-                    section = part[t.lo - self.lo:t.hi - self.lo]
-                    for piece in section.split(_CHUNK):
-                        dist.send(piece, group=dp_group, group_dst=t.dst)
-            elif me == t.dst:
-                for new in fresh:
-                    for piece in new[t.lo - lo:t.hi - lo].split(_CHUNK):
-                        dist.recv(piece, group=dp_group, group_src=t.src)
+            for b, ((lo, hi), (c, d)) in enumerate(zip(ranges, old)):
+                a, z = max(lo, c), min(hi, d)
+                for new, kept in zip(fresh, mine):
+                    if a < z:
+                        new[bases[b] + a - lo:bases[b] + z - lo].copy_(
+                            kept[self._base[b] + a - c:self._base[b] + z - c])
+        for b, transfers in enumerate(plans):
+            for t in transfers:
+                if me == t.src:
+                    at = self._base[b] + t.lo - old[b][0]
+                    for kept in mine:
+                        for piece in kept[at:at + t.hi - t.lo].split(_CHUNK):
+                            dist.send(piece, group=dp_group, group_dst=t.dst)
+                elif me == t.dst:
+                    at = bases[b] + t.lo - ranges[b][0]
+                    for new in fresh:
+                        for piece in new[at:at + t.hi - t.lo].split(_CHUNK):
+                            dist.recv(piece, group=dp_group, group_src=t.src)
         self.shards = positions[me][1]
-        self._place(lo, hi, fresh[0], (fresh[1], fresh[2]) if started else None, step)
+        self._place(ranges, fresh[0], (fresh[1], fresh[2]) if started else None, step)
         self.gather_weights()
-        return 4 * len(fresh) * sum(t.hi - t.lo for t in transfers if t.dst == me)
+        return 4 * len(fresh) * sum(t.hi - t.lo for transfers in plans for t in transfers
+                                    if t.dst == me)
 
-    def _held_ranges(self, dp_group, size: int) -> tuple[list[tuple[int, int]], int]:
-        """Every group rank's slice and Adam step; a rank behind the newest step (a spare's old
+    def _held_ranges(self, dp_group, size: int) -> tuple[list[list[tuple[int, int]]], int]:
+        """Every group rank's ranges and Adam step; a rank behind the newest step (a spare's old
         state) counts as holding nothing."""
         step = max((int(s["step"]) for s in self.inner.state.values()), default=0)
-        mine = torch.tensor([self.lo, self.hi, step], dtype=torch.int64, device=self._device)
+        mine = torch.tensor([x for r in self.ranges for x in r] + [step], dtype=torch.int64,
+                            device=self._device)
         every = mine
         if size > 1:
-            every = torch.empty(3 * size, dtype=torch.int64, device=self._device)
+            every = torch.empty(size * mine.numel(), dtype=torch.int64, device=self._device)
             dist.all_gather_single(every, mine, group=dp_group)
-        rows = every.view(size, 3).tolist()
-        newest = max(row[2] for row in rows)
-        return [(lo, hi) if s == newest else (0, 0) for lo, hi, s in rows], newest
+        rows = every.view(size, mine.numel()).tolist()
+        newest = max(row[-1] for row in rows)
+        return [[(row[2 * b], row[2 * b + 1]) if row[-1] == newest else (0, 0)
+                 for b in range(len(self.ranges))] for row in rows], newest
 
     def forget(self) -> None:
         """This rank's replica broke: whatever it held is out of date by the time it rejoins."""
-        self._place(0, 0, torch.empty(0, device=self._device), None, 0)
+        self._place([(s, s) for s, _ in self.layout.buckets], torch.empty(0, device=self._device),
+                    None, 0)
 
     def replicated_state_dict(self) -> dict:
         """What every rank holds whole (a joining replica's copy; the shards come by `reshard`)."""

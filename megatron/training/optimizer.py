@@ -15,6 +15,8 @@ import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from recover_patches.recovery.grad_buffer import FlatLayout, flat_layout
+
 if TYPE_CHECKING:
     from megatron.training.distributed_optimizer import ShardedAdamW
 
@@ -159,11 +161,25 @@ def build_optimizer(model: torch.nn.Module, args, groups=None) -> "Optimizer":
     if not args.use_distributed_optimizer:
         return MainParamsAdamW(param_groups, **hyper)
     from megatron.training.distributed_optimizer import ShardedAdamW
-    from recover_patches.recovery.grad_buffer import flat_offsets
     size = groups.topology.dp // args.num_distributed_optimizer_instances
-    flat = flat_offsets([p for g in param_groups for p in g["params"]])
-    return ShardedAdamW(param_groups, offsets=flat, shard=groups.coord.replica % size, shards=size,
-                        instance_group=groups.instance, **hyper)
+    layout = flat_layout_for(args, groups, [p for g in param_groups for p in g["params"]])
+    return ShardedAdamW(param_groups, layout=layout, shard=groups.coord.replica % size,
+                        shards=size, instance_group=groups.instance, **hyper)
+
+
+def flat_layout_for(args, groups, params: Sequence[torch.Tensor]) -> FlatLayout:
+    """The gradient buffer's layout (the distributed optimizer shards the same one). Megatron's
+    bucket rule: one bucket unless overlapping; then --ddp-bucket-size, default max(40M, 1M x DP)
+    parameters. With the distributed optimizer each bucket is padded to a multiple of the instance
+    size, and the tied embedding gets a bucket of its own: both pipeline ends then shard it alike,
+    so its gradients can be summed range by range."""
+    bucket = args.ddp_bucket_size
+    if bucket is None and args.overlap_grad_reduce:
+        bucket = max(40_000_000, 1_000_000 * groups.topology.dp)
+    if not args.use_distributed_optimizer:
+        return flat_layout(params, bucket)
+    return flat_layout(params, bucket, pad_to=groups.per_instance,
+                       alone=lambda p: getattr(p, "tied_embedding_copy", False))
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:

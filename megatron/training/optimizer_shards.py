@@ -1,8 +1,9 @@
 """Where the distributed optimizer's state lives, and what moves when the live replicas change.
 
 The DP replicas form K instances of S consecutive replicas (replica r is in instance r // S). The
-live replicas of an instance split the flat parameter space into equal chunks, in replica order:
-the j-th of n live replicas holds [j * ceil(N / n), (j + 1) * ceil(N / n)) clipped to N. Every
+live replicas of an instance split each bucket of the flat parameter space into equal chunks, in
+replica order: the j-th of n live replicas holds [s + j * ceil(L / n), s + (j + 1) * ceil(L / n))
+of a bucket [s, s + L), clipped to it. Every
 instance with a live replica thus holds a whole copy, which is what lets survivors fetch the
 shards of a dead replica from another instance. All functions here are pure: every rank computes
 the same answer from the same agreed inputs.
@@ -34,6 +35,14 @@ class ShardLost(Exception):
 def shard_range(numel: int, shard: int, shards: int) -> tuple[int, int]:
     chunk = math.ceil(numel / shards)
     return min(shard * chunk, numel), min((shard + 1) * chunk, numel)
+
+
+def bucket_ranges(buckets: Sequence[tuple[int, int]], shard: int,
+                  shards: int) -> list[tuple[int, int]]:
+    """The shard's range in each bucket: every bucket is split in `shards` equal chunks (the
+    last one shorter unless the bucket is padded to a multiple), so a bucket's weights are
+    all-gathered, and its gradients reduce-scattered, as one operation."""
+    return [(s + lo, s + hi) for s, e in buckets for lo, hi in [shard_range(e - s, shard, shards)]]
 
 
 def instance_positions(live_replicas: Sequence[int], per_instance: int) -> list[tuple[int, int]]:

@@ -24,8 +24,8 @@ from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
-                                         global_grad_norm, sync_sequence_parallel_grads,
-                                         sync_tied_embedding_grads)
+                                         flat_layout_for, global_grad_norm,
+                                         sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.faults import FaultInjector
 from recover_patches.p2p import StageLink
@@ -271,8 +271,8 @@ class Trainer:
                                               self.groups.dp)
             self.weights_stale = False
             if received:
-                logger.info(f"distributed optimizer: slice [{self.optimizer.lo}, "
-                            f"{self.optimizer.hi}) for live replicas {live_replicas}, "
+                logger.info(f"distributed optimizer: {self.optimizer.held_numel} parameters' "
+                            f"state held for live replicas {live_replicas}, "
                             f"{received / 2**20:.2f} MiB received, "
                             f"{(time.perf_counter() - start) * 1000:.0f} ms")
 
@@ -483,13 +483,10 @@ def build_stage(args, groups: ParallelGroups, model, dataset, tracker,
 
 
 def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> GradBuffer:
-    """Megatron's bucket rule: one bucket unless overlapping; then --ddp-bucket-size, default
-    max(40M, 1M x DP) parameters."""
-    bucket = args.ddp_bucket_size
-    if bucket is None and args.overlap_grad_reduce:
-        bucket = max(40_000_000, 1_000_000 * groups.topology.dp)
+    layout = optimizer.layout if isinstance(optimizer, ShardedAdamW) else flat_layout_for(
+        args, groups, optimizer.model_params)
     return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
-                      device=optimizer.model_params[0].device, bucket_numel=bucket,
+                      device=optimizer.model_params[0].device, layout=layout,
                       overlap=args.overlap_grad_reduce)
 
 

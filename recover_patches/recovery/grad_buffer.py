@@ -22,7 +22,7 @@ Tail layout: [4 integers x 7 limbs | loss hi, lo | time per replica | weight has
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,43 +54,72 @@ class ReducedGradients:
     replica_weight_hashes: list[int] = field(default_factory=list)  # 0: not sent
 
 
-def flat_offsets(params: Sequence[torch.Tensor]) -> dict[torch.Tensor, int]:
-    """Where each parameter lives in the flat buffers: in reverse order, so buckets fill up in the
-    order backward produces the gradients. The distributed optimizer shards this same space."""
-    offsets, offset = {}, 0
+@dataclass
+class FlatLayout:
+    """Where each parameter's gradient lives in the flat buffers, and the buckets reduced as one.
+    The distributed optimizer shards each bucket over an instance in this same space."""
+    offsets: dict[torch.Tensor, int]
+    buckets: list[tuple[int, int]]  # [start, end): consecutive, padded to a multiple of `pad_to`
+    numel: int  # the end of the last bucket
+
+
+def flat_layout(params: Sequence[torch.Tensor], bucket_numel: int | None = None, pad_to: int = 1,
+                alone: Callable[[torch.Tensor], bool] = lambda p: False) -> FlatLayout:
+    """Parameters in reverse order, so buckets fill up in the order backward produces the
+    gradients; a bucket closes once it holds `bucket_numel` (None: one bucket), and a parameter
+    `alone` says so gets a bucket of its own. Each bucket is padded with zeros to a multiple of
+    `pad_to` (the distributed optimizer's instance size: its shards then split every bucket
+    evenly)."""
+    offsets: dict[torch.Tensor, int] = {}
+    buckets: list[tuple[int, int]] = []
+    start = offset = 0
+
+    def close() -> int:
+        end = start + -(-(offset - start) // pad_to) * pad_to
+        buckets.append((start, end))
+        return end
     for p in reversed(params):
+        if alone(p) and offset > start:
+            start = offset = close()
         offsets[p] = offset
         offset += p.numel()
-    return offsets
+        if alone(p) or (bucket_numel is not None and offset - start >= bucket_numel):
+            start = offset = close()
+    if offset > start or not buckets:
+        close()
+    return FlatLayout(offsets, buckets, buckets[-1][1])
+
+
+def flat_offsets(params: Sequence[torch.Tensor]) -> dict[torch.Tensor, int]:
+    """The one-bucket, unpadded layout's offsets."""
+    return flat_layout(params).offsets
 
 
 class GradBuffer:
     def __init__(self, params: Sequence[torch.Tensor], *, replicas: int, dp_group,
                  device: torch.device | str = "cpu", bucket_numel: int | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, layout: FlatLayout | None = None):
         self.params = list(params)
         self.dp_group = dp_group
         self.replicas = replicas
         self.overlap = overlap
         self.device = torch.device(device)
-        self.numel = sum(p.numel() for p in self.params)
+        self.layout = layout or flat_layout(self.params, bucket_numel)
+        self.numel = self.layout.numel
         self.meta_numel = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas * (1 + HASH_LIMBS)
         self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
                                  device=self.device)
         self.reduced = torch.zeros_like(self.local)
-        self._offsets = flat_offsets(self.params)
-        self.buckets: list[tuple[int, int]] = []  # [start, end) in the buffers; last holds the tail
+        self._offsets = self.layout.offsets
+        # [start, end) in the buffers, reduced as one operation; the last one holds the tail
+        self.buckets = list(self.layout.buckets[:-1]) + [
+            (self.layout.buckets[-1][0], self.numel + self.meta_numel)]
         self._bucket_of: dict[torch.Tensor, int] = {}
-        start = 0
-        for p in reversed(self.params):  # backward produces the last layers' grads first
+        for p in self.params:
             offset = self._offsets[p]
             setattr(p, "main_grad", self.local[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-            self._bucket_of[p] = len(self.buckets)
-            if bucket_numel is not None and offset - start >= bucket_numel and offset < self.numel:
-                self.buckets.append((start, offset))
-                start = offset
-        self.buckets.append((start, self.numel + self.meta_numel))
+            self._bucket_of[p] = next(b for b, (s, e) in enumerate(self.layout.buckets)
+                                      if s <= offset < e)
         self._bucket_params = [0] * len(self.buckets)  # params per bucket
         for b in self._bucket_of.values():
             self._bucket_params[b] += 1
