@@ -13,7 +13,9 @@ import torch.multiprocessing as mp
 
 from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.optimizer import MainParamsAdamW
-from recover_patches.recovery.grad_buffer import flat_layout
+from megatron.training.optimizer_shards import bucket_ranges
+from recover_patches.recovery.grad_buffer import GradBuffer, Scatter, flat_layout
+from recover_patches.recovery.reduce import Totals
 
 SHAPES = [(5, 3), (7,), (4, 4), (3,)]  # odd sizes: shard boundaries cut through parameters
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -147,6 +149,39 @@ def _reshard_rank(rank: int, port: int, dtype: torch.dtype, failures) -> None:
         raise
 
 
+def _scatter_rank(rank: int, port: int, failures) -> None:
+    """DP = 4 in instances {0, 1}, {2, 3}: each bucket is reduce-scattered in the instance and
+    summed across it; every rank's ranges hold the sum of all four ranks' gradients, and the tail
+    the exact totals."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=4)
+        instances = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        places = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        params = [torch.nn.Parameter(torch.zeros(*s)) for s in SHAPES]
+        layout = flat_layout(params, bucket_numel=10, pad_to=2)
+        buffer = GradBuffer(params, replicas=4, dp_group=dist.group.WORLD, layout=layout)
+        buffer.scatter = Scatter(instances[rank // 2], places[rank % 2], rank % 2, 2)
+        grads = [torch.Generator().manual_seed(r) for r in range(4)]
+        every = [torch.randn(layout.numel, generator=g) for g in grads]
+        buffer.local[:layout.numel].copy_(every[rank])
+        reduced = buffer.reduce(Totals.of_ids([rank], 10 + rank, 1.5), rank, 0.0)
+        assert reduced.scattered and reduced.totals == Totals.of_ids([0, 1, 2, 3], 46, 6.0)
+        expected = sum(every)
+        for lo, hi in bucket_ranges(layout.buckets, rank % 2, 2):
+            assert torch.allclose(buffer.reduced[lo:hi], expected[lo:hi], atol=1e-6), (lo, hi)
+        dist.destroy_process_group()
+    except BaseException as error:  # reported to the parent, which asserts
+        failures.put(f"rank {rank}: {error!r}")
+        raise
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_buckets_are_reduce_scattered_into_the_ranges_and_summed_across_instances():
+    assert _run_ranks(_scatter_rank, 4) == []
+
+
 def _run_ranks(target, nprocs: int, *args) -> list[str]:
     """Start `nprocs` ranks of `target(rank, port, *args, failures)`; their errors, all killed."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -220,6 +255,8 @@ def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_pat
     assert [r["live_replicas"] for r in records] == [[0, 1, 2, 3]] * 2 + [[0, 1, 3]] * 3 + [[0, 3]] * 3
     assert [p["phase"] for r in records for p in r["recoveries"]] == ["reduce", "refresh"]
     assert [r.get("weights_checked_after") for r in records] == [None, *range(1, 8)]
+    # reduce-scattered while all four replicas live, all-reduced after the first loss
+    assert [r.get("reduce_scattered", False) for r in records] == [True] * 2 + [False] * 6
     for mine, theirs in zip(records, reference.records):
         assert abs(mine["lm_loss"] - theirs["lm_loss"]) <= 1e-5 * theirs["lm_loss"], (mine, theirs)
 

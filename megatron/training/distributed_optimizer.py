@@ -26,12 +26,13 @@ of the instance must call it), `load_state_dict()` takes its ranges, so any K lo
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron.training.optimizer import LossScaler
+from megatron.training.optimizer import LossScaler, is_counted
 from megatron.training.optimizer_shards import (ShardLost, bucket_ranges, instance_positions,
                                                 plan_transfers)
 from recover_patches.recovery.grad_buffer import FlatLayout
@@ -267,6 +268,46 @@ class ShardedAdamW:
                                                                       copy=True) for n in _MOMENTS}}
         if self.copies:  # the other ranges' weights: from their owners
             self.gather_weights()
+
+    # -- gradients reduce-scattered into the ranges (every replica live) ------------------------
+    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
+        """The global gradient norm from this rank's ranges only: the instance's shares are
+        gathered and summed in shard order, so every instance computes the same bits (their
+        replicas must take the same step), then summed over the replica's TP x PP ranks."""
+        pieces = self._counted(grads, tp_rank)
+        local = torch.zeros(1, dtype=torch.float64, device=self._device)
+        if pieces:
+            local += torch.stack(torch._foreach_norm(pieces, 2.0)).double().pow(2).sum()
+        total = self._instance_sum(local)
+        if replica_group is not None and replica_group.size() > 1:
+            dist.all_reduce(total, group=replica_group)
+        value = float(total)
+        return math.sqrt(value) if math.isfinite(value) else value
+
+    def count_zeros(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
+        """--log-num-zeros-in-grad from this rank's ranges (integers: any order sums exactly)."""
+        zeros = torch.tensor([float(sum(int((g == 0).sum()) for g in self._counted(grads, tp_rank)))],
+                             dtype=torch.float64, device=self._device)
+        total = self._instance_sum(zeros)
+        if replica_group is not None and replica_group.size() > 1:
+            dist.all_reduce(total, group=replica_group)
+        return float(total)
+
+    def _counted(self, tensors: Sequence[torch.Tensor], tp_rank: int) -> list[torch.Tensor]:
+        """This rank's pieces of the per-parameter `tensors`, for parameters it counts."""
+        return [tensors[i].reshape(-1)[start:end] for i, start, end, _ in self.pieces
+                if is_counted(self.model_params[i], tp_rank)]
+
+    def _instance_sum(self, value: torch.Tensor) -> torch.Tensor:
+        size = 1 if self.instance_group is None else self.instance_group.size()
+        if size == 1:
+            return value
+        every = torch.empty(size, dtype=value.dtype, device=value.device)
+        dist.all_gather_single(every, value, group=self.instance_group)
+        total = every[0].clone()
+        for k in range(1, size):  # a fixed order, not the collective's
+            total += every[k]
+        return total.reshape(1)
 
     # -- the replicas changed -------------------------------------------------------------------
     def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:

@@ -56,6 +56,8 @@ class ParallelGroups:
     # --use-distributed-optimizer: the DP ranks of this rank's instance (the optimizer's shards)
     instance: dist.ProcessGroup | None = None
     per_instance: int = 0  # replicas per instance (instance of replica r: r // per_instance)
+    # the DP ranks at this rank's place in every instance: its gradient range summed across them
+    position: dist.ProcessGroup | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,7 +70,7 @@ class ParallelGroups:
     def all_groups(self) -> list[dist.ProcessGroup]:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
         groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group,
-                  self.instance]
+                  self.instance, self.position]
         return [g for g in groups if g is not None]
 
     def raise_latched(self) -> None:
@@ -92,14 +94,17 @@ class ParallelGroups:
         message of an abandoned round can ever be matched in the next one. The distributed
         optimizer's instance keeps its live replicas."""
         c, topo = self.coord, self.topology
-        mates = [r for r in live_replicas if self.per_instance
-                 and r // self.per_instance == c.replica // self.per_instance]
+        size = self.per_instance or 1
         for g in self.all_groups():
             members = g.members
             if g is self.dp:
                 members = topo.dp_ranks(c.tp, c.pp, live_replicas)
             elif g is self.instance:
-                members = topo.dp_ranks(c.tp, c.pp, mates)
+                members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
+                                                     if r // size == c.replica // size])
+            elif g is self.position:
+                members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
+                                                     if r % size == c.replica % size])
             g.rebuild(epoch, members, key)
 
     def pg_collection(self) -> ProcessGroupCollection:
@@ -128,14 +133,17 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
                                topology.embedding_ranks(c.tp, c.replica))
     dp = make_group(f"dp.tp{c.tp}.stage{c.pp}", topology.dp_ranks(c.tp, c.pp))
     self_group = make_group(f"self.rank{rank}", [rank])
-    instance, size = None, 0
+    instance, position, size = None, None, 0
     if optimizer_instances is not None:
         size = topology.dp // optimizer_instances
         first = c.replica // size * size
         instance = make_group(f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}",
                               topology.dp_ranks(c.tp, c.pp, range(first, first + size)))
+        place = c.replica % size
+        position = make_group(f"distopt.tp{c.tp}.stage{c.pp}.place{place}",
+                              topology.dp_ranks(c.tp, c.pp, range(place, topology.dp, size)))
     return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
-                          size)
+                          size, position)
 
 
 def env_rank_world() -> tuple[int, int]:

@@ -228,13 +228,17 @@ def sync_sequence_parallel_grads(params: Sequence[torch.nn.Parameter],
         g.copy_(part.view_as(g))
 
 
+def is_counted(p: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank counts `p` in norms, so that the replica counts each parameter once:
+    TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all."""
+    return not getattr(p, "tied_embedding_is_duplicate", False) \
+        and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+
+
 def counted_once(params: Sequence[torch.nn.Parameter], tensors: Sequence[torch.Tensor],
                  tp_rank: int) -> list[torch.Tensor]:
-    """The tensors (one per param) this rank counts so that the replica counts each parameter
-    once: TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all."""
-    return [t for p, t in zip(params, tensors)
-            if not getattr(p, "tied_embedding_is_duplicate", False)
-            and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+    """The tensors (one per param) of the parameters this rank counts (`is_counted`)."""
+    return [t for p, t in zip(params, tensors) if is_counted(p, tp_rank)]
 
 
 def count_zeros(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],

@@ -30,7 +30,7 @@ from recover_patches.collectives.errors import PeerFailure
 from recover_patches.faults import FaultInjector
 from recover_patches.p2p import StageLink
 from recover_patches.recovery.agreement import ReplicaLink, StoreAgreement
-from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients
+from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
 from recover_patches.recovery.grow import GrowBack, JoinRecord
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
 from recover_patches.recovery.reduce import Totals
@@ -110,6 +110,7 @@ class Trainer:
         self.weights_stale = False
         if isinstance(self.optimizer, ShardedAdamW):
             self.optimizer.before_gather = lambda: self.hook("param_gather")
+        self.grads.scatter = self.scatter_while(self.live.live_replicas)
 
     @property
     def one_optimizer_copy(self) -> bool:
@@ -197,11 +198,16 @@ class Trainer:
         scaler = self.optimizer.scaler
         scale = 1.0 if scaler is None else scaler.scale
         self.grads.reduced_grads.div_(tokens * scale)  # the global token mean: DESIGN §7
-        grad_norm = global_grad_norm(self.params, grads, self.groups.replica, self.groups.coord.tp)
-        extra = {}
-        if self.args.log_num_zeros_in_grad:  # before clipping, as Megatron counts them
-            extra["num_zeros"] = count_zeros(self.params, grads, self.groups.replica,
-                                             self.groups.coord.tp)
+        tp_rank, extra = self.groups.coord.tp, {}
+        if reduced.scattered:  # only this rank's ranges hold reduced gradients
+            assert isinstance(self.optimizer, ShardedAdamW)
+            grad_norm = self.optimizer.grad_norm(grads, self.groups.replica, tp_rank)
+            if self.args.log_num_zeros_in_grad:  # before clipping, as Megatron counts them
+                extra["num_zeros"] = self.optimizer.count_zeros(grads, self.groups.replica, tp_rank)
+        else:
+            grad_norm = global_grad_norm(self.params, grads, self.groups.replica, tp_rank)
+            if self.args.log_num_zeros_in_grad:
+                extra["num_zeros"] = count_zeros(self.params, grads, self.groups.replica, tp_rank)
         overflow = not math.isfinite(grad_norm)
         loss_scale = scale
         if scaler is not None:
@@ -239,7 +245,8 @@ class Trainer:
         return {"lm_loss": values[0] / tokens, "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": loss_scale,
                 "skipped_iterations": self.state.skipped_iterations, **extra,
-                **({"weights_checked_after": self.state.iteration} if checked else {})}
+                **({"weights_checked_after": self.state.iteration} if checked else {}),
+                **({"reduce_scattered": True} if reduced.scattered else {})}
 
     # -- job-wide synchronisation for checkpoints, resilient when recovery is on -------------
     def barrier(self, key: str) -> None:
@@ -262,9 +269,19 @@ class Trainer:
             raise PeerFailure(self.live.epoch, (), "distopt.param_gather",
                               "the last step's weight all-gather failed in this replica")
 
+    def scatter_while(self, live_replicas: list[int]) -> Scatter | None:
+        """The distributed optimizer reduce-scatters the gradients while every replica is live
+        (the instances then split every bucket alike); otherwise it takes them all-reduced."""
+        g = self.groups
+        if not isinstance(self.optimizer, ShardedAdamW) or len(live_replicas) < g.topology.dp:
+            return None
+        assert g.instance is not None
+        return Scatter(g.instance, g.position, g.coord.replica % g.per_instance, g.per_instance)
+
     def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> None:
         """New groups for the agreed live replicas; the distributed optimizer's shards follow."""
         self.groups.rebuild(live_replicas, epoch, key)
+        self.grads.scatter = self.scatter_while(live_replicas)
         if isinstance(self.optimizer, ShardedAdamW):
             start = time.perf_counter()
             received = self.optimizer.reshard(live_replicas, self.groups.per_instance,

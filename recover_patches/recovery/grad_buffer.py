@@ -18,6 +18,12 @@ microbatch, a fingerprint of the weights when asked for) have one slot per repli
 by that replica, so the sum delivers each one exactly.
 
 Tail layout: [4 integers x 7 limbs | loss hi, lo | time per replica | weight hash per replica x 4].
+
+With the distributed optimizer and every replica live (`Scatter`), each bucket is instead
+reduce-scattered over the optimizer instance into the rank's range (the layout pads buckets to a
+multiple of the instance size) and all-reduced across instances over the rank's position group, as
+Megatron's HSDP does; only the rank's ranges of `reduced` then hold reduced gradients. The tail
+goes alone in one all-reduce over the DP group.
 """
 from __future__ import annotations
 
@@ -52,6 +58,18 @@ class ReducedGradients:
     totals: Totals
     replica_times: list[float]  # wire values of each replica's time per microbatch
     replica_weight_hashes: list[int] = field(default_factory=list)  # 0: not sent
+    scattered: bool = False  # only this rank's ranges of each bucket are reduced (`Scatter`)
+
+
+@dataclass
+class Scatter:
+    """Reduce-scatter instead of all-reduce: this rank is `shard` of the `shards` live replicas of
+    its optimizer instance (`instance`), and `across` holds the ranks at its position in the other
+    instances."""
+    instance: dist.ProcessGroup
+    across: dist.ProcessGroup | None
+    shard: int
+    shards: int
 
 
 @dataclass
@@ -124,7 +142,9 @@ class GradBuffer:
         for b in self._bucket_of.values():
             self._bucket_params[b] += 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
+        self.scatter: Scatter | None = None  # set while every replica is live
         self._works: dict[int, dist.Work | None] = {}
+        self._scattered: dict[int, torch.Tensor] = {}  # per bucket: the range's reduced values
         self._pending: list[int] = []  # per bucket: params whose last gradient is still to come
         self._failure: PeerFailure | None = None
 
@@ -157,33 +177,69 @@ class GradBuffer:
         grads_end = min(end, self.numel)
         self.reduced[start:grads_end].copy_(self.local[start:grads_end])
         try:  # called from an autograd hook: keep the failure for reduce() to raise
-            self._works[b] = (dist.all_reduce(self.reduced[start:end], group=self.dp_group,
-                                              async_op=True)
-                              if self.dp_group is not None and self.dp_group.size() > 1 else None)
+            if self.scatter is not None:
+                self._works[b] = self._scatter_bucket(b, start, grads_end, self.scatter)
+            else:
+                self._works[b] = (dist.all_reduce(self.reduced[start:end], group=self.dp_group,
+                                                  async_op=True)
+                                  if self.dp_group is not None and self.dp_group.size() > 1
+                                  else None)
         except PeerFailure as err:
             self._works[b], self._failure = None, err
+
+    def _scatter_bucket(self, b: int, start: int, end: int, scatter: Scatter) -> dist.Work | None:
+        """Start the reduce-scatter of bucket b's gradients into this rank's range."""
+        out = torch.empty((end - start) // scatter.shards, dtype=torch.float32, device=self.device)
+        self._scattered[b] = out
+        if scatter.shards == 1:
+            out.copy_(self.reduced[start:end])
+            return None
+        return dist.reduce_scatter_single(out, self.reduced[start:end], group=scatter.instance,
+                                          async_op=True)
 
     # -- the reduction ------------------------------------------------------------------------
     def reduce(self, totals: Totals, replica: int, time_wire: float,
                weight_hash: int = 0) -> ReducedGradients:
         """Out-of-place sum over the DP group of the gradients and the commit bookkeeping;
         `weight_hash` (64 bits, 0: none) travels in this replica's slot."""
+        scatter = self.scatter
         try:
             self._write_tail(totals, replica, time_wire, weight_hash)
             for b in range(len(self.buckets)):
                 self._launch(b)
             if self._failure is not None:
                 raise self._failure
+            tail = None
+            if scatter is not None and self.dp_group is not None and self.dp_group.size() > 1:
+                tail = dist.all_reduce(self.reduced[self.numel:], group=self.dp_group,
+                                       async_op=True)
             for work in self._works.values():
                 if work is not None:
                     work.wait()
+            if scatter is not None:
+                self._reduce_across(scatter)
+            if tail is not None:
+                tail.wait()
         except PeerFailure:
             # An aborted operation may still write its buffer: the next round gets a fresh one.
             self.reduced = torch.zeros_like(self.local)
             raise
         finally:
-            self._works, self._pending, self._failure = {}, [], None
-        return self._read_tail()
+            self._works, self._pending, self._failure, self._scattered = {}, [], None, {}
+        reduced = self._read_tail()
+        reduced.scattered = scatter is not None
+        return reduced
+
+    def _reduce_across(self, scatter: Scatter) -> None:
+        """Sum each bucket's range over the instances, then put it in place in `reduced`."""
+        if scatter.across is not None and scatter.across.size() > 1:
+            works = [dist.all_reduce(out, group=scatter.across, async_op=True)
+                     for out in self._scattered.values()]
+            for work in works:
+                work.wait()
+        for b, out in self._scattered.items():
+            at = self.buckets[b][0] + scatter.shard * out.numel()
+            self.reduced[at:at + out.numel()].copy_(out)
 
     def _write_tail(self, totals: Totals, replica: int, time_wire: float, weight_hash: int) -> None:
         ints = [totals.microbatches, totals.tokens, totals.id_sum, totals.id_hash_sum]
