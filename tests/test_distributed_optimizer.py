@@ -278,3 +278,22 @@ def test_with_one_instance_a_lost_replica_stops_the_job_for_a_restart(tmp_path):
     assert run.stderr.count("failed: exit code 3") == 3, run.stderr[-2000:]
     assert [r["iteration"] for r in run.records if "lm_loss" in r] == [1, 2, 3]
     assert "K >= 2" in run.stdout and f"--load {tmp_path / 'ckpt'}" in run.stdout
+
+
+def test_norm_and_zero_count_from_the_ranges_match_the_whole_gradients():
+    """One shard holds every range: its norm and zero count are the unsharded ones (a tied copy
+    and TP-replicated parameters on TP rank 1 are left out alike)."""
+    from megatron.training.optimizer import count_zeros, global_grad_norm
+    groups = make_params(torch.float32)
+    flat = [p for g in groups for p in g["params"]]
+    flat[1].tied_embedding_is_duplicate = True
+    flat[2].tensor_model_parallel = True
+    mine = sharded(groups)
+    grads = grads_for(0)
+    grads[0].view(-1)[:3] = 0.0
+    grads[2].view(-1)[4] = 0.0
+    for tp_rank in (0, 1):
+        assert mine.grad_norm(grads, None, tp_rank) == pytest.approx(
+            global_grad_norm(flat, grads, None, tp_rank), rel=1e-12)
+        assert mine.count_zeros(grads, None, tp_rank) == count_zeros(flat, grads, None, tp_rank)
+    assert mine.count_zeros(grads, None, 0) == 4 and mine.count_zeros(grads, None, 1) == 1

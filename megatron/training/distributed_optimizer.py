@@ -6,10 +6,12 @@ The DP replicas form K instances of S = DP / K consecutive replicas (`optimizer_
 who holds what). As in Megatron, each bucket of the gradient buffer's flat layout (`FlatLayout`,
 padded to a multiple of S, the tied embedding in a bucket of its own so both pipeline ends shard
 it alike) is split evenly over the instance: a rank keeps main params and moments for its range of
-every bucket. Every rank still receives the whole reduced gradient (ReCoVer's out-of-place
-all-reduce, which also carries the commit bookkeeping) and steps its ranges; then the instance
-all-gathers the weights, bucket by bucket. Adam is elementwise, so the weights are bitwise those of
-the unsharded optimizer, and every instance holds a whole copy of the optimizer state.
+every bucket. While every replica is live the gradient buffer reduce-scatters each bucket into
+those ranges and sums them across instances (`GradBuffer`'s `Scatter`); after a loss the
+instances split buckets unevenly, and every rank takes the whole all-reduced gradient instead.
+Each rank steps its ranges; then the instance all-gathers the weights, bucket by bucket. Adam is
+elementwise, so given the same gradients the weights are bitwise those of the unsharded optimizer,
+and every instance holds a whole copy of the optimizer state.
 
 When the live replicas change (`reshard`, called with every rebuild of the groups), each live rank
 takes its new ranges: what it lacks comes point to point from a live rank that holds it -- from
@@ -17,9 +19,8 @@ its own instance's survivors, or from another instance for the ranges that died.
 old ranges until it has the whole new ones, so a failure during the move leaves every rank holding
 valid ranges and the next attempt plans from there.
 
-Not yet as the issue asks: the gradient is all-reduced, not reduce-scattered (2x the traffic of
-Megatron's reduce-scatter for the gradients), and the all-gather is not overlapped
-(--overlap-param-gather is refused).
+Not yet: the all-gather is not overlapped with the next forward (--overlap-param-gather is
+refused).
 
 Checkpoints keep the unsharded format: `state_dict()` gathers the instance's shards (every member
 of the instance must call it), `load_state_dict()` takes its ranges, so any K loads any checkpoint.
