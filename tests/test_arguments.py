@@ -271,7 +271,7 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 
 @pytest.mark.parametrize("flag", [
     "--num-layers-per-virtual-pipeline-stage 2", "--expert-model-parallel-size 2", "--num-experts 8",
-    "--overlap-param-gather", "--async-save",
+    "--async-save",
     "--fp8-format hybrid", "--use-flash-attn",
     "--context-parallel-size 2", "--optimizer sgd", "--ckpt-format torch_dist",
     "--cross-entropy-loss-fusion"])
@@ -465,7 +465,8 @@ def test_huggingface_tokenizer_flags_reach_the_tokenizer(tmp_path):
     (["--num-distributed-optimizer-instances", "2"], 4, "--num-distributed-optimizer-instances"),
     (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "0"], 4,
      "--num-distributed-optimizer-instances"),
-    (["--overlap-param-gather"], 4, "--overlap-param-gather"),  # not built: refused by name
+    (["--overlap-param-gather", "--overlap-grad-reduce"], 4, "--overlap-param-gather"),
+    (["--overlap-param-gather", "--use-distributed-optimizer"], 4, "--overlap-param-gather"),
 ])
 def test_distributed_optimizer_flags_are_checked(extra, world, flag):
     with pytest.raises(ArgumentError) as error:

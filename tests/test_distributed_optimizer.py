@@ -233,18 +233,23 @@ def test_a_sharded_checkpoint_resumes_without_sharding_on_the_trajectory(tmp_pat
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["gather-in-step", "overlap-param-gather"])
+def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_path, overlap):
     """DP = 4, K = 2: replica 2 dies in backward (its instance's survivor takes the whole state
     from the other instance), later replica 1 dies in the weight all-gather after stepping its
-    slice (replica 0's weights stay incomplete until iteration 6's recovery re-shards). Every
-    iteration commits M ids on the failure-free losses, and the replicas' weights compared after
-    every iteration are bitwise identical."""
+    slice: replica 0's weights stay incomplete, and iteration 6 recovers before computing (the
+    step's all-gather failed) or mid-forward (--overlap-param-gather: the wait failed), then
+    computes its quota again. Every iteration commits M ids on the failure-free losses, and the
+    replicas' weights compared after every iteration are bitwise identical."""
     from tests._launch_util import TINY_GPT, launch
 
     common = [*TINY_GPT, "--train-iters", "8"]
     reference = launch(1, common, tmp_path / "ref.jsonl")
+    overlapped = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000",
+                  "--recover-balance", "even"]  # even: replica 0 keeps microbatches to wait in
     run = launch(4, [*common, "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
                      "2", "--check-weight-hash-across-dp-replicas-interval", "1",
+                     *(overlapped if overlap else []),
                      "--inject-fault", "kill:rank=2,iter=3,phase=backward",
                      "--inject-fault", "kill:rank=1,iter=5,phase=param_gather"],
                  tmp_path / "run.jsonl", launcher_args=[])  # recovery on: the coordinator
@@ -253,7 +258,8 @@ def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_pat
     assert [r["iteration"] for r in records] == list(range(1, 9))
     assert all(r["microbatches"] == 8 for r in records)
     assert [r["live_replicas"] for r in records] == [[0, 1, 2, 3]] * 2 + [[0, 1, 3]] * 3 + [[0, 3]] * 3
-    assert [p["phase"] for r in records for p in r["recoveries"]] == ["reduce", "refresh"]
+    recoveries = [(p["phase"], p["redo"]) for r in records for p in r["recoveries"]]
+    assert recoveries == [("reduce", False), ("execute" if overlap else "refresh", True)]
     assert [r.get("weights_checked_after") for r in records] == [None, *range(1, 8)]
     # reduce-scattered while all four replicas live, all-reduced after the first loss
     assert [r.get("reduce_scattered", False) for r in records] == [True] * 2 + [False] * 6

@@ -112,19 +112,25 @@ def test_model_flags_keep_layouts_equivalent(tmp_path_factory):
     assert_same_trajectory(split, single, "fp32", 1)
 
 
-DIST_OPT = [(1, 1, 4, 1, "fp32"), (1, 1, 4, 2, "fp32"), (1, 2, 2, 1, "fp32"), (1, 1, 4, 2, "bf16")]
+DIST_OPT = [(1, 1, 4, 1, "fp32", False), (1, 1, 4, 2, "fp32", False), (1, 2, 2, 1, "fp32", False),
+            (1, 1, 4, 2, "bf16", False), (1, 2, 2, 1, "fp32", True)]
+OVERLAPPED = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp,pp,dp,k,precision", DIST_OPT,
-                         ids=[f"tp{t}-pp{p}-dp{d}-k{k}-{x}" for t, p, d, k, x in DIST_OPT])
+@pytest.mark.parametrize("tp,pp,dp,k,precision,overlap", DIST_OPT,
+                         ids=[f"tp{t}-pp{p}-dp{d}-k{k}-{x}" + ("-overlap" if o else "")
+                              for t, p, d, k, x, o in DIST_OPT])
 def test_distributed_optimizer_matches_single_process(references, tmp_path_factory, tp, pp, dp, k,
-                                                      precision):
+                                                      precision, overlap):
     """--use-distributed-optimizer shards Adam over DP / K replicas: the same trajectory, and
-    the replicas' weights compared every iteration stay bitwise identical (else status 3)."""
+    the replicas' weights compared every iteration stay bitwise identical (else status 3). With
+    --overlap-param-gather (several buckets, the tied embedding in its own) each module's forward
+    waits for its bucket's all-gather."""
     ref = reference(references, tmp_path_factory, precision)
     run = _train(tmp_path_factory, precision, tp, pp, dp, "--use-distributed-optimizer",
                  "--num-distributed-optimizer-instances", str(k),
-                 "--check-weight-hash-across-dp-replicas-interval", "1")
+                 "--check-weight-hash-across-dp-replicas-interval", "1",
+                 *(OVERLAPPED if overlap else []))
     assert f"over {dp // k} shards" in run.stdout  # the start-up memory line says it sharded
     assert_same_trajectory(run, ref, precision, dp)

@@ -30,6 +30,8 @@ class FakeJob:
         self.barriers: list[tuple[str, list[int]]] = []
         self.abandoned = 0
         self.restored: list[int] = []
+        self.resets = 0
+        self.peer_torn = False  # another rank of this replica stopped short in round 0
         self.plans: list[dict[int, list[int]]] = []  # every plan made, round 0 first
         self.extra: list[int] = []  # ids some replica reduced beyond the plans
         self.live = LiveReplicas(replica=me, live_replicas=list(range(replicas)), epoch=0,
@@ -88,11 +90,15 @@ class FakeJob:
     def abandon(self):
         self.abandoned += 1
 
+    def reset(self):
+        self.resets += 1
+
     def transaction(self, drop=False) -> IterationTransaction:
         return IterationTransaction(live=self.live, plan=self.plan, execute=self.execute,
                                     reduce=self.reduce, step=self.step, agreement=self,
                                     abandon=self.abandon, rebuild=self.rebuild,
-                                    refresh=self.refresh,
+                                    refresh=self.refresh, reset=self.reset,
+                                    replica_any=lambda flag: flag or self.peer_torn,
                                     snapshot=lambda: len(self.executed),
                                     restore=self.restored.append, drop_lost=drop)
 
@@ -206,3 +212,20 @@ def test_the_owed_quota_survives_a_failure_in_the_recovery_round():
     assert job.restored == [0]
     assert out.ids == IDS and out.totals.microbatches == 8
     assert out.assignment == {0: [40, 41, 42, 43], 3: [44, 45, 46, 47]}
+
+
+def test_a_live_replica_cut_short_mid_forward_computes_its_quota_again():
+    # a wait for this replica's overlapped weight all-gather failed during its first forward
+    # (replica 1 died in the gather): round 0 is redone from zero gradients, not raised
+    job = FakeJob(me=0, script={0: ("execute", {1})})
+    out = job.transaction().run(6, IDS)
+    assert job.executed == [[40, 41], [40, 41, 42]] and job.resets == 1
+    assert out.recoveries[0].redo and out.ids == IDS and out.totals.microbatches == 8
+
+
+def test_a_rank_whose_replica_mate_was_cut_short_redoes_round_0_with_it():
+    job = FakeJob(me=0, script={0: ("reduce", {2})})
+    job.peer_torn = True  # this rank finished round 0, its pipeline peer did not
+    out = job.transaction().run(6, IDS)
+    assert job.executed == [[40, 41], [40, 41, 44]] and job.resets == 1
+    assert out.assignment[0] == [40, 41, 44]

@@ -107,6 +107,10 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "each holding a whole copy of the optimizer state. K >= 2 survives lost "
                         "replicas in-step (their slices come from another instance); K = 1 "
                         "stops for a restart with --load.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="With --use-distributed-optimizer and --overlap-grad-reduce: the step only "
+                        "starts the weights' all-gathers; each module's next forward waits for "
+                        "its parameters' bucket.")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Parameters per gradient bucket. Default: one bucket, or with "
                         "--overlap-grad-reduce max(40M, 1M * data-parallel size).")

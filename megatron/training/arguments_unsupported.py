@@ -39,7 +39,6 @@ UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
         ("--num-layers-per-virtual-pipeline-stage", 1),
         ("--expert-model-parallel-size", 1),
         ("--num-experts", 1),
-        ("--overlap-param-gather", 0),
         ("--async-save", 0),
         ("--use-persistent-ckpt-worker", 0),  # async save's worker: with --async-save (issue K)
         ("--dist-ckpt-strictness", 1),  # torch_dist loading (issue K)

@@ -54,6 +54,13 @@ def validate_distributed_optimizer(args: argparse.Namespace) -> None:
     if dp % k:
         raise ArgumentError(flag, f"{flag} {k} does not divide the data-parallel size {dp}",
                             f"pass a divisor of {dp}")
+    gather = "--overlap-param-gather"
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError(gather, f"{gather} overlaps the distributed optimizer's weight "
+                            "all-gather, and there is none", "add --use-distributed-optimizer")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgumentError(gather, f"{gather} needs --overlap-grad-reduce (as in Megatron-LM)",
+                            "add --overlap-grad-reduce")
 
 
 def validate_model_shape(args: argparse.Namespace) -> None:

@@ -299,6 +299,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         trainer.barrier(f"ckpt/{iteration}/prepared")
+        trainer.weights_ready()
         # on every rank: the distributed optimizer gathers its instance's shards (a collective)
         optimizer_state = None if self.args.no_save_optim else trainer.optimizer.state_dict()
         if is_writer:

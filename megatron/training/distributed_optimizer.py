@@ -19,8 +19,10 @@ its own instance's survivors, or from another instance for the ranges that died.
 old ranges until it has the whole new ones, so a failure during the move leaves every rank holding
 valid ranges and the next attempt plans from there.
 
-Not yet: the all-gather is not overlapped with the next forward (--overlap-param-gather is
-refused).
+With --overlap-param-gather the step only starts the all-gathers; each module's forward waits
+for its parameters' buckets (`wait_in_forward`), and anything else that reads the weights first
+calls `finish_gather`. A failed wait is a PeerFailure where it happens: mid-forward, the
+transaction has the replica compute its round again after the recovery re-shards.
 
 Checkpoints keep the unsharded format: `state_dict()` gathers the instance's shards (every member
 of the instance must call it), `load_state_dict()` takes its ranges, so any K loads any checkpoint.
@@ -37,6 +39,7 @@ from megatron.training.optimizer import LossScaler, is_counted
 from megatron.training.optimizer_shards import (ShardLost, bucket_ranges, instance_positions,
                                                 plan_transfers)
 from recover_patches.recovery.grad_buffer import FlatLayout
+from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.iteration import TooFewReplicas
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -59,6 +62,9 @@ class ShardedAdamW:
         self._groups_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
         self.before_gather: Callable[[], None] = lambda: None  # fault injection point
+        self.overlap = False  # --overlap-param-gather: step() only starts the all-gather
+        self._pending: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}  # by bucket
+        self._gather_failure: PeerFailure | None = None
         # the bucket of each parameter, and the parameters of each bucket
         self._bucket = [next(b for b, (s, e) in enumerate(layout.buckets)
                              if s <= layout.offsets[p] < e) for p in self.model_params]
@@ -149,24 +155,79 @@ class ShardedAdamW:
 
     def step(self, grads: Sequence[torch.Tensor]) -> None:
         """`grads[i]`: the final fp32 gradient of `model_params[i]` (whole; only the slice is used).
-        A PeerFailure can come only from the weights' all-gather, after this slice stepped."""
+        A PeerFailure can come only from the weights' all-gathers: the last step's, before
+        anything changed, or this step's, after the ranges stepped."""
+        self.finish_gather()  # the last step's weights land before this one writes its ranges
         for fragment, (i, start, end, _) in zip(self.fragments, self.pieces):
             fragment.grad = grads[i].view(-1)[start:end]
         self.inner.step()
         for fragment in self.fragments:
             fragment.grad = None
         self.before_gather()
-        self.gather_weights()
+        self._start_gather()
+        if not self.overlap:
+            self.finish_gather()
 
     def gather_weights(self) -> None:
         """Every range's updated weights to every member of the instance, bucket by bucket."""
+        self._start_gather()
+        self.finish_gather()
+
+    def _start_gather(self) -> None:
+        """Start each bucket's all-gather of the ranges' weights (in the model's dtype)."""
         dtype = self.model_params[0].dtype
+        size = 1 if self.instance_group is None else self.instance_group.size()
+        local = self._flat(lambda f: f, dtype)
+        for b, ((s, e), (lo, hi)) in enumerate(zip(self.layout.buckets, self.ranges)):
+            mine = torch.zeros(-(-(e - s) // self.shards), dtype=dtype, device=self._device)
+            mine[:hi - lo].copy_(local[self._base[b]:self._base[b] + hi - lo])
+            if size == 1:
+                self._pending[b] = (None, mine)
+                continue
+            whole = torch.empty(size * mine.numel(), dtype=dtype, device=self._device)
+            self._pending[b] = (dist.all_gather_single(whole, mine, group=self.instance_group,
+                                                       async_op=True), whole)
+
+    def finish_bucket(self, b: int) -> None:
+        """Wait for bucket b's all-gather, if one is under way, and take its weights. A failed
+        one stays failed: every later wait raises it, until `reshard` gathers afresh."""
+        if self._gather_failure is not None:
+            raise self._gather_failure
+        entry = self._pending.pop(b, None)
+        if entry is None:
+            return
+        work, whole = entry
+        if work is not None:
+            try:
+                work.wait()
+            except PeerFailure as err:
+                self._gather_failure = err
+                raise
+        s = self.layout.buckets[b][0]
         with torch.no_grad():
-            for b, whole in enumerate(self._gather_buckets(lambda f: f, dtype)):
-                s = self.layout.buckets[b][0]
-                for i in self._bucket_params[b]:
-                    p, o = self.model_params[i], self.offsets[self.model_params[i]]
-                    p.view(-1).copy_(whole[o - s:o - s + p.numel()])
+            for i in self._bucket_params[b]:
+                p, o = self.model_params[i], self.offsets[self.model_params[i]]
+                p.view(-1).copy_(whole[o - s:o - s + p.numel()])
+
+    def finish_gather(self) -> None:
+        """Every bucket's weights in place (before anything but a forward reads them)."""
+        for b in range(len(self.layout.buckets)):
+            self.finish_bucket(b)
+
+    def wait_in_forward(self, model: torch.nn.Module) -> None:
+        """--overlap-param-gather: a module's forward first waits for its parameters' buckets,
+        so the all-gathers started by the step overlap with the next forward, as in Megatron."""
+        bucket_of = dict(zip(self.model_params, self._bucket))
+        for module in model.modules():
+            buckets = sorted({bucket_of[p] for p in module.parameters(recurse=False)
+                              if p in bucket_of})
+            if buckets:
+                module.register_forward_pre_hook(
+                    lambda _module, _args, buckets=buckets: self._finish(buckets))
+
+    def _finish(self, buckets: list[int]) -> None:
+        for b in buckets:
+            self.finish_bucket(b)
 
     def _gather_buckets(self, of_fragment, dtype: torch.dtype):
         """Per bucket: the instance's chunks of a per-fragment tensor, all-gathered (a generator:
@@ -318,6 +379,8 @@ class ShardedAdamW:
         point to point from the lowest rank holding them; a rank's old ranges stay until the
         whole new ones arrived. TooFewReplicas if some piece died with every rank that held it.
         Returns the bytes this rank received."""
+        self._pending.clear()  # the weights are gathered afresh at the end
+        self._gather_failure = None
         live = sorted(live_replicas)
         me, size = (0, 1) if dp_group is None else (dp_group.rank(), dp_group.size())
         positions = instance_positions(live, per_instance)
@@ -380,6 +443,8 @@ class ShardedAdamW:
 
     def forget(self) -> None:
         """This rank's replica broke: whatever it held is out of date by the time it rejoins."""
+        self._pending.clear()
+        self._gather_failure = None
         self._place([(s, s) for s, _ in self.layout.buckets], torch.empty(0, device=self._device),
                     None, 0)
 

@@ -88,6 +88,7 @@ def send_state(trainer, to_replica: int) -> int:
     """Donor side: a small serialized skeleton (sizes, dtypes, the non-tensor state), then every
     tensor as it is -- no pickling of the weights. Returns the bytes sent. PeerFailure if the
     joiner or the group fails."""
+    trainer.weights_ready()
     tensors: list[torch.Tensor] = []
     skeleton = _strip(live_state(trainer), tensors)
     buffer = io.BytesIO()

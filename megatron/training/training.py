@@ -110,6 +110,9 @@ class Trainer:
         self.weights_stale = False
         if isinstance(self.optimizer, ShardedAdamW):
             self.optimizer.before_gather = lambda: self.hook("param_gather")
+            if self.args.overlap_param_gather:
+                self.optimizer.overlap = True
+                self.optimizer.wait_in_forward(self.model)
         self.grads.scatter = self.scatter_while(self.live.live_replicas)
 
     @property
@@ -148,7 +151,10 @@ class Trainer:
         self.hook("dp_reduce")
         # each replica's microbatch time rides in the last bucket, one slot per replica, and so
         # does the weights' fingerprint when a check is due
-        fingerprint = weight_fingerprint(self.params) if self._weight_check_due() else 0
+        fingerprint = 0
+        if self._weight_check_due():
+            self.weights_ready()
+            fingerprint = weight_fingerprint(self.params)
         return self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
                                  fingerprint)
 
@@ -222,7 +228,9 @@ class Trainer:
             self.hook("optimizer")
             try:
                 self.optimizer.step(grads)
-            except PeerFailure as err:  # only the distributed optimizer's weight all-gather
+                if self.args.log_params_norm:
+                    self.weights_ready()
+            except PeerFailure as err:  # only the distributed optimizer's weight all-gathers
                 if self.agreement is None:
                     raise
                 # committed and stepped: every slice's new state lives in some instance, and
@@ -264,10 +272,25 @@ class Trainer:
             return bool(t.item())
         return self.agreement.any_flag(key, self.live.members(), self.live.epoch, flag)
 
+    def weights_ready(self) -> None:
+        """Before reading the weights outside a forward (save, evaluate, a join, a check): the
+        overlapped all-gathers of --overlap-param-gather land first (PeerFailure if one failed)."""
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.finish_gather()
+
     def refresh(self) -> None:
         if self.weights_stale:
             raise PeerFailure(self.live.epoch, (), "distopt.param_gather",
                               "the last step's weight all-gather failed in this replica")
+
+    def replica_any(self, flag: bool) -> bool:
+        """True on every rank of this replica if any of them passes True."""
+        group = self.groups.replica
+        if group.size() == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return bool(value.item())
 
     def scatter_while(self, live_replicas: list[int]) -> Scatter | None:
         """The distributed optimizer reduce-scatters the gradients while every replica is live
@@ -298,6 +321,7 @@ class Trainer:
             live=self.live, plan=self.plan, execute=self.execute, reduce=self.reduce,
             step=self.step, agreement=self.agreement, abandon=self.groups.abandon,
             check_reduced=self.groups.raise_latched, refresh=self.refresh,
+            replica_any=self.replica_any, reset=self.grads.zero,
             rebuild=self.rebuild, snapshot=self.grads.snapshot, restore=self.grads.restore,
             drop_lost=self.args.recover_policy == "drop",
             on_failure=self.log_failure, hook=self.hook)
@@ -428,6 +452,7 @@ class Trainer:
         metrics record) and adopt the new membership before the next iteration."""
         failure: PeerFailure | None = None
         try:
+            self.weights_ready()
             loss = self._evaluate()
         except PeerFailure as err:
             if self.agreement is None:

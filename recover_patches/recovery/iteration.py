@@ -4,7 +4,9 @@
     2. execute  this replica runs its pipeline schedule over its quota; grads accumulate locally
                 (first `refresh`: a replica whose weights are incomplete -- the distributed
                 optimizer's all-gather failed after the last commit -- computes nothing and
-                recovers, then computes its own quota with its share of the lost ids)
+                recovers; a replica whose round 0 stopped short on any rank, e.g. waiting for
+                an overlapped all-gather mid-forward, computes its quota again from zero, with
+                its share of the lost ids)
     3. reduce   out-of-place DP reduction of grads + microbatch count, tokens, id checksums, loss
     4. commit   all members agree the reduction completed everywhere; exactly the planned ids
                 were reduced, else stop loudly (a bug, not a failure)
@@ -89,6 +91,7 @@ class RecoveryRecord:
     lost_ids: list[int]
     replanned: dict[int, list[int]]
     seconds: dict[str, float] = field(default_factory=dict)  # detection / rebuild / recompute
+    redo: bool = False  # this replica's round 0 stopped short: it computes its quota again
 
 
 @dataclass
@@ -115,6 +118,9 @@ class IterationTransaction:
     # before computing: PeerFailure if this replica's weights are incomplete (the same answer on
     # all its ranks); a rebuild makes them whole again
     refresh: Callable[[], None] = lambda: None
+    # True on every rank of this replica if any of them passes True (over the replica's ranks)
+    replica_any: Callable[[bool], bool] = lambda flag: flag
+    reset: Callable[[], None] = lambda: None  # zero the local gradients: round 0 is computed again
     # before the vote: raise a failure of an operation whose wait() returned before it ended
     # (NCCL's waits do not block the host; layer 1's watchdog latches what went wrong)
     check_reduced: Callable[[], None] = lambda: None
@@ -187,14 +193,14 @@ class IterationTransaction:
                 self.restore(saved)
             elif phase not in ("refresh", "execute"):  # round 0 finished on every stage
                 kept = local
-            record = self._recover(iteration, failure, phase, ids, owner)
-            if round_ == 0 and phase == "execute":
-                # only a failure inside this replica can stop round 0 mid-way, and that breaks
-                # the replica; a live replica with a torn round 0 would commit a wrong gradient
-                raise RuntimeError(f"iteration {iteration}: round 0 was cut short ({failure}) "
-                                   f"but replica {m.replica} stays live")
-            if round_ == 0 and phase == "refresh":  # nothing ran: the replica still owes it all
-                owed = first_plan.get(m.replica, [])
+            # round 0 stopped short of its end on some rank of a live replica (its weights were
+            # incomplete, or a wait for them failed mid-forward): the whole replica computes its
+            # round-0 quota again, from zero, with its share of the lost ids
+            record = self._recover(iteration, failure, phase, ids, owner,
+                                   torn=phase in ("refresh", "execute") if round_ == 0 else None)
+            if record.redo:
+                self.reset()
+                kept, owed = Totals.of_ids([]), first_plan.get(m.replica, [])
             replanned = record.replanned
             saved = self.snapshot()
             todo = owed + replanned.get(m.replica, [])
@@ -202,14 +208,16 @@ class IterationTransaction:
         raise RuntimeError(f"iteration {iteration}: no commit after {self.max_attempts} rounds")
 
     def _recover(self, iteration: int, failure: PeerFailure, phase: str,
-                 ids: list[int], owner: dict[int, int]) -> RecoveryRecord:
+                 ids: list[int], owner: dict[int, int], torn: bool | None) -> RecoveryRecord:
         """Abandon every group, agree on the epoch, meet all survivors, rebuild, re-plan. A
-        failure on the way (a newer epoch) just starts the next attempt."""
+        failure on the way (a newer epoch) just starts the next attempt. `torn` (round 0 only):
+        this rank's round 0 stopped short; after the rebuild the replica's ranks agree on it."""
         m, clock = self.live, time.perf_counter()
         assert self.agreement is not None and self.rebuild is not None  # recovery is on
         self.abandon()
         timing = {"detection": 0.0, "rebuild": 0.0}
         seen_dead: set[int] = set()  # over all attempts: a grow epoch may clear a dead rank again
+        redo = False
         for _ in range(self.max_attempts):
             key = f"{iteration}/{self._attempts}"
             self._attempts += 1
@@ -230,6 +238,7 @@ class IterationTransaction:
                 self.hook("recovery")
                 self.agreement.barrier(key, m.members(), epoch)
                 self.rebuild(m.live_replicas, epoch, f"recover/{key}")
+                redo = torn is not None and self.replica_any(torn)
                 timing["rebuild"] += time.perf_counter() - clock
                 break
             except PeerFailure as err:  # someone else died during recovery: next attempt
@@ -243,4 +252,4 @@ class IterationTransaction:
             r: list(q) for r, q in self.plan(lost, m.live_replicas).items()}
         return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
                               sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
-                              timing)
+                              timing, redo)
