@@ -4,6 +4,7 @@ of the unsharded MainParamsAdamW, bitwise."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import pytest
@@ -240,16 +241,18 @@ def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_pat
     slice: replica 0's weights stay incomplete, and iteration 6 recovers before computing (the
     step's all-gather failed) or mid-forward (--overlap-param-gather: the wait failed), then
     computes its quota again. Every iteration commits M ids on the failure-free losses, and the
-    replicas' weights compared after every iteration are bitwise identical."""
+    replicas' weights compared after every iteration are bitwise identical. The checkpoint saved
+    after the first loss (instances of 1 and 2 replicas) resumes on the trajectory with all 4."""
     from tests._launch_util import TINY_GPT, launch
 
     common = [*TINY_GPT, "--train-iters", "8"]
     reference = launch(1, common, tmp_path / "ref.jsonl")
+    saved = [] if overlap else ["--save", str(tmp_path / "ckpt"), "--save-interval", "4"]
     overlapped = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000",
                   "--recover-balance", "even"]  # even: replica 0 keeps microbatches to wait in
     run = launch(4, [*common, "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
                      "2", "--check-weight-hash-across-dp-replicas-interval", "1",
-                     *(overlapped if overlap else []),
+                     *(overlapped if overlap else []), *saved,
                      "--inject-fault", "kill:rank=2,iter=3,phase=backward",
                      "--inject-fault", "kill:rank=1,iter=5,phase=param_gather"],
                  tmp_path / "run.jsonl", launcher_args=[])  # recovery on: the coordinator
@@ -263,7 +266,19 @@ def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_pat
     assert [r.get("weights_checked_after") for r in records] == [None, *range(1, 8)]
     # reduce-scattered while all four replicas live, all-reduced after the first loss
     assert [r.get("reduce_scattered", False) for r in records] == [True] * 2 + [False] * 6
-    for mine, theirs in zip(records, reference.records):
+    expected = reference.records
+    if saved:  # saved by 3 replicas (instances of 1 and 2), resumed by 4 on the trajectory
+        four = tmp_path / "at4"  # iteration 4's checkpoint alone (the run also saved its last)
+        shutil.copytree(tmp_path / "ckpt" / "iter_0000004", four / "iter_0000004")
+        (four / "latest_checkpointed_iteration.txt").write_text("4")
+        resumed = launch(4, [*common, "--use-distributed-optimizer",
+                             "--num-distributed-optimizer-instances", "2", "--load", str(four)],
+                         tmp_path / "resumed.jsonl")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        records += [r for r in resumed.records if "lm_loss" in r]
+        assert [r["iteration"] for r in records[8:]] == [5, 6, 7, 8]
+        expected = expected + expected[4:]
+    for mine, theirs in zip(records, expected, strict=True):
         assert abs(mine["lm_loss"] - theirs["lm_loss"]) <= 1e-5 * theirs["lm_loss"], (mine, theirs)
 
 
