@@ -29,11 +29,11 @@ def make_params(dtype: torch.dtype) -> list[dict]:
                                                      "wd_mult": 0.0}]
 
 
-def sharded(groups, shard=0, shards=1, group=None, per_instance=None) -> ShardedAdamW:
+def sharded(groups, shard=0, shards=1, group=None) -> ShardedAdamW:
     """Two buckets of 19 and 22 parameters, padded to a multiple of the instance size: shard
     ranges cut through parameters in both."""
     flat = [p for g in groups for p in g["params"]]
-    layout = flat_layout(flat, bucket_numel=10, pad_to=per_instance or shards)
+    layout = flat_layout(flat, bucket_numel=10, pad_to=shards)
     assert len(layout.buckets) == 2
     return ShardedAdamW(groups, layout=layout, shard=shard, shards=shards,
                         instance_group=group, **HYPER)
@@ -92,22 +92,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shard_rank(rank: int, port: int, dtype: torch.dtype, failures, shards: int = 3) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=shards)
-        plain = MainParamsAdamW(make_params(dtype), **HYPER)
-        mine = sharded(make_params(dtype), rank, shards, dist.group.WORLD)
-        assert sum(f.numel() for f in mine.fragments) < sum(p.numel() for p in mine.model_params)
-        assert step_both(plain, mine, range(3))
-        assert_same_state(mine.state_dict(), plain.state_dict())
-        # a checkpoint of any K loads into this K: restart from the unsharded state
-        again = resumed(plain, sharded(make_params(dtype), rank, shards, dist.group.WORLD))
-        assert step_both(plain, again, range(3, 4))
-        dist.destroy_process_group()
-    except BaseException as error:  # reported to the parent, which asserts
-        failures.put(f"rank {rank}: {error!r}")
-        raise
+def _shard_rank(rank: int, dtype: torch.dtype) -> None:
+    shards = dist.get_world_size()
+    plain = MainParamsAdamW(make_params(dtype), **HYPER)
+    mine = sharded(make_params(dtype), rank, shards, dist.group.WORLD)
+    assert sum(f.numel() for f in mine.fragments) < sum(p.numel() for p in mine.model_params)
+    assert step_both(plain, mine, range(3))
+    assert_same_state(mine.state_dict(), plain.state_dict())
+    # a checkpoint of any K loads into this K: restart from the unsharded state
+    again = resumed(plain, sharded(make_params(dtype), rank, shards, dist.group.WORLD))
+    assert step_both(plain, again, range(3, 4))
 
 
 @pytest.mark.multiprocess
@@ -117,64 +111,50 @@ def test_three_shards_over_gloo_match_the_unsharded_optimizer_bitwise(dtype):
     assert _run_ranks(_shard_rank, 3, dtype) == []
 
 
-def _reshard_rank(rank: int, port: int, dtype: torch.dtype, failures) -> None:
+def _reshard_rank(rank: int, dtype: torch.dtype) -> None:
     """DP = 4 in K = 2 instances {0, 1}, {2, 3}. Replica 1 is lost after 2 steps: replica 0
     takes the whole state (replica 3 sends the dead slice); after 2 more it rejoins empty-handed
     and gets its slice back. Every step's weights, and the final state, are the unsharded
     optimizer's, bitwise."""
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=4)
-        first, second = dist.new_group([0, 1]), dist.new_group([2, 3])
-        survivors, alone = dist.new_group([0, 2, 3]), dist.new_group([0])
-        plain = MainParamsAdamW(make_params(dtype), **HYPER)
-        mine = sharded(make_params(dtype), rank % 2, 2, first if rank < 2 else second)
-        assert step_both(plain, mine, range(2))
-        if rank == 1:  # lost: what it held is out of date by the time it comes back
-            mine.forget()
-            plain.step(grads_for(2))
-            plain.step(grads_for(3))
-        else:
-            mine.instance_group = alone if rank == 0 else second
-            mine.reshard([0, 2, 3], 2, survivors)
-            if rank == 0:
-                assert mine.ranges == mine.layout.buckets
-            assert step_both(plain, mine, range(2, 4))
-        mine.instance_group = first if rank < 2 else second
-        mine.reshard([0, 1, 2, 3], 2, dist.group.WORLD)
-        assert step_both(plain, mine, range(4, 6))
-        assert_same_state(mine.state_dict(), plain.state_dict())
-        dist.destroy_process_group()
-    except BaseException as error:  # reported to the parent, which asserts
-        failures.put(f"rank {rank}: {error!r}")
-        raise
+    first, second = dist.new_group([0, 1]), dist.new_group([2, 3])
+    survivors, alone = dist.new_group([0, 2, 3]), dist.new_group([0])
+    plain = MainParamsAdamW(make_params(dtype), **HYPER)
+    mine = sharded(make_params(dtype), rank % 2, 2, first if rank < 2 else second)
+    assert step_both(plain, mine, range(2))
+    if rank == 1:  # lost: what it held is out of date by the time it comes back
+        mine.forget()
+        plain.step(grads_for(2))
+        plain.step(grads_for(3))
+    else:
+        mine.instance_group = alone if rank == 0 else second
+        mine.reshard([0, 2, 3], 2, survivors)
+        if rank == 0:
+            assert mine.ranges == mine.layout.buckets
+        assert step_both(plain, mine, range(2, 4))
+    mine.instance_group = first if rank < 2 else second
+    mine.reshard([0, 1, 2, 3], 2, dist.group.WORLD)
+    assert step_both(plain, mine, range(4, 6))
+    assert_same_state(mine.state_dict(), plain.state_dict())
 
 
-def _scatter_rank(rank: int, port: int, failures) -> None:
+def _scatter_rank(rank: int) -> None:
     """DP = 4 in instances {0, 1}, {2, 3}: each bucket is reduce-scattered in the instance and
     summed across it; every rank's ranges hold the sum of all four ranks' gradients, and the tail
     the exact totals."""
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=4)
-        instances = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        places = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        params = [torch.nn.Parameter(torch.zeros(*s)) for s in SHAPES]
-        layout = flat_layout(params, bucket_numel=10, pad_to=2)
-        buffer = GradBuffer(params, replicas=4, dp_group=dist.group.WORLD, layout=layout)
-        buffer.scatter = Scatter(instances[rank // 2], places[rank % 2], rank % 2, 2)
-        grads = [torch.Generator().manual_seed(r) for r in range(4)]
-        every = [torch.randn(layout.numel, generator=g) for g in grads]
-        buffer.local[:layout.numel].copy_(every[rank])
-        reduced = buffer.reduce(Totals.of_ids([rank], 10 + rank, 1.5), rank, 0.0)
-        assert reduced.scattered and reduced.totals == Totals.of_ids([0, 1, 2, 3], 46, 6.0)
-        expected = sum(every)
-        for lo, hi in bucket_ranges(layout.buckets, rank % 2, 2):
-            assert torch.allclose(buffer.reduced[lo:hi], expected[lo:hi], atol=1e-6), (lo, hi)
-        dist.destroy_process_group()
-    except BaseException as error:  # reported to the parent, which asserts
-        failures.put(f"rank {rank}: {error!r}")
-        raise
+    instances = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    places = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    params = [torch.nn.Parameter(torch.zeros(*s)) for s in SHAPES]
+    layout = flat_layout(params, bucket_numel=10, pad_to=2)
+    buffer = GradBuffer(params, replicas=4, dp_group=dist.group.WORLD, layout=layout)
+    buffer.scatter = Scatter(instances[rank // 2], places[rank % 2], rank % 2, 2)
+    grads = [torch.Generator().manual_seed(r) for r in range(4)]
+    every = [torch.randn(layout.numel, generator=g) for g in grads]
+    buffer.local[:layout.numel].copy_(every[rank])
+    reduced = buffer.reduce(Totals.of_ids([rank], 10 + rank, 1.5), rank, 0.0)
+    assert reduced.scattered and reduced.totals == Totals.of_ids([0, 1, 2, 3], 46, 6.0)
+    expected = sum(every)
+    for lo, hi in bucket_ranges(layout.buckets, rank % 2, 2):
+        assert torch.allclose(buffer.reduced[lo:hi], expected[lo:hi], atol=1e-6), (lo, hi)
 
 
 @pytest.mark.multiprocess
@@ -183,12 +163,24 @@ def test_buckets_are_reduce_scattered_into_the_ranges_and_summed_across_instance
     assert _run_ranks(_scatter_rank, 4) == []
 
 
+def _rank_main(rank: int, port: int, world: int, target, args: tuple, failures) -> None:
+    """One rank of a gloo job: `target(rank, *args)`; an error goes to the parent, which asserts."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        target(rank, *args)
+        dist.destroy_process_group()
+    except BaseException as error:
+        failures.put(f"rank {rank}: {error!r}")
+        raise
+
+
 def _run_ranks(target, nprocs: int, *args) -> list[str]:
-    """Start `nprocs` ranks of `target(rank, port, *args, failures)`; their errors, all killed."""
+    """Run `target(rank, *args)` on `nprocs` gloo ranks; their errors, every process killed."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     failures = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(target, args=(_free_port(), *args, failures), nprocs=nprocs,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(_rank_main, args=(_free_port(), nprocs, target, args, failures),
+                                 nprocs=nprocs, join=False, start_method="spawn")
     try:
         while not context.join(timeout=90):
             pass

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from megatron.training.optimizer import LossScaler, is_counted
 from megatron.training.optimizer_shards import (ShardLost, bucket_ranges, instance_positions,
                                                 plan_transfers)
-from recover_patches.recovery.grad_buffer import FlatLayout
 from recover_patches.collectives.errors import PeerFailure
+from recover_patches.recovery.grad_buffer import FlatLayout
 from recover_patches.recovery.iteration import TooFewReplicas
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
