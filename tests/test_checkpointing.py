@@ -101,6 +101,9 @@ class TinyTrainer:
     def any_rank(self, flag: bool, key: str) -> bool:
         return flag
 
+    def weights_ready(self) -> None:  # the real Trainer's without the distributed optimizer
+        pass
+
     def train_step(self) -> float:
         """One iteration whose result depends on weights, Adam moments, LR and both RNG streams."""
         x = torch.randn(4, 8)
