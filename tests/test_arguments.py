@@ -478,3 +478,32 @@ def test_distributed_optimizer_flags_are_taken():
     args = validate_args(parse_args(TINY + ["--use-distributed-optimizer",
                                             "--num-distributed-optimizer-instances", "2"]), 4)
     assert args.use_distributed_optimizer and args.num_distributed_optimizer_instances == 2
+
+
+def test_a_changed_schedule_on_resume_follows_megatrons_flags():
+    """megatron-core's scheduler compares the schedule with the checkpoint's: a changed one is an
+    error unless --use-checkpoint-opt_param-scheduler (the checkpoint's wins) or
+    --override-opt_param-scheduler (this run's wins); the step count always comes back."""
+    import torch
+
+    from megatron.training.optimizer import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def scheduler(*extra: str):
+        return build_scheduler(optimizer, validate_args(parse_args(TINY + list(extra)), 1))
+    first = scheduler("--train-iters", "6")
+    first.step(increment=16)
+    saved = first.state_dict()
+    with pytest.raises(AssertionError):
+        scheduler("--train-iters", "10").load_state_dict(saved)
+    taken = scheduler("--train-iters", "10", "--use-checkpoint-opt_param-scheduler")
+    taken.load_state_dict(saved)
+    kept = scheduler("--train-iters", "10", "--override-opt_param-scheduler")
+    kept.load_state_dict(saved)
+    assert (taken.lr_decay_steps, kept.lr_decay_steps) == (6 * 8, 10 * 8)
+    assert taken.num_steps == kept.num_steps == 16
+    with pytest.raises(ArgumentError) as error:
+        validate_args(parse_args(TINY + ["--use-checkpoint-opt_param-scheduler",
+                                         "--override-opt_param-scheduler"]), 1)
+    assert error.value.flag == "--override-opt_param-scheduler"

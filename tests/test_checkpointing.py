@@ -185,6 +185,20 @@ def test_finetune_loads_weights_only(tmp_path):
     assert torch.equal(tuned.model[0].weight, saved["model"]["0.weight"])
 
 
+def test_a_changed_lr_schedule_is_one_clear_error(tmp_path):
+    """Megatron's rule, as build_scheduler sets it up: a schedule that differs from the
+    checkpoint's stops the load, naming --load and the two flags that settle it."""
+    run(TinyTrainer(), Checkpointer(make_args(tmp_path), 0, 1), 2)
+    longer = TinyTrainer()
+    longer.scheduler = OptimizerParamScheduler(
+        longer.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
+        lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False)
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(make_args(tmp_path, load=str(tmp_path / "ck")), 0, 1).load(longer)
+    assert err.value.flag == "--load" and "--override-opt_param-scheduler" in str(err.value)
+
+
 def _saved_dir(tmp_path: Path, **over) -> Path:
     run(TinyTrainer(), Checkpointer(make_args(tmp_path, **over), 0, 1), 2)
     return tmp_path / "ck"
@@ -375,7 +389,9 @@ def test_fp16_resume_restores_main_params_and_the_loss_scaler(tmp_path):
     whole = launch(1, [*fp16, "--train-iters", "6"], tmp_path / "whole.jsonl")
     ck = ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"), "--save-interval", "3"]
     first = launch(1, [*fp16, *ck, "--train-iters", "3"], tmp_path / "first.jsonl")
-    resumed = launch(1, [*fp16, *ck, "--train-iters", "6"], tmp_path / "resumed.jsonl")
+    # a longer run than the checkpoint's: its LR schedule is taken from the checkpoint
+    resumed = launch(1, [*fp16, *ck, "--train-iters", "6", "--use-checkpoint-opt_param-scheduler"],
+                     tmp_path / "resumed.jsonl")
     for run in (whole, first, resumed):
         assert run.returncode == 0, run.stderr[-3000:]
     scales = [r["loss_scale"] for r in whole.records]

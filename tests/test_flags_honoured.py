@@ -31,8 +31,6 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
                    "loader worker pool for this performance knob to size",
     "local_rank": "the launcher's LOCAL_RANK wins (Megatron's rule); read as args.local_rank",
     "use_cpu_initialization": "always on: weights are drawn on the CPU by global name",
-    "use_checkpoint_opt_param_scheduler": "ReCoVer's checkpoint always restores the scheduler's "
-                                          "values, which is what the flag asks for",
     "rerun_mode": "only disabled is accepted (the other modes are refused), which is the behaviour",
 }
 

@@ -216,8 +216,13 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only and start from iteration 0.")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                   help="Take the LR schedule's values from the checkpoint. ReCoVer always does "
-                        "(its checkpoint restores the scheduler whole), which is this flag's meaning.")
+                   help="On --load, take the LR and weight-decay schedule (lr, min lr, warmup, "
+                        "decay length and style) from the checkpoint. Without it or "
+                        "--override-opt_param-scheduler, a schedule that differs from the "
+                        "checkpoint's is an error.")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="On --load, keep this run's LR and weight-decay schedule flags, whatever "
+                        "the checkpoint's; the step count still comes from the checkpoint.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM: save a checkpoint and exit.")
     g.add_argument("--exit-interval", type=int, default=None,

@@ -80,6 +80,11 @@ def validate_checkpointing(args: argparse.Namespace) -> None:
     if args.save is not None and (args.save_interval is None or args.save_interval < 1):
         raise ArgumentError("--save-interval", "--save needs a positive --save-interval",
                             "pass --save-interval N (iterations between saves)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler",
+                            "--override-opt_param-scheduler keeps this run's LR schedule and "
+                            "--use-checkpoint-opt_param-scheduler takes the checkpoint's",
+                            "pass one of them")
 
 
 def validate_logging(args: argparse.Namespace) -> None:

@@ -197,8 +197,11 @@ def apply_rank_state(trainer, state: dict, args) -> None:
         try:
             trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
         except AssertionError as err:  # megatron-core refuses a changed LR schedule this way
-            raise CheckpointError("--load", f"the LR schedule flags differ from the checkpoint's ({err})",
-                                  "use the checkpoint's --lr/--min-lr/decay/warmup flags, or --no-load-optim") from None
+            raise CheckpointError(
+                "--load", f"the LR schedule flags differ from the checkpoint's ({err})",
+                "pass the checkpoint's --lr/--min-lr/decay/warmup/--train-iters values, or "
+                "--use-checkpoint-opt_param-scheduler to take its schedule, or "
+                "--override-opt_param-scheduler to keep yours") from None
     if not args.no_load_rng:
         torch.set_rng_state(state["rng_state"]["torch_cpu"])
         cpu_tracker().set_states(state["rng_state"]["tracker"])

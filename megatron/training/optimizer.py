@@ -183,7 +183,10 @@ def flat_layout_for(args, groups, params: Sequence[torch.Tensor]) -> FlatLayout:
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
-    """Megatron steps the scheduler in samples: one iteration advances it by the global batch."""
+    """Megatron steps the scheduler in samples: one iteration advances it by the global batch.
+    On a resume megatron-core's scheduler checks the schedule against the checkpoint's: equal
+    values or an AssertionError, unless --use-checkpoint-opt_param-scheduler (take the
+    checkpoint's) or --override-opt_param-scheduler (take these)."""
     gbs = args.global_batch_size
     if args.train_iters:
         decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
@@ -201,7 +204,9 @@ def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=int(warmup_steps), lr_decay_steps=int(decay_steps),
         lr_decay_style=args.lr_decay_style, start_wd=start_wd, end_wd=end_wd,
-        wd_incr_steps=int(wd_incr_steps), wd_incr_style=args.weight_decay_incr_style)
+        wd_incr_steps=int(wd_incr_steps), wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
 def sync_tied_embedding_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],

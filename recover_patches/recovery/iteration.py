@@ -141,7 +141,7 @@ class IterationTransaction:
         todo, kept = first_plan.get(m.replica, []), Totals.of_ids([])
         recoveries: list[RecoveryRecord] = []
         saved = None  # gradients as of `kept`, taken before each recovery round
-        owed: list[int] = []  # this replica's round-0 quota, if round 0 stopped at `refresh`
+        owed: list[int] = []  # this replica's round-0 quota, if its round 0 stopped short
         # Agreement attempts made in this iteration. Ranks can fail at different steps of a
         # recovery, but every attempt consumes one newer agreed epoch, so this count -- not a
         # rank's own round number -- names rounds and attempts identically on every survivor.
