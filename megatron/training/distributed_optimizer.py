@@ -175,18 +175,9 @@ class ShardedAdamW:
 
     def _start_gather(self) -> None:
         """Start each bucket's all-gather of the ranges' weights (in the model's dtype)."""
-        dtype = self.model_params[0].dtype
-        size = 1 if self.instance_group is None else self.instance_group.size()
-        local = self._flat(lambda f: f, dtype)
-        for b, ((s, e), (lo, hi)) in enumerate(zip(self.layout.buckets, self.ranges)):
-            mine = torch.zeros(-(-(e - s) // self.shards), dtype=dtype, device=self._device)
-            mine[:hi - lo].copy_(local[self._base[b]:self._base[b] + hi - lo])
-            if size == 1:
-                self._pending[b] = (None, mine)
-                continue
-            whole = torch.empty(size * mine.numel(), dtype=dtype, device=self._device)
-            self._pending[b] = (dist.all_gather_single(whole, mine, group=self.instance_group,
-                                                       async_op=True), whole)
+        chunks = self._chunks(lambda f: f, self.model_params[0].dtype)
+        for b, mine in enumerate(chunks):
+            self._pending[b] = self._all_gather(mine, async_op=True)
 
     def finish_bucket(self, b: int) -> None:
         """Wait for bucket b's all-gather, if one is under way, and take its weights. A failed
@@ -209,9 +200,9 @@ class ShardedAdamW:
                 p, o = self.model_params[i], self.offsets[self.model_params[i]]
                 p.view(-1).copy_(whole[o - s:o - s + p.numel()])
 
-    def finish_gather(self) -> None:
-        """Every bucket's weights in place (before anything but a forward reads them)."""
-        for b in range(len(self.layout.buckets)):
+    def finish_gather(self, buckets: Sequence[int] | None = None) -> None:
+        """The buckets' weights in place (all: before anything but a forward reads them)."""
+        for b in range(len(self.layout.buckets)) if buckets is None else buckets:
             self.finish_bucket(b)
 
     def wait_in_forward(self, model: torch.nn.Module) -> None:
@@ -223,28 +214,26 @@ class ShardedAdamW:
                               if p in bucket_of})
             if buckets:
                 module.register_forward_pre_hook(
-                    lambda _module, _args, buckets=buckets: self._finish(buckets))
+                    lambda _module, _args, buckets=buckets: self.finish_gather(buckets))
 
-    def _finish(self, buckets: list[int]) -> None:
-        for b in buckets:
-            self.finish_bucket(b)
-
-    def _gather_buckets(self, of_fragment, dtype: torch.dtype):
-        """Per bucket: the instance's chunks of a per-fragment tensor, all-gathered (a generator:
-        one bucket's buffer at a time)."""
+    def _chunks(self, of_fragment, dtype: torch.dtype):
+        """Per bucket: this rank's chunk of a per-fragment tensor, padded to the instance's
+        chunk size (a generator: one bucket's buffer at a time)."""
         local = self._flat(of_fragment, dtype)
         for b, ((s, e), (lo, hi)) in enumerate(zip(self.layout.buckets, self.ranges)):
             mine = torch.zeros(-(-(e - s) // self.shards), dtype=dtype, device=self._device)
             mine[:hi - lo].copy_(local[self._base[b]:self._base[b] + hi - lo])
-            yield self._all_gather(mine)
+            yield mine
 
-    def _all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+    def _all_gather(self, mine: torch.Tensor,
+                    async_op: bool = False) -> tuple[dist.Work | None, torch.Tensor]:
+        """The instance's chunks, in shard order: (the work still under way, or None; the buffer)."""
         size = 1 if self.instance_group is None else self.instance_group.size()
         if size == 1:
-            return mine
+            return None, mine
         whole = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_single(whole, mine, group=self.instance_group)
-        return whole
+        return dist.all_gather_single(whole, mine, group=self.instance_group,
+                                      async_op=async_op), whole
 
     def _flat(self, of_fragment, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A per-fragment tensor (a moment, a main param) as this rank's local tensor: its
@@ -257,7 +246,8 @@ class ShardedAdamW:
     def _whole(self, of_fragment) -> list[torch.Tensor]:
         """A per-fragment fp32 tensor gathered over the instance into whole per-param ones."""
         result: list[torch.Tensor] = [torch.empty(0)] * len(self.model_params)
-        for b, whole in enumerate(self._gather_buckets(of_fragment, torch.float32)):
+        for b, mine in enumerate(self._chunks(of_fragment, torch.float32)):
+            _, whole = self._all_gather(mine)
             s = self.layout.buckets[b][0]
             for i in self._bucket_params[b]:
                 p, o = self.model_params[i], self.offsets[self.model_params[i]]

@@ -108,11 +108,6 @@ def flat_layout(params: Sequence[torch.Tensor], bucket_numel: int | None = None,
     return FlatLayout(offsets, buckets, buckets[-1][1])
 
 
-def flat_offsets(params: Sequence[torch.Tensor]) -> dict[torch.Tensor, int]:
-    """The one-bucket, unpadded layout's offsets."""
-    return flat_layout(params).offsets
-
-
 class GradBuffer:
     def __init__(self, params: Sequence[torch.Tensor], *, replicas: int, dp_group,
                  device: torch.device | str = "cpu", bucket_numel: int | None = None,
