@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     assert trainer.grow is not None
                     if isinstance(optimizer, ShardedAdamW):
                         optimizer.forget()  # out of date when the replica re-forms
+                    if checkpointer is not None:
+                        checkpointer.drop_pending()  # its writing replica broke with it
                     logger.info("waiting as a spare until this rank's replica is re-formed")
                     trainer.record_join(trainer.grow.wait_as_spare())
                     trainer.finish_iteration()  # with the others: the join iteration's save/eval

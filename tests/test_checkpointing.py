@@ -74,7 +74,8 @@ def make_args(tmp: Path, **over) -> Namespace:
     base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, save=str(tmp / "ck"),
                 load=None, save_interval=2, train_iters=100, no_save_optim=None, no_save_rng=None,
                 no_load_optim=None, no_load_rng=None, finetune=False, exit_signal_handler=False,
-                use_tp_pp_dp_mapping=False, exit_interval=None, exit_duration_in_mins=None)
+                use_tp_pp_dp_mapping=False, exit_interval=None, exit_duration_in_mins=None,
+                ckpt_format="torch", async_save=False, dist_ckpt_strictness="assume_ok_unexpected")
     return Namespace(**{**base, **over})
 
 
@@ -181,7 +182,8 @@ def test_finetune_loads_weights_only(tmp_path):
     tuned = TinyTrainer()
     Checkpointer(make_args(tmp_path, load=str(tmp_path / "ck"), finetune=True), 0, 1).load(tuned)
     assert tuned.state.iteration == 0 and not tuned.optimizer.inner.state and tuned.scheduler.num_steps == 0
-    saved = torch.load(tmp_path / "ck" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+    saved = torch.load(tmp_path / "ck" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=False)  # it carries Megatron's `args` (a Namespace)
     assert torch.equal(tuned.model[0].weight, saved["model"]["0.weight"])
 
 

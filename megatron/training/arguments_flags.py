@@ -10,6 +10,9 @@ import argparse
 
 # The split Megatron falls back to (with a warning) when --data-path is given without --split.
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+# megatron-core's dist_checkpointing StrictHandling values (not imported: parsing stays light)
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+              "return_unexpected", "return_all", "ignore_all")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -232,9 +235,31 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="Exit (status 0, after a checkpoint when --save is set) once training has run "
                         "this long; the live ranks agree on it after every iteration (one store "
                         "barrier per iteration while the flag is set).")
-    g.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
-                   help="Checkpoint format. Default torch (per-rank torch files), unlike Megatron-LM's "
-                        "torch_dist, which ReCoVer does not support yet.")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
+                   help="Checkpoint format to save: torch_dist (megatron-core's distributed "
+                        "checkpoint; loads at any TP/PP/DP layout) or torch (one file per TP x PP "
+                        "rank). --load reads either, whatever this says, as Megatron does.")
+    g.add_argument("--async-save", action="store_true",
+                   help="torch_dist: training blocks only for a host copy of the state; the "
+                        "writing replica writes in the background and the next save, the last "
+                        "iteration or an exit lands it (latest moves then).")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="With --async-save: one long-lived background writer instead of a process "
+                        "forked per save. ReCoVer's writer is always a thread of the training "
+                        "process (nothing is forked per save), so this asks for what it does anyway.")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=STRICTNESS,
+                   help="torch_dist loading: what to do with keys in the checkpoint that this "
+                        "model lacks or the reverse (megatron-core's StrictHandling).")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true", default=None,
+                   help="Refused: ReCoVer's lowest live replica writes the whole checkpoint, so any "
+                        "surviving replica can land a save (Megatron-LM splits it over DP ranks).")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
+                   dest="ckpt_fully_parallel_save",
+                   help="One replica writes the checkpoint: what ReCoVer always does.")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="Refused: ReCoVer plans every save (the writing replica changes after a "
+                        "failure), it does not cache the plan.")
 
 
 def add_logging_args(parser: argparse.ArgumentParser) -> None:

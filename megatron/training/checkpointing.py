@@ -1,15 +1,22 @@
-"""Checkpoints (--save/--load/--save-interval, --ckpt-format torch) and --exit-signal-handler.
+"""Checkpoints (--save/--load/--save-interval, --ckpt-format, --async-save) and
+--exit-signal-handler.
 
-Layout (Megatron-like):
+Formats. --ckpt-format torch_dist (the default, as in Megatron) is Megatron's distributed
+checkpoint (`checkpoint_dist`): any TP/PP/DP layout loads it. --ckpt-format torch is one file per
+(tp, pp). Loading reads whichever format --load holds, as Megatron does, including checkpoints
+written by stock Megatron-LM (without ReCoVer's own records, which are optional).
+
+Layout of the torch format (Megatron's, plus one JSON file):
     SAVE/latest_checkpointed_iteration.txt            the last *committed* iteration, e.g. "6"
     SAVE/iter_0000006/recover_metadata.json           topology and contents; read before any
                                                       process group exists, to reject bad --load
     SAVE/iter_0000006/mp_rank_TT[_PPP]/model_optim_rng.pt   one file per (tp, pp); the _PPP part
                                                       only when PP > 1, as Megatron names them
 
-Writer choice: DP replicas hold identical state, so the file of (tp, pp) is written by that
-coordinate's rank in the lowest-numbered live replica. The (tp 0, pp 0) rank of that replica is
-the *leader*: it prepares the temp directory, writes the metadata and commits.
+Writer choice: DP replicas hold identical state, so the file of (tp, pp) -- or that rank's part
+of a torch_dist checkpoint -- is written by that coordinate's rank in the lowest-numbered live
+replica. The (tp 0, pp 0) rank of that replica is the *leader*: it prepares the temp directory,
+writes the metadata and commits.
 
 Commit protocol (a crash at any point leaves the previous checkpoint loadable):
     1. leader removes any leftover SAVE/.tmp_iter_N (a crashed save) and recreates it   barrier
@@ -18,46 +25,44 @@ Commit protocol (a crash at any point leaves the previous checkpoint loadable):
 The barriers are the trainer's: through the coordinator's store among the live ranks when
 recovery is on (a rank dying mid-save abandons that save; the last good checkpoint stays and
 training goes on), on the bootstrap default group otherwise.
+
+--async-save (torch_dist): step 2 blocks only for a host copy of the state and the write plan;
+the writing replica's ranks write on a background thread while training goes on. The next save,
+the end of training or an exit lands it: the writers' results meet (DCP's `.metadata`) and the
+leader commits, so `latest` moves only once every part is on disk. If a writer dies meanwhile the
+save is abandoned (a rank that leaves its broken replica drops it): its temp directory never
+becomes a checkpoint and the next save removes it.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import shutil
 import signal
+import threading
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron.training.arguments_errors import UserError
+from megatron.training import checkpoint_dist as ckd
+from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_FILE, RANK_FILE,
+                                                 CheckpointError, CkptFormat, ResumePoint,
+                                                 find_resume_point, iter_dir_name, rank_dir_name,
+                                                 read_latest)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-METADATA_FILE = "recover_metadata.json"
-RANK_FILE = "model_optim_rng.pt"
-FORMAT = "recover-torch-1"
+__all__ = ["CheckpointError", "Checkpointer", "LATEST_FILE", "find_resume_point", "iter_dir_name",
+           "rank_dir_name", "read_latest", "writer_rank"]
 
 
-class CheckpointError(UserError):
-    """A user-facing checkpoint problem (exit code 2)."""
-
-
-# -- names and small file helpers -----------------------------------------------------------------
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def rank_dir_name(tp: int, pp: int, pp_size: int) -> str:
-    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
-
-
+# -- small helpers ----------------------------------------------------------------------------------
 def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) -> int:
     """Deterministic: every rank agrees without communication on who writes (tp, pp)."""
     return topology.rank(tp, min(live_replicas), pp)
@@ -88,84 +93,24 @@ def write_atomically(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-# -- finding and validating what --load points at (no process group needed) ----------------------
-@dataclass(frozen=True)
-class ResumePoint:
-    iteration: int
-    directory: Path
-    metadata: dict
-
-
-def read_latest(load_dir: Path) -> int | None:
-    """The committed iteration, or None when nothing was ever saved there."""
-    path = load_dir / LATEST_FILE
-    if not path.is_file():
-        return None
-    text = path.read_text(errors="replace").strip()
-    if not text.isdigit():
-        raise CheckpointError("--load", f"{path} is corrupt (holds {text[:40]!r}, not an iteration)",
-                              "restore the file or write the iteration of a complete iter_* directory into it")
-    return int(text)
-
-
-def find_resume_point(args, topology: Topology) -> ResumePoint | None:
-    """Validate --load against this run; None means start from scratch. Raises CheckpointError."""
-    if not args.load:
-        return None
-    load_dir = Path(args.load)
-    iteration = read_latest(load_dir) if load_dir.is_dir() else None
-    if iteration is None:
-        never_saved = not load_dir.exists() or not any(load_dir.glob("iter_*"))
-        if never_saved and args.save and Path(args.save).resolve() == load_dir.resolve():
-            return None  # the usual `--save C --load C` on a job's first run (Megatron does the same)
-        what = "does not exist" if not load_dir.exists() else f"has no {LATEST_FILE}"
-        raise CheckpointError("--load", f"{load_dir} {what}",
-                              "point --load at a directory written by --save, or drop --load")
-    directory = load_dir / iter_dir_name(iteration)
-    try:
-        metadata = json.loads((directory / METADATA_FILE).read_text())
-        if metadata.get("format") != FORMAT or metadata.get("iteration") != iteration:
-            raise ValueError("unexpected format or iteration")
-    except (OSError, ValueError) as err:
-        raise CheckpointError("--load", f"checkpoint {directory} named by {LATEST_FILE} is missing or "
-                              f"corrupt ({err})", "point --load at an intact checkpoint directory") from None
-    check_compatible(metadata, topology, args, directory)
-    for tp in range(topology.tp):
-        for pp in range(topology.pp):
-            path = directory / rank_dir_name(tp, pp, topology.pp) / RANK_FILE
-            if not zipfile.is_zipfile(path):  # also catches truncation: the zip index is at the end
-                raise CheckpointError("--load", f"{path} is missing or truncated",
-                                      "point --load at an intact checkpoint directory")
-    return ResumePoint(iteration, directory, metadata)
-
-
-def check_compatible(metadata: dict, topology: Topology, args, directory: Path) -> None:
-    saved = metadata["topology"]
-    if (saved["tp"], saved["pp"]) != (topology.tp, topology.pp):
-        raise CheckpointError(
-            "--load", f"checkpoint {directory} was saved with TP={saved['tp']}, PP={saved['pp']} but "
-            f"this run has TP={topology.tp}, PP={topology.pp} (DP may differ: replicas are identical)",
-            f"run with --tensor-model-parallel-size {saved['tp']} --pipeline-model-parallel-size "
-            f"{saved['pp']}, or load another checkpoint")
-    if args.finetune:
-        return
-    if not metadata["has_optimizer"] and not args.no_load_optim:
-        raise CheckpointError("--load", f"{directory} has no optimizer state (saved with --no-save-optim)",
-                              "add --no-load-optim or --finetune")
-    if not metadata["has_rng"] and not args.no_load_rng:
-        raise CheckpointError("--load", f"{directory} has no RNG state (saved with --no-save-rng)",
-                              "add --no-load-rng or --finetune")
-
-
 # -- what one rank's file holds ------------------------------------------------------------------
 def cpu_tracker():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     return get_cuda_rng_tracker()  # recover_patches.rng installs its device tracker in its place
 
 
+def rng_state() -> dict:
+    return {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()}
+
+
 def rank_state(trainer, args, optimizer_state: dict | None = None) -> dict:
+    """The torch format's file: Megatron's keys (args, checkpoint_version, iteration, model,
+    optimizer, opt_param_scheduler, rng_state) plus ReCoVer's records."""
     topo, coord = trainer.groups.topology, trainer.groups.coord
     state = {
+        "args": ckd.with_megatron_args(args, trainer.state.iteration,
+                                       trainer.state.consumed_samples),
+        "checkpoint_version": ckd.CHECKPOINT_VERSION,
         "format": FORMAT, "iteration": trainer.state.iteration,
         "consumed_samples": trainer.state.consumed_samples,
         "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
@@ -177,7 +122,20 @@ def rank_state(trainer, args, optimizer_state: dict | None = None) -> dict:
                               else optimizer_state)
         state["opt_param_scheduler"] = trainer.scheduler.state_dict()
     if not args.no_save_rng:
-        state["rng_state"] = {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()}
+        state["rng_state"] = rng_state()
+    return state
+
+
+def from_stock_megatron(state: dict) -> dict:
+    """A stock Megatron-LM torch file in `apply_rank_state`'s shape: its consumed samples are in
+    its args, its fp32 main weights a list per param group, its RNG not ours (not restored)."""
+    state = dict(state)
+    state.setdefault("consumed_samples", getattr(state.get("args"), "consumed_train_samples", 0))
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer.get("fp32_from_fp16_params") and \
+            isinstance(optimizer["fp32_from_fp16_params"][0], list):
+        optimizer["fp32_from_fp16_params"] = [t for g in optimizer["fp32_from_fp16_params"] for t in g]
+    state.pop("rng_state", None)
     return state
 
 
@@ -202,7 +160,7 @@ def apply_rank_state(trainer, state: dict, args) -> None:
                 "pass the checkpoint's --lr/--min-lr/decay/warmup/--train-iters values, or "
                 "--use-checkpoint-opt_param-scheduler to take its schedule, or "
                 "--override-opt_param-scheduler to keep yours") from None
-    if not args.no_load_rng:
+    if not args.no_load_rng and "rng_state" in state:  # absent: see load_rank_state
         torch.set_rng_state(state["rng_state"]["torch_cpu"])
         cpu_tracker().set_states(state["rng_state"]["tracker"])
 
@@ -223,11 +181,33 @@ class TermSignal:
 
 
 # -- the object the Trainer calls ----------------------------------------------------------------
+@dataclass
+class PendingSave:
+    """A writer's part of a torch_dist save, planned; written inline or, with --async-save, on
+    a thread while training goes on."""
+    iteration: int
+    tmp: Path
+    final: Path
+    is_leader: bool
+    write: ckd.ShardedWrite
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+    def run(self, faults) -> None:
+        try:
+            faults.at("checkpoint", self.iteration)  # iter=I in --inject-fault means "saving I"
+            self.write.write()
+        except BaseException as err:  # re-raised by the main thread when it lands the save
+            self.error = err
+
+
 class Checkpointer:
     """Built before any process group (it validates --load then), used by Trainer.train()."""
 
     def __init__(self, args, rank: int, world_size: int) -> None:
         self.args, self.rank = args, rank
+        self.format = CkptFormat(args.ckpt_format)
+        self.async_save = args.async_save
         self.topology = Topology.from_world(world_size, args.tensor_model_parallel_size,
                                             args.pipeline_model_parallel_size,
                                             args.use_tp_pp_dp_mapping)
@@ -238,23 +218,57 @@ class Checkpointer:
         self.term = TermSignal() if args.exit_signal_handler else None
         self.started = time.monotonic()  # for --exit-duration-in-mins
         self.last_saved: int | None = None
+        self.pending: PendingSave | None = None
 
     def load(self, trainer) -> None:
-        if self.resume is None:
+        point = self.resume
+        if point is None:
             if self.args.load and self.rank == 0:
                 logger.info(f"no checkpoint in {self.args.load} yet: starting from scratch")
             return
+        if point.format is CkptFormat.TORCH_DIST:
+            state = self._read_torch_dist(trainer, point)
+        else:
+            state = self._read_torch(trainer, point)
+        apply_rank_state(trainer, state, self.args)
+        if self.rank == 0:
+            logger.info(f"loaded checkpoint {point.directory} (iteration {point.iteration}, "
+                        f"{point.format.value}{'' if point.by_recover else ', by Megatron-LM'}"
+                        f"{', weights only: --finetune' if self.args.finetune else ''})")
+
+    def _read_torch(self, trainer, point: ResumePoint) -> dict:
         coord = trainer.groups.coord
-        path = self.resume.directory / rank_dir_name(coord.tp, coord.pp, self.topology.pp) / RANK_FILE
+        path = point.directory / rank_dir_name(coord.tp, coord.pp, self.topology.pp) / RANK_FILE
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises several types for a damaged archive
             raise CheckpointError("--load", f"cannot read {path} ({err})",
                                   "point --load at an intact checkpoint directory") from None
-        apply_rank_state(trainer, state, self.args)
-        if self.rank == 0:
-            logger.info(f"loaded checkpoint {self.resume.directory} (iteration {self.resume.iteration}"
-                        f"{', weights only: --finetune' if self.args.finetune else ''})")
+        return state if point.by_recover else self._without_rng(from_stock_megatron(state), point)
+
+    def _read_torch_dist(self, trainer, point: ResumePoint) -> dict:
+        args = self.args
+        # RNG streams are per (tp, pp) position: they exist only in a checkpoint of this layout
+        same_layout = (point.tp, point.pp) == (self.topology.tp, self.topology.pp)
+        read_rng = same_layout and point.by_recover and not (args.finetune or args.no_load_rng)
+        template = ckd.load_template(trainer, with_optimizer=not (args.finetune or args.no_load_optim),
+                                     rng=rng_state() if read_rng else None)
+
+        def error(detail: str) -> CheckpointError:
+            return CheckpointError("--load", f"cannot load {point.directory} into this model "
+                                   f"({detail})", "load a checkpoint of this model's shape")
+        state = ckd.as_rank_state(ckd.load(template, point.directory, args.dist_ckpt_strictness,
+                                           error))
+        return state if read_rng else self._without_rng(state, point)
+
+    def _without_rng(self, state: dict, point: ResumePoint) -> dict:
+        state.pop("rng_state", None)
+        if self.rank == 0 and not (self.args.finetune or self.args.no_load_rng):
+            logger.info(f"RNG state of {point.directory} not restored (written by another layout "
+                        "or by Megatron-LM); dropout is seeded per microbatch, so the trajectory "
+                        "does not depend on it")
+        return state
 
     def after_iteration(self, trainer) -> None:
         iteration, args = trainer.state.iteration, self.args
@@ -262,6 +276,8 @@ class Checkpointer:
         due = args.save and (iteration % args.save_interval == 0 or iteration == args.train_iters)
         if (due or stop) and args.save:
             self.save(trainer)
+            if stop or iteration == args.train_iters:
+                self.finish_pending(trainer)  # the job ends: the last save must land
         if stop:
             if self.rank == 0:
                 logger.info(f"exiting after iteration {iteration}: {stop}"
@@ -283,11 +299,16 @@ class Checkpointer:
         return None
 
     def save(self, trainer) -> None:
+        self.finish_pending(trainer)  # one save at a time, in order
         try:
             self._save(trainer)
         except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
-            logger.warning(f"checkpoint of iteration {trainer.state.iteration} abandoned ({err}); "
-                           "the last good checkpoint stays")
+            self.last_saved = None
+            self._abandon(trainer.state.iteration, err)
+
+    def _abandon(self, iteration: int, why) -> None:
+        logger.warning(f"checkpoint of iteration {iteration} abandoned ({why}); the last good "
+                       "checkpoint stays")
 
     def _save(self, trainer) -> None:
         iteration = trainer.state.iteration
@@ -299,25 +320,87 @@ class Checkpointer:
         is_writer = self.rank == writer_rank(self.topology, live, coord.tp, coord.pp)
         is_leader = self.rank == writer_rank(self.topology, live, 0, 0)
         if is_leader:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for leftover in save_dir.glob(".tmp_iter_*"):  # saves that crashed or were abandoned
+                shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir(parents=True)
         trainer.barrier(f"ckpt/{iteration}/prepared")
         trainer.weights_ready()
         # on every rank: the distributed optimizer gathers its instance's shards (a collective)
         optimizer_state = None if self.args.no_save_optim else trainer.optimizer.state_dict()
-        if is_writer:
+        self.last_saved = iteration
+        pending = None
+        if self.format is CkptFormat.TORCH and is_writer:
             self._write_rank_file(trainer, tmp / rank_dir_name(coord.tp, coord.pp, self.topology.pp),
                                   optimizer_state)
-        if is_leader:
+        elif self.format is CkptFormat.TORCH_DIST and is_writer:
+            pending = PendingSave(iteration, tmp, final, is_leader,
+                                  self._plan_torch_dist(trainer, tmp, optimizer_state, is_leader))
+        if is_leader and self.format is CkptFormat.TORCH:
             write_atomically(tmp / METADATA_FILE, self._metadata(trainer).encode())
-        trainer.faults.at("checkpoint", iteration)  # iter=I in --inject-fault means "saving I"
+        if self.async_save:  # torch_dist only (validated): the writers go on in the background
+            if pending is None:
+                trainer.faults.at("checkpoint", iteration)
+            else:
+                pending.thread = threading.Thread(target=pending.run, args=(trainer.faults,),
+                                                  name=f"async-save-{iteration}", daemon=True)
+                pending.thread.start()
+                self.pending = pending
+            return
+        if pending is None:
+            trainer.faults.at("checkpoint", iteration)  # iter=I in --inject-fault: "saving I"
+        else:
+            pending.run(trainer.faults)
         trainer.barrier(f"ckpt/{iteration}/written")
-        if is_leader:
+        if pending is not None:
+            self._land(pending)
+        elif is_leader:
             self._commit(tmp, final, iteration)
         trainer.barrier(f"ckpt/{iteration}/committed")
-        self.last_saved = iteration
         if self.rank == 0:
             logger.info(f"saved checkpoint {final} (iteration {iteration})")
+
+    def _plan_torch_dist(self, trainer, tmp: Path, optimizer_state: dict | None,
+                         is_leader: bool) -> ckd.ShardedWrite:
+        """The writing replica's collective part: Megatron's layout, and DCP's write plan."""
+        args = self.args
+        state = ckd.checkpoint_state(trainer, args, optimizer_state,
+                                     None if args.no_save_rng else rng_state())
+        sharded, common = ckd.sharded_and_common(state)
+        if self.async_save:
+            sharded = ckd.to_host(sharded)  # what the training loop waits for
+        if is_leader:
+            ckd.write_common(tmp, common)
+        return ckd.ShardedWrite(sharded, tmp, trainer.groups.replica)
+
+    def _land(self, pending: PendingSave) -> None:
+        """A writer's end of a torch_dist save: its part is on disk (or the error it hit is
+        raised); the writers' results meet and the leader writes DCP's .metadata and commits."""
+        if pending.thread is not None:
+            pending.thread.join()
+        if pending.error is not None:
+            raise pending.error
+        pending.write.finish()
+        if pending.is_leader:
+            self._commit(pending.tmp, pending.final, pending.iteration)
+
+    def finish_pending(self, trainer) -> None:
+        """Land the --async-save in flight on this rank, if any (its writing replica's ranks
+        reach here together: at the next save, the last iteration or an exit)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            self._land(pending)
+        except PeerFailure as err:  # a writer died: the last good checkpoint stays latest
+            return self._abandon(pending.iteration, err)
+        if pending.is_leader:
+            logger.info(f"saved checkpoint {pending.final} (iteration {pending.iteration}, "
+                        "written in the background)")
+
+    def drop_pending(self) -> None:
+        """This rank's replica broke: its writing replica's save cannot land; forget it (its
+        thread may still write into the temp directory, which the next save removes)."""
+        self.pending = None
 
     def _write_rank_file(self, trainer, directory: Path, optimizer_state: dict | None) -> None:
         directory.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,9 @@ class SDPACoreAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
+        # read by megatron-core's default sharded_state_dict (a torch_dist checkpoint): it has no
+        # parameters, but without a group of its own it would look up the global TP group
+        self.tp_group = None if pg_collection is None else pg_collection.tp
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
         kernels = self.KERNELS.get(config.attention_backend)

@@ -1,0 +1,279 @@
+"""--ckpt-format torch_dist: Megatron's distributed checkpoint, readable by Megatron's tools and
+loadable at another TP / PP / DP layout.
+
+What is in it, as Megatron lays it out (the keys are megatron-core's, so a stock Megatron
+checkpoint loads here and ours loads there):
+    iter_N/metadata.json   {"sharded_backend": "torch_dist", ...}   megatron-core's format marker
+    iter_N/common.pt       args, iteration, checkpoint_version, opt_param_scheduler, the
+                           optimizer's hyperparameters and step; ReCoVer's own state under
+                           "recover" (optional on load)
+    iter_N/.metadata, __K_0.distcp   torch.distributed.checkpoint: every tensor by its *global*
+                           key and offsets (the model's `sharded_state_dict()`; Adam's moments and
+                           fp32 main weights as `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.`
+                           + the weight's key), the RNG state per (pp, tp)
+
+Who writes: the TP x PP ranks of the lowest live replica (replicas are identical), over their
+replica group: the plan and the gather of results are collectives there, the write itself is not
+(`ShardedWrite`), so an --async-save can write on a background thread while the job trains.
+Loading is megatron-core's `dist_checkpointing.load` on every rank at start-up: each rank reads
+the slices its own layout needs, whatever layout wrote them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing import load as mcore_load
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
+from megatron.core.dist_checkpointing.optimizer import (make_sharded_optimizer_tensor,
+                                                        optim_state_to_sharding_state)
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
+                                                                _replace_state_dict_keys_with_sharded_keys,
+                                                                mcore_to_pyt_state_dict)
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+          "common_backend": "torch", "common_backend_version": 1}
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current value: its loader checks for it
+DCP_METADATA = ".metadata"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def is_torch_dist(directory: Path) -> bool:
+    try:
+        return json.loads((directory / CONFIG_FNAME).read_text()).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError):
+        return False
+
+
+# -- what goes in ---------------------------------------------------------------------------------
+def model_sharded(trainer) -> dict:
+    # the DP part of every replica id is 0: only the writing replica saves, and on load every
+    # replica needs every slice of its own layout
+    return trainer.model.sharded_state_dict(metadata={"dp_cp_group": trainer.groups.self_group})
+
+
+def _by_param(model_sd: dict, params: list[torch.Tensor]) -> dict[int, ShardedTensor]:
+    """Optimizer index i (its order: `optimizer.model_params`) -> the weight's sharded tensor."""
+    by_id = {id(sh.data): sh for sh in nested_values(model_sd)
+             if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
+    return {i: by_id[id(p)] for i, p in enumerate(params)}
+
+
+def optimizer_sharded(optimizer_state: dict, model_sd: dict, params: list[torch.Tensor]) -> dict:
+    """Megatron's Float16OptimizerWithFloat16Params layout of `optimizer_state` (our optimizers'
+    unsharded dict, indexed like `params`): moments and fp32 weights keyed by the weight's global
+    key, one shared step, hyperparameters in common.pt. Modifies `optimizer_state`."""
+    id_map = _by_param(model_sd, params)
+    inner = optimizer_state["optimizer"]
+    steps = {float(s["step"]) for s in inner["state"].values() if "step" in s}
+    halves = [i for i, p in enumerate(params) if p.dtype != torch.float32]
+    optimizer_state["fp32_from_fp16_params"] = [
+        make_sharded_optimizer_tensor(id_map[i], t, prefix="optimizer.state.fp32_param")
+        for i, t in zip(halves, optimizer_state["fp32_from_fp16_params"])]
+    optim_state_to_sharding_state(inner, id_map, exclude_keys=("step",))
+    if steps:
+        inner["state"]["common_step"] = steps.pop()
+    return optimizer_state
+
+
+def optimizer_template(params: list[torch.Tensor], param_groups: list[dict]) -> dict:
+    """The unsharded optimizer dict of this layout with empty fp32 tensors, to be loaded into.
+    The groups' `params` come back from here (they are not saved); the rest from common.pt."""
+    state = {i: {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n in _MOMENTS}
+             for i, p in enumerate(params)}
+    index, groups = 0, []
+    for group in param_groups:
+        groups.append({"params": list(range(index, index + len(group["params"])))})
+        index += len(group["params"])
+    return {"optimizer": {"state": state, "param_groups": groups},
+            "fp32_from_fp16_params": [torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                                      for p in params if p.dtype != torch.float32]}
+
+
+def rng_sharded(trainer, rng: dict) -> ShardedObject:
+    topo, coord = trainer.groups.topology, trainer.groups.coord
+    return ShardedObject("rng_state", [rng], (topo.pp, topo.tp), (coord.pp, coord.tp), replica_id=0)
+
+
+def with_megatron_args(args: argparse.Namespace, iteration: int,
+                       consumed_samples: int) -> argparse.Namespace:
+    """The args Megatron's loader reads back (consumed samples and iteration among them)."""
+    saved = argparse.Namespace(**vars(args))
+    saved.consumed_train_samples = consumed_samples
+    saved.iteration = iteration
+    return saved
+
+
+def checkpoint_state(trainer, args, optimizer_state: dict | None, rng: dict | None) -> dict:
+    """This rank's whole checkpoint in Megatron's torch_dist layout (with ShardedTensors)."""
+    model_sd = model_sharded(trainer)
+    st = trainer.state
+    state: dict = {
+        "args": with_megatron_args(args, st.iteration, st.consumed_samples),
+        "checkpoint_version": CHECKPOINT_VERSION, "iteration": st.iteration, "model": model_sd,
+        "recover": {"consumed_samples": st.consumed_samples,
+                    "topology": vars(trainer.groups.topology).copy()}}
+    if optimizer_state is not None:
+        state["optimizer"] = optimizer_sharded(optimizer_state, model_sd,
+                                               trainer.optimizer.model_params)
+        state["opt_param_scheduler"] = trainer.scheduler.state_dict()
+    if rng is not None:
+        state["rng_state"] = rng_sharded(trainer, {"torch_rng_state": rng["torch_cpu"],
+                                                   "rng_tracker_states": rng["tracker"]})
+    return state
+
+
+def load_template(trainer, with_optimizer: bool, rng: dict | None) -> dict:
+    """What this rank reads: its layout's slices of the model (and Adam, and its RNG)."""
+    model_sd = model_sharded(trainer)
+    template: dict = {"model": model_sd}
+    if with_optimizer:
+        params = trainer.optimizer.model_params
+        template["optimizer"] = optimizer_sharded(
+            optimizer_template(params, trainer.optimizer.param_groups), model_sd, params)
+    if rng is not None:
+        template["rng_state"] = rng_sharded(trainer, {"torch_rng_state": rng["torch_cpu"],
+                                                      "rng_tracker_states": rng["tracker"]})
+    return template
+
+
+def as_rank_state(loaded: dict) -> dict:
+    """A loaded torch_dist checkpoint in the shape `checkpointing.apply_rank_state` takes (the
+    torch format's). Consumed samples: ReCoVer's own record, else Megatron's args."""
+    recover = loaded.get("recover") or {}
+    saved_args = loaded.get("args")
+    consumed = recover.get("consumed_samples", getattr(saved_args, "consumed_train_samples", 0))
+    state = {"model": loaded["model"], "iteration": int(loaded["iteration"]),
+             "consumed_samples": int(consumed)}
+    if "optimizer" in loaded:
+        optimizer = loaded["optimizer"]
+        inner = optimizer["optimizer"]
+        step = inner["state"].pop("common_step", None)
+        for param_state in inner["state"].values():
+            param_state["step"] = torch.tensor(float(step or 0))
+        state["optimizer"] = optimizer
+        state["opt_param_scheduler"] = loaded["opt_param_scheduler"]
+    if "rng_state" in loaded:
+        rng = loaded["rng_state"][0]
+        state["rng_state"] = {"torch_cpu": rng["torch_rng_state"],
+                              "tracker": rng["rng_tracker_states"]}
+    return state
+
+
+# -- writing: plan (collective), write (not), finish (collective) ---------------------------------
+class ShardedWrite:
+    """One rank's part of a torch_dist save into `directory`, among the ranks of `group` (the
+    writing replica); group rank 0 writes DCP's `.metadata`. `state` must not change until the
+    write is done (an async save passes a host copy)."""
+
+    def __init__(self, state: dict, directory: Path, group: dist.ProcessGroup) -> None:
+        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(state, keep_only_main_replica=True)
+        self.group = group
+        self.coordinator = dist.get_rank(group) == 0
+        self.planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+        self.writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
+                                       thread_count=1)
+        self.planner.set_up_planner(mcore_to_pyt_state_dict(flat, False),
+                                    is_coordinator=self.coordinator)
+        self.writer.set_up_storage_writer(self.coordinator)
+        local = self.writer.prepare_local_plan(self.planner.create_local_plan())
+        plans = self._all_gather(local)
+        # every rank runs the (deterministic) global planning: no scatter needed
+        plans, self.metadata = self.planner.create_global_plan(plans)
+        plans = self.writer.prepare_global_plan(plans)
+        self.plan = self.planner.finish_plan(plans[dist.get_rank(group)])
+        self.results: list | None = None
+
+    def write(self) -> None:
+        """The files of this rank; no communication, so any thread may run it."""
+        future = self.writer.write_data(self.plan, self.planner)
+        future.wait()
+        self.results = future.value()
+
+    def finish(self) -> None:
+        """Every writer's results to the coordinator, which writes `.metadata` (the checkpoint
+        is readable only from then on)."""
+        assert self.results is not None, "finish() before write()"
+        results = self._all_gather(self.results)
+        if self.coordinator:
+            self.writer.finish(self.metadata, results)
+
+    def _all_gather(self, obj) -> list:
+        out: list = [None] * self.group.size()
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def sharded_and_common(state: dict) -> tuple[dict, dict]:
+    """megatron-core's split: ShardedTensors/Objects for DCP, the rest for common.pt."""
+    return save_preprocess(state, validate_access_integrity=False)
+
+
+def write_common(directory: Path, common: dict) -> None:
+    torch.save(common, directory / COMMON_STATE_FNAME)
+    (directory / CONFIG_FNAME).write_text(json.dumps(CONFIG))
+
+
+def to_host(state: dict) -> dict:
+    """A copy of every tensor in host memory: what an async save blocks for."""
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().to("cpu", copy=True)
+        if isinstance(x, (ShardedTensor, ShardedObject)) and isinstance(x.data, torch.Tensor):
+            x.data = x.data.detach().to("cpu", copy=True)
+        return x
+    dict_list_map_inplace(copy, state)
+    return state
+
+
+# -- reading --------------------------------------------------------------------------------------
+def read_dcp_metadata(directory: Path) -> Metadata:
+    with open(directory / DCP_METADATA, "rb") as f:
+        return pickle.load(f)
+
+
+def truncated_file(directory: Path, metadata: Metadata) -> Path | None:
+    """A data file shorter than the bytes `.metadata` says it holds (a torn or cut copy)."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file() or path.stat().st_size < size:
+            return path
+    return None
+
+
+def load_common(directory: Path) -> dict:
+    """common.pt, whose `args` is an argparse.Namespace (Megatron's too)."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(directory / COMMON_STATE_FNAME, map_location="cpu", weights_only=True)
+
+
+def load(template: dict, directory: Path, strict: str,
+         on_error: Callable[[str], Exception]) -> dict:
+    """megatron-core's loader into `template`, with --dist-ckpt-strictness `strict`; a shape or
+    key mismatch becomes `on_error(detail)`."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):  # common.pt's args
+            loaded = mcore_load(template, str(directory), validate_access_integrity=False,
+                                strict=strict)
+    except (CheckpointingException, KeyError, RuntimeError, ValueError) as err:
+        raise on_error(str(err).splitlines()[0][:300]) from None
+    return loaded[0] if isinstance(loaded, tuple) else loaded  # return_*: (state, missing, unexpected)
+
+
+def nonpersistent(value) -> LocalNonpersistentObject:
+    return LocalNonpersistentObject(value)

@@ -1,0 +1,201 @@
+"""--ckpt-format torch_dist in one process: exact resume (sync and async), Megatron's keys both
+ways (a checkpoint written by megatron-core's own `dist_checkpointing.save` loads here; ours loads
+with megatron-core's own `load`), and bad --load directories as one clear error.
+
+The trainer is the real model, optimizer and scheduler on 1-rank groups; the multi-rank layouts
+and resharding are in tests/test_checkpoint_reshard.py.
+"""
+from __future__ import annotations
+
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron.training.arguments import parse_and_validate
+from megatron.training.checkpoint_dist import CHECKPOINT_VERSION, model_sharded
+from megatron.training.checkpointing import (LATEST_FILE, CheckpointError, Checkpointer,
+                                             find_resume_point, read_latest)
+from megatron.training.initialize import build_groups, torch_group_factory
+from megatron.training.model import build_model
+from megatron.training.optimizer import build_optimizer, build_scheduler
+from megatron.training.training import TrainState
+from recover_patches.rng import install_rng_tracker
+from recover_patches.topology import Topology
+from tests._launch_util import TINY_GPT
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group(tmp_path_factory):
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Faults:
+    def at(self, phase: str, iteration: int, microbatch: int | None = None) -> None:
+        pass
+
+
+class Metrics:
+    def close(self) -> None:
+        pass
+
+
+class GPTTrainer:
+    """What the Checkpointer touches of the Trainer, around the real GPT, AdamW and schedule."""
+
+    def __init__(self, args: Namespace):
+        self.args = args
+        self.groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
+        self.tracker = install_rng_tracker("cpu", args.seed)
+        args.padded_vocab_size = VOCAB
+        self.model = build_model(args, self.groups.pg_collection(), 0, 0, VOCAB)
+        self.optimizer = build_optimizer(self.model, args, self.groups)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        self.state, self.faults, self.metrics = TrainState(), Faults(), Metrics()
+        self.live_replicas = [0]
+
+    def barrier(self, key: str) -> None:
+        dist.barrier()
+
+    def any_rank(self, flag: bool, key: str) -> bool:
+        return flag
+
+    def weights_ready(self) -> None:
+        pass
+
+    def train_step(self) -> float:
+        tokens = torch.randint(0, VOCAB, (2, 33))  # the global RNG: restored by the checkpoint
+        positions = torch.arange(32).expand(2, -1)
+        logits = self.model(tokens[:, :-1], positions, None).float()  # [batch, seq, vocab]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        self.optimizer.step([p.grad.float() for p in self.optimizer.model_params])
+        self.scheduler.step(increment=1)
+        self.model.zero_grad(set_to_none=True)
+        self.state.iteration += 1
+        self.state.consumed_samples += 2
+        return loss.item()
+
+
+def make_args(tmp: Path, *extra: str) -> Namespace:
+    argv = [*TINY_GPT, "--train-iters", "100", "--save", str(tmp / "ck"), "--save-interval", "2",
+            "--hidden-dropout", "0.1", *extra]
+    return parse_and_validate(argv, 1)
+
+
+def run(trainer: GPTTrainer, checkpointer: Checkpointer, iters: int) -> list[float]:
+    losses = []
+    for _ in range(iters):
+        losses.append(trainer.train_step())
+        checkpointer.after_iteration(trainer)
+    checkpointer.finish_pending(trainer)
+    return losses
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_resume_is_exact(tmp_path, mode):
+    args = make_args(tmp_path, *mode)
+    first = GPTTrainer(args)
+    reference = run(first, Checkpointer(args, 0, 1), 4)
+    ck = tmp_path / "ck"
+    assert read_latest(ck) == 4
+    assert sorted(p.name for p in (ck / "iter_0000002").iterdir()) == [
+        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    (ck / LATEST_FILE).write_text("2\n")
+
+    torch.manual_seed(123)  # a fresh process would not share the first one's RNG position
+    args = make_args(tmp_path, "--load", str(ck), *mode)
+    resumed = GPTTrainer(args)
+    checkpointer = Checkpointer(args, 0, 1)
+    checkpointer.load(resumed)
+    assert (resumed.state.iteration, resumed.state.consumed_samples) == (2, 4)
+    assert resumed.scheduler.num_steps == 2  # train_step steps it by 1
+    assert run(resumed, checkpointer, 2) == reference[2:]  # bitwise
+    for a, b in zip(first.model.state_dict().values(), resumed.model.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_written_by_megatron_core_loads(tmp_path, monkeypatch):
+    """The fixture is what stock Megatron-LM writes: megatron-core's own save of the model's
+    sharded state dict, with Megatron's common keys and no ReCoVer records."""
+    if not torch.cuda.is_available():  # megatron-core's writer syncs the device after its copy
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    args = make_args(tmp_path)
+    stock = GPTTrainer(args)
+    with torch.no_grad():
+        for p in stock.model.parameters():
+            p.add_(0.5)  # not what a fresh model starts from
+    directory = tmp_path / "stock" / "iter_0000007"
+    directory.mkdir(parents=True)
+    state = {"model": model_sharded(stock), "args": Namespace(**vars(args)), "iteration": 7,
+             "checkpoint_version": CHECKPOINT_VERSION}
+    dist_checkpointing.save(state, str(directory))
+    (tmp_path / "stock" / LATEST_FILE).write_text("7")
+
+    args = make_args(tmp_path, "--load", str(tmp_path / "stock"), "--finetune")
+    mine = GPTTrainer(args)
+    Checkpointer(args, 0, 1).load(mine)
+    for a, b in zip(stock.model.parameters(), mine.model.parameters()):
+        assert torch.equal(a, b)
+    args = make_args(tmp_path, "--load", str(tmp_path / "stock"))  # no optimizer state in it
+    with pytest.raises(CheckpointError, match="--no-load-optim"):
+        Checkpointer(args, 0, 1)
+
+
+def test_ours_loads_with_megatron_cores_loader(tmp_path):
+    args = make_args(tmp_path)
+    trainer = GPTTrainer(args)
+    run(trainer, Checkpointer(args, 0, 1), 2)
+    directory = tmp_path / "ck" / "iter_0000002"
+    with torch.serialization.safe_globals([Namespace]):  # as Megatron-LM registers it
+        common = dist_checkpointing.load_common_state_dict(str(directory))
+    assert {"args", "iteration", "checkpoint_version", "opt_param_scheduler", "optimizer"} <= set(common)
+    assert common["iteration"] == 2 and common["args"].consumed_train_samples == 4
+
+    fresh = GPTTrainer(args)
+    template = {"model": model_sharded(fresh)}
+    with torch.serialization.safe_globals([Namespace]):
+        loaded = dist_checkpointing.load(template, str(directory))
+    fresh.model.load_state_dict(loaded["model"])
+    for a, b in zip(trainer.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b)
+    keys = dist_checkpointing.load_tensors_metadata(str(directory))
+    assert "optimizer.state.exp_avg.embedding.word_embeddings.weight" in keys
+
+
+def _load_error(args) -> str:
+    with pytest.raises(CheckpointError) as err:
+        find_resume_point(args, Topology(1, 1, 1))
+    assert err.value.flag == "--load"
+    return str(err.value)
+
+
+def test_bad_torch_dist_checkpoints_are_one_clear_error(tmp_path):
+    args = make_args(tmp_path)
+    run(GPTTrainer(args), Checkpointer(args, 0, 1), 2)
+    ck = tmp_path / "ck"
+    other_shape = make_args(tmp_path, "--load", str(ck), "--hidden-size", "32")
+    message = _load_error(other_shape)
+    assert "--hidden-size 64" in message and "--hidden-size 32" in message
+
+    shard = ck / "iter_0000002" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1000])
+    assert f"{shard} is missing or truncated" in _load_error(make_args(tmp_path, "--load", str(ck)))
+    shard.write_bytes(data)
+    (ck / LATEST_FILE).unlink()
+    assert "has no latest" in _load_error(make_args(tmp_path, "--load", str(ck)))
+    assert shard.read_bytes() == data  # nothing was overwritten
