@@ -56,7 +56,7 @@ MEGATRON_DEFAULTS = {
     "lr_warmup_iters": 0, "lr_warmup_samples": 0, "lr_warmup_init": 0.0, "lr_warmup_fraction": None,
     "weight_decay_incr_style": "constant", "num_workers": 2, "normalization": "LayerNorm",
     "add_bias_linear": True, "swiglu": False, "sequence_parallel": False, "fp16": False, "bf16": False,
-    "initial_loss_scale": 2.0**32, "ckpt_format": "torch", "recover": True,
+    "initial_loss_scale": 2.0**32, "ckpt_format": "torch_dist", "recover": True,
     "recover_policy": "redistribute", "recover_timeout": 10.0, "recover_min_replicas": 1,
     "inject_fault": [], "recover_balance": "throughput", "coordinator_addr": None, "job_token": None,
 }
@@ -271,10 +271,8 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 
 @pytest.mark.parametrize("flag", [
     "--num-layers-per-virtual-pipeline-stage 2", "--expert-model-parallel-size 2", "--num-experts 8",
-    "--async-save",
     "--fp8-format hybrid", "--use-flash-attn",
-    "--context-parallel-size 2", "--optimizer sgd", "--ckpt-format torch_dist",
-    "--cross-entropy-loss-fusion"])
+    "--context-parallel-size 2", "--optimizer sgd", "--cross-entropy-loss-fusion"])
 def test_unsupported_megatron_flag(flag):
     with pytest.raises(ArgumentError) as err:
         parse_args(TINY + flag.split())
@@ -401,6 +399,30 @@ def test_parse_and_validate_reports_refused_flags_the_same_way(capsys):
         parse_and_validate(TINY + ["--data-impl", "mmap"], world_size=1)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("pretrain_gpt_recover.py: error: --data-impl: ")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--async-save", "--ckpt-format", "torch"], "--async-save"),
+    (["--ckpt-fully-parallel-save"], "--ckpt-fully-parallel-save"),
+    (["--ckpt-assume-constant-structure"], "--ckpt-assume-constant-structure"),
+])
+def test_checkpoint_flags_refused_in_one_line(flags, named):
+    with pytest.raises(ArgumentError) as err:
+        parse_args(TINY + flags)
+    assert err.value.flag == named
+
+
+def test_checkpoint_flags_taken():
+    args = parse_args(TINY + ["--async-save", "--use-persistent-ckpt-worker",
+                              "--no-ckpt-fully-parallel-save", "--dist-ckpt-strictness", "log_all"])
+    assert (args.ckpt_format, args.async_save, args.dist_ckpt_strictness) == \
+        ("torch_dist", True, "log_all")
+
+
+def test_strictness_choices_are_megatron_cores():
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.training.arguments_flags import STRICTNESS
+    assert set(STRICTNESS) == {s.value for s in StrictHandling}
 
 
 def test_parse_and_validate_returns_validated_args():

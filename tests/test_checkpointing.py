@@ -5,7 +5,6 @@ model; the multi-process tests launch the trainer (few on purpose: each costs ~1
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -290,11 +289,13 @@ def _ckpt_args(ck: Path) -> list[str]:
     return ["--save", str(ck), "--load", str(ck), "--save-interval", "3", "--train-iters", "6"]
 
 
-def _crash_then_resume(tmp: Path, tp: int, pp: int, dp: int, kill_rank: int):
+def _crash_then_resume(tmp: Path, tp: int, pp: int, dp: int, kill_rank: int,
+                       ckpt_format: str = "torch_dist"):
     # even balance: throughput balancing follows wall-clock timings, so even an uninterrupted run
     # would not repeat its DP reduction order (hence its bits) from one launch to the next
     ck = tmp / "ck"
-    flags = [*TINY_GPT, *DROPOUT, *BOUNDED, *_layout(tp, pp), "--recover-balance", "even"]
+    flags = [*TINY_GPT, *DROPOUT, *BOUNDED, *_layout(tp, pp), "--recover-balance", "even",
+             "--ckpt-format", ckpt_format]
     crashed = launch(tp * pp * dp, [*flags, *_ckpt_args(ck), "--inject-fault",
                                     f"kill:rank={kill_rank},iter=6,phase=checkpoint"], tmp / "crash.jsonl")
     state_after_crash = (read_latest(ck), sorted(p.name for p in ck.iterdir()))
@@ -318,8 +319,8 @@ def _check(crashed, state_after_crash, resumed, kill_rank: int):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_tp2_pp2_crash_in_save_keeps_last_good_and_resume_is_exact(tmp_path):
-    # rank 0 writes mp_rank_00_000 and commits: killed after writing, before the rename
-    _check(*_crash_then_resume(tmp_path, 2, 2, 1, kill_rank=0), kill_rank=0)
+    # torch format: rank 0 writes mp_rank_00_000 and commits; killed after writing, before the rename
+    _check(*_crash_then_resume(tmp_path, 2, 2, 1, kill_rank=0, ckpt_format="torch"), kill_rank=0)
     ck = tmp_path / "ck"
     assert sorted(p.name for p in (ck / "iter_0000006").iterdir()) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001", "recover_metadata.json"]
@@ -327,7 +328,8 @@ def test_tp2_pp2_crash_in_save_keeps_last_good_and_resume_is_exact(tmp_path):
     # the same checkpoint under another TP/PP: one clear line, exit 2, nothing written
     other = tmp_path / "other"
     bad = launch(4, [*TINY_GPT, *_layout(1, 2), "--load", str(ck), "--save", str(other / "ck"),
-                     "--save-interval", "3", "--train-iters", "6"], other / "m.jsonl", timeout=180)
+                     "--save-interval", "3", "--train-iters", "6", "--ckpt-format", "torch"],
+                 other / "m.jsonl", timeout=180)
     assert bad.returncode == 2  # the ranks' user error is the launcher's status too
     assert bad.stderr.count("stopped on a user error (status 2)") == 1
     assert bad.stderr.count("exit code 2") == 4
@@ -339,11 +341,12 @@ def test_tp2_pp2_crash_in_save_keeps_last_good_and_resume_is_exact(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_tp1_pp2_dp2_crash_of_a_non_writer_and_resume_is_exact(tmp_path):
-    # rank 1 is replica 1's first stage: replica 0 writes, yet its death must still block the commit
+    # torch_dist (the default): rank 1 is replica 1's first stage; replica 0 writes, yet its death
+    # must still block the commit
     _check(*_crash_then_resume(tmp_path, 1, 2, 2, kill_rank=1), kill_rank=1)
-    meta = json.loads((tmp_path / "ck" / "iter_0000006" / "recover_metadata.json").read_text())
-    assert meta["writers"] == {"mp_rank_00_000": 0, "mp_rank_00_001": 2}
-    assert meta["topology"] == {"tp": 1, "pp": 2, "dp": 2, "world_size": 4}
+    directory = tmp_path / "ck" / "iter_0000006"
+    assert sorted(p.name for p in directory.iterdir()) == [  # replica 0's two stages wrote
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
 
 
 def _children(pid: int) -> list[int]:

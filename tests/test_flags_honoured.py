@@ -16,7 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 HONOURED_BY_THE_ARGUMENT_CHECKS = {
     "context_parallel_size": "only 1 is accepted (anything else is refused), which is the behaviour",
     "optimizer": "only adam is accepted (sgd is refused)",
-    "ckpt_format": "only torch is accepted (torch_dist is refused)",
+    "use_persistent_ckpt_worker": "what it asks for always holds: the --async-save writer is a "
+                                  "thread of the training process, nothing is forked per save",
+    "ckpt_fully_parallel_save": "refused when set; --no-ckpt-fully-parallel-save (one replica "
+                                "writes) is ReCoVer's only behaviour",
+    "ckpt_assume_constant_structure": "refused when set",
     "cross_entropy_loss_fusion": "refused when set",
     "rampup_batch_size": "read by global_batch_size_at (arguments_validate_schedule), which the "
                          "trainer calls every iteration",

@@ -88,11 +88,13 @@ def optimizer_sharded(optimizer_state: dict, model_sd: dict, params: list[torch.
     return optimizer_state
 
 
-def optimizer_template(params: list[torch.Tensor], param_groups: list[dict]) -> dict:
-    """The unsharded optimizer dict of this layout with empty fp32 tensors, to be loaded into.
+def optimizer_template(params: list[torch.Tensor], param_groups: list[dict],
+                       moments: bool) -> dict:
+    """The unsharded optimizer dict of this layout with empty fp32 tensors, to be loaded into
+    (`moments`: Adam had stepped; fp16 can save before its first step that did not overflow).
     The groups' `params` come back from here (they are not saved); the rest from common.pt."""
     state = {i: {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n in _MOMENTS}
-             for i, p in enumerate(params)}
+             for i, p in enumerate(params)} if moments else {}
     index, groups = 0, []
     for group in param_groups:
         groups.append({"params": list(range(index, index + len(group["params"])))})
@@ -135,14 +137,14 @@ def checkpoint_state(trainer, args, optimizer_state: dict | None, rng: dict | No
     return state
 
 
-def load_template(trainer, with_optimizer: bool, rng: dict | None) -> dict:
+def load_template(trainer, with_optimizer: bool, moments: bool, rng: dict | None) -> dict:
     """What this rank reads: its layout's slices of the model (and Adam, and its RNG)."""
     model_sd = model_sharded(trainer)
     template: dict = {"model": model_sd}
     if with_optimizer:
         params = trainer.optimizer.model_params
         template["optimizer"] = optimizer_sharded(
-            optimizer_template(params, trainer.optimizer.param_groups), model_sd, params)
+            optimizer_template(params, trainer.optimizer.param_groups, moments), model_sd, params)
     if rng is not None:
         template["rng_state"] = rng_sharded(trainer, {"torch_rng_state": rng["torch_cpu"],
                                                       "rng_tracker_states": rng["tracker"]})

@@ -51,6 +51,7 @@ class ResumePoint:
     has_optimizer: bool
     has_rng: bool
     by_recover: bool  # False: stock Megatron-LM wrote it (no ReCoVer records)
+    adam_started: bool = True  # torch_dist: it holds Adam's moments (fp16 may save before any)
 
 
 def read_latest(load_dir: Path) -> int | None:
@@ -151,7 +152,8 @@ def _torch_dist_point(directory: Path, iteration: int, args) -> ResumePoint:
         topo.get("tp", getattr(saved_args, "tensor_model_parallel_size", 1)),
         topo.get("pp", getattr(saved_args, "pipeline_model_parallel_size", 1)),
         has_optimizer=any(k.startswith("optimizer.") for k in keys),
-        has_rng=any(k.startswith("rng_state") for k in keys), by_recover=bool(recover))
+        has_rng=any(k.startswith("rng_state") for k in keys), by_recover=bool(recover),
+        adam_started=any(k.startswith("optimizer.state.exp_avg.") for k in keys))
 
 
 def check_compatible(point: ResumePoint, topology: Topology, args) -> None:

@@ -232,9 +232,10 @@ class Checkpointer:
             state = self._read_torch(trainer, point)
         apply_rank_state(trainer, state, self.args)
         if self.rank == 0:
-            logger.info(f"loaded checkpoint {point.directory} (iteration {point.iteration}, "
-                        f"{point.format.value}{'' if point.by_recover else ', by Megatron-LM'}"
-                        f"{', weights only: --finetune' if self.args.finetune else ''})")
+            logger.info(f"loaded checkpoint {point.directory} (iteration {point.iteration}), "
+                        f"format {point.format.value}"
+                        f"{'' if point.by_recover else ', written by Megatron-LM'}"
+                        f"{', weights only: --finetune' if self.args.finetune else ''}")
 
     def _read_torch(self, trainer, point: ResumePoint) -> dict:
         coord = trainer.groups.coord
@@ -252,8 +253,8 @@ class Checkpointer:
         # RNG streams are per (tp, pp) position: they exist only in a checkpoint of this layout
         same_layout = (point.tp, point.pp) == (self.topology.tp, self.topology.pp)
         read_rng = same_layout and point.by_recover and not (args.finetune or args.no_load_rng)
-        template = ckd.load_template(trainer, with_optimizer=not (args.finetune or args.no_load_optim),
-                                     rng=rng_state() if read_rng else None)
+        template = ckd.load_template(trainer, not (args.finetune or args.no_load_optim),
+                                     point.adam_started, rng_state() if read_rng else None)
 
         def error(detail: str) -> CheckpointError:
             return CheckpointError("--load", f"cannot load {point.directory} into this model "

@@ -16,6 +16,7 @@ import math
 import re
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -27,6 +28,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from recover_patches.rng import derive_seed
 
@@ -93,6 +95,19 @@ class RecoverGPTModel(GPTModel):
         if self.config.pipeline_model_parallel_size > 1:
             weight.tied_embedding_copy = True  # grads summed over the embedding group
             weight.tied_embedding_is_duplicate = not self.pre_process  # count it once in norms
+
+    def tie_embeddings_and_output_weights_state_dict(self, sharded_state_dict, output_layer_weight_key,
+                                                     first_stage_word_emb_key, metadata=None) -> None:
+        """megatron-core's (the last stage's output weight is saved as a copy of the first
+        stage's embedding), with the DP part of the replica id taken from metadata's group: the
+        stock one reads parallel_state's global group, which ReCoVer does not set up."""
+        if not self.post_process or self.pre_process:
+            return
+        group = metadata["dp_cp_group"]
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=self.shared_embedding_or_output_weight(), key=first_stage_word_emb_key,
+            replica_id=(1, 0, dist.get_rank(group)), allow_shape_mismatch=True,
+            tp_group=self.tp_group, dp_cp_group=group)
 
 
 def transformer_config(args) -> TransformerConfig:

@@ -1,0 +1,85 @@
+"""torch_dist checkpoints across layouts and processes: exact resume at the same (TP, PP, DP),
+the same losses at another one (TP 2->1, PP 1->2, DP 4->2), and a writer killed during an
+--async-save. Few launches on purpose (each costs ~8 s of CPU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron.training.checkpointing import LATEST_FILE, find_resume_point, read_latest
+from recover_patches.topology import Topology
+from tests._launch_util import TINY_GPT, Run, launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+# even balance: a bitwise comparison needs the same DP reduction order in both launches. No
+# dropout: its masks are drawn per pipeline stage, so they differ between PP layouts (resuming
+# the masks exactly is tested with dropout in test_checkpointing / test_checkpoint_dist)
+FLAGS = [*TINY_GPT, "--recover-balance", "even"]
+TOLERANCE = 1e-5  # another layout sums in another order (the parallel-equivalence tolerance)
+
+
+def layout(tp: int, pp: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def ok(run: Run) -> Run:
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def train(tmp: Path, name: str, nproc: int, tp: int, pp: int, *extra: str) -> Run:
+    return ok(launch(nproc, [*FLAGS, *layout(tp, pp), *extra], tmp / f"{name}.jsonl"))
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= TOLERANCE * abs(y) for x, y in zip(a, b))
+
+
+def test_tp2_pp2_async_save_resumes_bitwise_and_loads_at_tp1(tmp_path):
+    ck = tmp_path / "ck"
+    saved = train(tmp_path, "saved", 4, 2, 2, "--train-iters", "4", "--save", str(ck),
+                  "--save-interval", "2", "--async-save")
+    assert "written in the background" in saved.stdout
+    assert read_latest(ck) == 4
+    (ck / LATEST_FILE).write_text("2")
+    same = train(tmp_path, "same", 4, 2, 2, "--train-iters", "4", "--load", str(ck))
+    assert same.losses() == saved.losses()[2:]  # bitwise
+    tp1 = train(tmp_path, "tp1", 2, 1, 1, "--train-iters", "4", "--load", str(ck))  # DP 1 -> 2
+    assert close(tp1.losses(), saved.losses()[2:]), (tp1.losses(), saved.losses())
+    assert "RNG state of" in tp1.stdout  # another layout: said, not silently skipped
+
+
+def test_pp1_dp4_loads_at_pp2_dp2_and_that_resumes_bitwise(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    whole = train(tmp_path, "whole", 4, 1, 1, "--train-iters", "6", "--save", str(first),
+                  "--save-interval", "2")
+    (first / LATEST_FILE).write_text("2")
+    pp2 = train(tmp_path, "pp2", 4, 1, 2, "--train-iters", "6", "--load", str(first),
+                "--save", str(second), "--save-interval", "2", "--async-save")
+    assert close(pp2.losses(), whole.losses()[2:]), (pp2.losses(), whole.losses())
+    (second / LATEST_FILE).write_text("4")
+    again = train(tmp_path, "again", 4, 1, 2, "--train-iters", "6", "--load", str(second))
+    assert again.losses() == pp2.losses()[2:]  # bitwise, from an async save
+
+
+def test_a_writer_killed_during_an_async_save_leaves_the_last_good_checkpoint(tmp_path):
+    """(1,2,2): replica 0's two stages write. Its second stage dies in the background write of
+    iteration 4; the job (recovery on) goes on with replica 1, never commits iteration 4, and
+    saves iteration 6 from replica 1."""
+    ck, victim = tmp_path / "ck", Topology(1, 2, 2).rank(0, 0, 1)
+    run = launch(4, [*FLAGS, *layout(1, 2), "--train-iters", "6", "--save", str(ck),
+                     "--save-interval", "2", "--async-save", "--distributed-timeout-minutes", "1",
+                     "--inject-fault", f"kill:rank={victim},iter=4,phase=checkpoint"],
+                 tmp_path / "m.jsonl", launcher_args=[])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["iteration"] for r in run.records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["microbatches"] == 8 for r in run.records)
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000006", LATEST_FILE]
+    assert read_latest(ck) == 6
+    (ck / LATEST_FILE).write_text("2")  # the checkpoint before the kill is intact
+    args = type("Args", (), {"load": str(ck), "save": None, "finetune": False, "num_layers": 4,
+                             "no_load_optim": False, "no_load_rng": False})()
+    point = find_resume_point(args, Topology(1, 2, 2))
+    assert point is not None and point.iteration == 2
