@@ -118,3 +118,28 @@ def test_a_resilient_nccl_group_leaves_the_host_free_and_its_watchdog_latches_an
     torch.cuda.synchronize()  # the aborted communicator does not leave the device hung
     group.shutdown()
     assert backends.join_discards(timeout=60)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_distributed_optimizer_with_overlap_trains_like_the_plain_one_on_gpu(tmp_path):
+    """One rank: the sharded optimizer's buffers, bucket all-gathers and forward pre-hooks run
+    on the device (NCCL groups of size 1) and take the same steps as the plain optimizer."""
+    plain = losses(tmp_path, "plain", "--bf16")
+    sharded = losses(tmp_path, "sharded", "--bf16", "--use-distributed-optimizer",
+                     "--overlap-grad-reduce", "--overlap-param-gather")
+    assert max(rel(s, p) for s, p in zip(sharded, plain)) <= 1e-5, (sharded, plain)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_torch_dist_async_save_resumes_bitwise_on_gpu(tmp_path):
+    """bf16 on the device: the async save's host copy is a device-to-host copy here."""
+    ck = tmp_path / "ck"
+    saved = losses(tmp_path, "saved", "--bf16", "--save", str(ck), "--save-interval", "3",
+                   "--async-save")
+    (ck / "latest_checkpointed_iteration.txt").write_text("3")
+    run = launch(1, [*TINY_GPT, *ITERS, "--bf16", "--load", str(ck)], tmp_path / "resumed.jsonl",
+                 launcher_args=[])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.losses() == saved[3:]
