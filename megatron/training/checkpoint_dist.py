@@ -177,12 +177,13 @@ def as_rank_state(loaded: dict) -> dict:
 # -- writing: plan (collective), write (not), finish (collective) ---------------------------------
 class ShardedWrite:
     """One rank's part of a torch_dist save into `directory`, among the ranks of `group` (the
-    writing replica); group rank 0 writes DCP's `.metadata`. `state` must not change until the
+    writing replica, its collectives on `device`); group rank 0 writes DCP's `.metadata`. `state` must not change until the
     write is done (an async save passes a host copy)."""
 
-    def __init__(self, state: dict, directory: Path, group: dist.ProcessGroup) -> None:
+    def __init__(self, state: dict, directory: Path, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(state, keep_only_main_replica=True)
-        self.group = group
+        self.group, self.device = group, device
         self.coordinator = dist.get_rank(group) == 0
         self.planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
         self.writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
@@ -213,9 +214,18 @@ class ShardedWrite:
             self.writer.finish(self.metadata, results)
 
     def _all_gather(self, obj) -> list:
-        out: list = [None] * self.group.size()
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """torch's all_gather_object, on the model's device: torch cannot tell that a layer-1
+        group runs NCCL (no backend registered with it) and would send CPU tensors to it."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.group.size())]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        mine[:payload.numel()] = payload.to(self.device)
+        out = [torch.empty_like(mine) for _ in sizes]
+        dist.all_gather(out, mine, group=self.group)
+        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
 def sharded_and_common(state: dict) -> tuple[dict, dict]:

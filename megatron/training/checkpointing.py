@@ -371,7 +371,8 @@ class Checkpointer:
             sharded = ckd.to_host(sharded)  # what the training loop waits for
         if is_leader:
             ckd.write_common(tmp, common)
-        return ckd.ShardedWrite(sharded, tmp, trainer.groups.replica)
+        return ckd.ShardedWrite(sharded, tmp, trainer.groups.replica,
+                                next(trainer.model.parameters()).device)
 
     def _land(self, pending: PendingSave) -> None:
         """A writer's end of a torch_dist save: its part is on disk (or the error it hit is

@@ -165,3 +165,22 @@ def test_the_watchdog_sweeps_with_its_clock():
     watchdog.track("b", FakeWork(), 1.0, expired.append)
     watchdog.forget("b")  # its backend was discarded: nothing left to watch
     assert watchdog.pending() == 0
+
+
+class UnreadableWork(FakeWork):
+    def exception(self):  # torch 2.11's NCCL binding, even after a success
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+
+def test_a_work_whose_error_cannot_be_read_is_done_and_the_sweep_goes_on():
+    now, expired = [0.0], []
+    watchdog = Watchdog(clock=lambda: now[0])
+    done, late = UnreadableWork(), FakeWork()
+    watchdog.track("a", done, 1.0, expired.append)
+    watchdog.track("a", late, 1.0, expired.append)
+    done.completed.set()
+    watchdog.sweep()
+    assert watchdog.pending() == 1 and expired == []
+    now[0] = 2.0
+    watchdog.sweep()  # the watchdog still expires the overdue one
+    assert watchdog.pending() == 0 and len(expired) == 1
