@@ -214,18 +214,21 @@ class ShardedWrite:
             self.writer.finish(self.metadata, results)
 
     def _all_gather(self, obj) -> list:
-        """torch's all_gather_object, on the model's device: torch cannot tell that a layer-1
-        group runs NCCL (no backend registered with it) and would send CPU tensors to it."""
+        """Every writer's `obj`, in group-rank order, through all-reduces on the model's device:
+        torch's all_gather_object sends CPU tensors to a layer-1 group that runs NCCL (it cannot
+        tell), and NCCL's list all-gather through that group came back without a work on an
+        H100; the all-reduce is the operation the trainer already runs every step."""
+        me, n = dist.get_rank(self.group), self.group.size()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.group.size())]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        mine[:payload.numel()] = payload.to(self.device)
-        out = [torch.empty_like(mine) for _ in sizes]
-        dist.all_gather(out, mine, group=self.group)
-        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
+        sizes = torch.zeros(n, dtype=torch.int64, device=self.device)
+        sizes[me] = payload.numel()
+        dist.all_reduce(sizes, group=self.group)
+        sizes_list = sizes.tolist()
+        slots = torch.zeros(n, max(sizes_list), dtype=torch.uint8, device=self.device)
+        slots[me, :payload.numel()] = payload.to(self.device)
+        dist.all_reduce(slots, group=self.group)  # one non-zero slot per rank: the sum is a gather
+        rows = slots.cpu()
+        return [pickle.loads(rows[i, :size].numpy().tobytes()) for i, size in enumerate(sizes_list)]
 
 
 def sharded_and_common(state: dict) -> tuple[dict, dict]:

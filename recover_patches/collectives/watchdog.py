@@ -46,8 +46,10 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._sweeping = threading.Lock()  # one sweep at a time: a work expires once
 
-    def track(self, owner: object, work: AsyncWork, timeout: float,
+    def track(self, owner: object, work: AsyncWork | None, timeout: float,
               on_expired: Callable[[str], None]) -> None:
+        if work is None:  # a backend that returned no work (seen from NCCL's list all-gather)
+            return        # leaves nothing to watch; a watchdog thread must not die on it
         with self._cond:
             self._watched.append(Watched(owner, work, self.clock() + timeout, on_expired))
             if self._thread is None or not self._thread.is_alive():
