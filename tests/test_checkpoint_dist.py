@@ -155,6 +155,40 @@ def test_a_checkpoint_written_by_megatron_core_loads(tmp_path, monkeypatch):
         Checkpointer(args, 0, 1)
 
 
+def test_a_torch_format_file_with_megatrons_keys_loads(tmp_path):
+    """Megatron-LM's torch format: mp_rank_00/model_optim_rng.pt with its keys, no
+    recover_metadata.json, fp32 main weights as a list per param group, its own RNG layout."""
+    no_dropout = ["--bf16", "--hidden-dropout", "0"]  # the next step is compared, RNG aside
+    args = make_args(tmp_path, *no_dropout)
+    stock = GPTTrainer(args)
+    stock.train_step()
+    optimizer = stock.optimizer.state_dict()
+    optimizer["fp32_from_fp16_params"] = [optimizer["fp32_from_fp16_params"]]  # one group
+    rank_dir = tmp_path / "stock" / "iter_0000005" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    megatron_args = Namespace(**{**vars(args), "consumed_train_samples": 40})
+    torch.save({"args": megatron_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 5,
+                "model": stock.model.state_dict(), "optimizer": optimizer,
+                "opt_param_scheduler": stock.scheduler.state_dict(),
+                "rng_state": [{"random_rng_state": None, "torch_rng_state": torch.get_rng_state()}]},
+               rank_dir / "model_optim_rng.pt")
+    (tmp_path / "stock" / LATEST_FILE).write_text("5")
+
+    args = make_args(tmp_path, *no_dropout, "--load", str(tmp_path / "stock"))
+    mine = GPTTrainer(args)
+    Checkpointer(args, 0, 1).load(mine)
+    assert (mine.state.iteration, mine.state.consumed_samples) == (5, 40)
+    for a, b in zip(stock.model.parameters(), mine.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(stock.optimizer.main_params, mine.optimizer.main_params):
+        assert a is not b and torch.equal(a, b)  # the fp32 copies, flattened from their group
+    steps = []
+    for trainer in (mine, stock):  # the same batch: Adam's moments came across too
+        torch.manual_seed(9)
+        steps.append((trainer.train_step(), trainer.train_step()))
+    assert steps[0] == steps[1]
+
+
 def test_ours_loads_with_megatron_cores_loader(tmp_path):
     args = make_args(tmp_path)
     trainer = GPTTrainer(args)

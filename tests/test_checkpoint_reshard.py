@@ -37,16 +37,19 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= TOLERANCE * abs(y) for x, y in zip(a, b))
 
 
-def test_tp2_pp2_async_save_resumes_bitwise_and_loads_at_tp1(tmp_path):
-    ck = tmp_path / "ck"
-    saved = train(tmp_path, "saved", 4, 2, 2, "--train-iters", "4", "--save", str(ck),
-                  "--save-interval", "2", "--async-save")
-    assert "written in the background" in saved.stdout
-    assert read_latest(ck) == 4
-    (ck / LATEST_FILE).write_text("2")
-    same = train(tmp_path, "same", 4, 2, 2, "--train-iters", "4", "--load", str(ck))
-    assert same.losses() == saved.losses()[2:]  # bitwise
-    tp1 = train(tmp_path, "tp1", 2, 1, 1, "--train-iters", "4", "--load", str(ck))  # DP 1 -> 2
+def test_tp2_pp2_resumes_bitwise_from_sync_and_async_saves_and_loads_at_tp1(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    saved = train(tmp_path, "saved", 4, 2, 2, "--train-iters", "6", "--save", str(first),
+                  "--save-interval", "2")
+    (first / LATEST_FILE).write_text("2")
+    resumed = train(tmp_path, "resumed", 4, 2, 2, "--train-iters", "6", "--load", str(first),
+                    "--save", str(second), "--save-interval", "2", "--async-save")
+    assert resumed.losses() == saved.losses()[2:]  # bitwise, from a blocking save
+    assert "written in the background" in resumed.stdout and read_latest(second) == 6
+    (second / LATEST_FILE).write_text("4")
+    again = train(tmp_path, "again", 4, 2, 2, "--train-iters", "6", "--load", str(second))
+    assert again.losses() == saved.losses()[4:]  # bitwise, from an async save
+    tp1 = train(tmp_path, "tp1", 2, 1, 1, "--train-iters", "6", "--load", str(first))  # DP 1 -> 2
     assert close(tp1.losses(), saved.losses()[2:]), (tp1.losses(), saved.losses())
     assert "RNG state of" in tp1.stdout  # another layout: said, not silently skipped
 

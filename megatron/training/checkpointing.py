@@ -301,11 +301,16 @@ class Checkpointer:
 
     def save(self, trainer) -> None:
         self.finish_pending(trainer)  # one save at a time, in order
+        start = time.perf_counter()
         try:
             self._save(trainer)
         except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
             self.last_saved = None
-            self._abandon(trainer.state.iteration, err)
+            return self._abandon(trainer.state.iteration, err)
+        if self.rank == 0:  # the save's cost to training (scripts/bench/effective_throughput.py)
+            logger.info(f"checkpoint stall: iteration {trainer.state.iteration}, "
+                        f"{(time.perf_counter() - start) * 1e3:.1f} ms"
+                        f"{' (async: the write goes on in the background)' if self.async_save else ''}")
 
     def _abandon(self, iteration: int, why) -> None:
         logger.warning(f"checkpoint of iteration {iteration} abandoned ({why}); the last good "
