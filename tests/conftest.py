@@ -28,3 +28,17 @@ def _logging_as_pytest_found_it():
         logger.handlers.clear()
         logger.setLevel(logging.NOTSET)
         logger.propagate = True
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A 1-rank gloo default group for the module (in-process save/load: their barriers and DCP
+    run on it); one already set up by another module is reused."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -31,14 +31,8 @@ VOCAB = 256
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_rank_group(tmp_path_factory):
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+def _one_rank(one_rank_group):  # conftest's: save/load coordinate on the default group
     yield
-    dist.destroy_process_group()
 
 
 class Faults:

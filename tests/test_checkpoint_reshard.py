@@ -37,34 +37,35 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= TOLERANCE * abs(y) for x, y in zip(a, b))
 
 
-def test_tp2_pp2_resumes_bitwise_from_sync_and_async_saves_and_loads_at_tp1(tmp_path):
-    first, second = tmp_path / "first", tmp_path / "second"
-    saved = train(tmp_path, "saved", 4, 2, 2, "--train-iters", "6", "--save", str(first),
+def save_resume_again(tmp: Path, saver: tuple[int, int, int], resumer: tuple[int, int, int]):
+    """(nproc, TP, PP) layouts. `saved` trains 6 iterations with blocking saves; `resumed` loads
+    its iteration 2 at the other layout and trains on with async saves; `again` loads the
+    resumed run's iteration 4 at the same layout. Returns the three runs."""
+    first, second = tmp / "first", tmp / "second"
+    saved = train(tmp, "saved", *saver, "--train-iters", "6", "--save", str(first),
                   "--save-interval", "2")
     (first / LATEST_FILE).write_text("2")
-    resumed = train(tmp_path, "resumed", 4, 2, 2, "--train-iters", "6", "--load", str(first),
+    resumed = train(tmp, "resumed", *resumer, "--train-iters", "6", "--load", str(first),
                     "--save", str(second), "--save-interval", "2", "--async-save")
-    assert resumed.losses() == saved.losses()[2:]  # bitwise, from a blocking save
     assert "written in the background" in resumed.stdout and read_latest(second) == 6
     (second / LATEST_FILE).write_text("4")
-    again = train(tmp_path, "again", 4, 2, 2, "--train-iters", "6", "--load", str(second))
-    assert again.losses() == saved.losses()[4:]  # bitwise, from an async save
-    tp1 = train(tmp_path, "tp1", 2, 1, 1, "--train-iters", "6", "--load", str(first))  # DP 1 -> 2
+    again = train(tmp, "again", *resumer, "--train-iters", "6", "--load", str(second))
+    assert again.losses() == resumed.losses()[2:]  # bitwise, from an async save
+    return saved, resumed, again
+
+
+def test_tp2_pp2_resumes_bitwise_from_sync_and_async_saves_and_loads_at_tp1(tmp_path):
+    saved, resumed, _ = save_resume_again(tmp_path, (4, 2, 2), (4, 2, 2))
+    assert resumed.losses() == saved.losses()[2:]  # bitwise, from a blocking save
+    tp1 = train(tmp_path, "tp1", 2, 1, 1, "--train-iters", "6", "--load",  # DP 1 -> 2
+                str(tmp_path / "first"))
     assert close(tp1.losses(), saved.losses()[2:]), (tp1.losses(), saved.losses())
     assert "RNG state of" in tp1.stdout  # another layout: said, not silently skipped
 
 
 def test_pp1_dp4_loads_at_pp2_dp2_and_that_resumes_bitwise(tmp_path):
-    first, second = tmp_path / "first", tmp_path / "second"
-    whole = train(tmp_path, "whole", 4, 1, 1, "--train-iters", "6", "--save", str(first),
-                  "--save-interval", "2")
-    (first / LATEST_FILE).write_text("2")
-    pp2 = train(tmp_path, "pp2", 4, 1, 2, "--train-iters", "6", "--load", str(first),
-                "--save", str(second), "--save-interval", "2", "--async-save")
-    assert close(pp2.losses(), whole.losses()[2:]), (pp2.losses(), whole.losses())
-    (second / LATEST_FILE).write_text("4")
-    again = train(tmp_path, "again", 4, 1, 2, "--train-iters", "6", "--load", str(second))
-    assert again.losses() == pp2.losses()[2:]  # bitwise, from an async save
+    saved, resumed, _ = save_resume_again(tmp_path, (4, 1, 1), (4, 1, 2))
+    assert close(resumed.losses(), saved.losses()[2:]), (resumed.losses(), saved.losses())
 
 
 def test_a_writer_killed_during_an_async_save_leaves_the_last_good_checkpoint(tmp_path):

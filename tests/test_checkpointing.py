@@ -31,15 +31,8 @@ from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
 
 # -- in-process fixtures --------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
-def one_rank_group(tmp_path_factory):
-    """Save/load coordinate with barriers on the default group: give them a 1-rank one."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+def _one_rank(one_rank_group):  # conftest's: save/load coordinate on the default group
     yield
-    dist.destroy_process_group()
 
 
 class Crash(Exception):
