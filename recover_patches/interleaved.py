@@ -19,6 +19,11 @@ length and the orders are valid: with blocking receives in this order and non-bl
 every run completes (a Kahn network one of whose executions completed), and each channel carries
 its messages in the order its receiver reads them. Where Megatron's order works (its lengths), the
 orders are Megatron's.
+
+"Non-blocking sends" is the executor's obligation: gloo's isend progresses on its own threads, but
+NCCL runs a rank's p2p kernels in order on one stream, so a send there holds back the receives
+behind it; an executor on NCCL must put sends on their own stream (not written yet: this module
+is the order only, issue V's first step).
 """
 from __future__ import annotations
 
