@@ -44,7 +44,8 @@ Exit status rule:
     (a rank dying after the declaration, or one the coordinator never saw) still fails the launch;
   * otherwise 2 if every failed rank exited 2 (a user error the ranks found: data, checkpoint,
     coordinator address), 3 if every failed rank exited 2 or 3 (the job stopped itself for a
-    checkpoint-restart), else 1; 128+signal when the launcher itself was stopped by SIGINT/SIGTERM.
+    checkpoint-restart), else 1; 128+signal when the launcher itself was stopped by SIGINT/SIGTERM
+    and its ranks did not all exit 0 (with --exit-signal-handler they save and exit 0: so does it).
 The launcher's own usage errors (bad flags) exit 2 before anything is started.
 """
 from __future__ import annotations
@@ -342,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         if coordinator is not None:
             completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
     status = summarize(list(sup.ranks.values()), completion)
-    if sup.stop_signal is not None:
-        return 128 + sup.stop_signal
+    if sup.stop_signal is not None and status != 0:  # ranks that saved and left cleanly (e.g.
+        return 128 + sup.stop_signal                   # --exit-signal-handler) make it a 0
     return status
 
 

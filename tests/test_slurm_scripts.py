@@ -94,8 +94,26 @@ def test_sbatch_directives_keep_the_job_alive_after_a_task_dies():
             directives.append(line.split()[1])
     assert "--no-kill" in directives
     assert "--ntasks-per-node=1" in directives
-    assert "NOT VERIFIED ON A REAL SLURM CLUSTER" in SBATCH.read_text()
-    assert "NOT VERIFIED ON A REAL SLURM CLUSTER" in LAUNCH_NODE.read_text()
+    assert not any(d.startswith("--gpus") for d in directives)  # GPUS_PER_NODE: the environment's
+    for script in (SBATCH, LAUNCH_NODE):  # what tests/test_slurm_real.py verifies, and what not
+        assert "VERIFIED ON A REAL ONE-NODE SLURM" in script.read_text()
+        assert "NOT VERIFIED on several nodes" in script.read_text()
+
+
+def test_gpus_per_node_comes_from_the_environment(stubs, tmp_path):
+    srun_log = tmp_path / "srun.args"
+    base = dict(SLURM_NNODES="1", SLURM_JOB_NODELIST="node01", SLURM_JOB_ID="7",
+                SLURM_SUBMIT_DIR=str(REPO), CONFIG="tiny_cpu", CKPT_DIR="/ckpt", DRY_RUN="1",
+                STUB_SRUN_LOG=str(srun_log))
+    unallocated = run_bash(SBATCH, clean_env(stubs, **base, GPUS_PER_NODE="8"))
+    assert unallocated.returncode == 2
+    assert unallocated.stderr.count("\n") == 1 and "SBATCH_GPUS_PER_NODE=8" in unallocated.stderr
+    allocated = run_bash(SBATCH, clean_env(stubs, **base, GPUS_PER_NODE="8", SLURM_GPUS_ON_NODE="8"))
+    assert allocated.returncode == 0, allocated.stderr
+    assert "--gpus-per-node=8" in srun_log.read_text().splitlines()
+    cpu = run_bash(SBATCH, clean_env(stubs, **base))  # the default: no GPU request at all
+    assert cpu.returncode == 0, cpu.stderr
+    assert not any(a.startswith("--gpus") for a in srun_log.read_text().splitlines())
 
 
 def test_sbatch_starts_one_launcher_per_node_with_shared_settings(stubs, tmp_path):

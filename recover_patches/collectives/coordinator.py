@@ -278,17 +278,24 @@ def start_server(host: str, port: int) -> dist.TCPStore:
                          timeout=timedelta(seconds=30))
 
 
+OWNER_STOP = signal.SIGUSR1  # how a launcher stops the coordinator it started
+
+
 def run(server: dist.TCPStore, config: CoordinatorConfig, linger: float | None,
-        stop_on_sigint: bool = True) -> None:
-    """Serve until SIGTERM (and SIGINT unless a launcher owns us: its Ctrl-C must not take the
-    coordinator away from ranks that are still shutting down) or `linger` s after all is done."""
+        owned: bool = False) -> None:
+    """Serve until SIGTERM or SIGINT, or `linger` s after all is done. `owned` (a launcher
+    started it): only the launcher's OWNER_STOP stops it. A Ctrl-C, or the SIGTERM a scheduler
+    sends every process of a job at its time limit, must not take the coordinator away from ranks
+    that are still saving their checkpoint and shutting down."""
     coordinator = Coordinator(server, config)
 
     def stop(_signum, _frame):
         coordinator.stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop if stop_on_sigint else signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN if owned else stop)
+    if owned:
+        signal.signal(OWNER_STOP, stop)
     coordinator.serve(linger)
 
 

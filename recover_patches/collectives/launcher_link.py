@@ -160,8 +160,10 @@ class CoordinatorHandle:
 
 
 def stop_process(pid: int, grace: float) -> None:
+    """Stop a coordinator this launcher started (it ignores SIGTERM: see coordinator.run)."""
+    from recover_patches.collectives.coordinator import OWNER_STOP
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, OWNER_STOP)
     except ProcessLookupError:
         pass
     deadline = time.monotonic() + grace
@@ -192,7 +194,7 @@ def fork_coordinator(port: int, token: str, world_size: int, restarted: bool = F
             os.write(write_fd, f"{server.port}\n".encode())
             os.close(write_fd)
             run(server, CoordinatorConfig(world_size, token, restarted=restarted), linger=None,
-                stop_on_sigint=False)
+                owned=True)
         except BaseException as e:
             traceback.print_exc()
             try:

@@ -1,0 +1,197 @@
+"""The sbatch template on a real one-node SLURM (Debian's slurm-wlm with munge), brought up for
+this module in a temporary directory and torn down by PID.
+
+Needs root on Debian: installs slurm-wlm with apt when it is missing (once per machine), and skips
+with the reason where it cannot. One node only: several nodes and standby nodes under SLURM are not
+tested here (tests/test_slurm_scripts.py checks their command lines with a stub srun).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron.training.checkpointing import read_latest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def _install() -> str | None:
+    """None when SLURM is there (installed now if need be), else why it cannot be."""
+    if all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS):
+        return None
+    if os.geteuid() != 0:
+        return "SLURM is not installed and installing it needs root"
+    if not Path("/etc/debian_version").exists() or not shutil.which("apt-get"):
+        return "SLURM is not installed and this is not a Debian machine with apt"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm", "munge"]
+    for attempt in (install, ["apt-get", "update", "-q"], install):
+        done = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=600)
+        if attempt is install and done.returncode == 0:
+            return None
+    return f"apt-get could not install slurm-wlm: {done.stderr.strip()[-300:]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _daemon(path: str) -> str:
+    return shutil.which(path) or f"/usr/sbin/{path}"
+
+
+class Cluster:
+    """munged, slurmctld and slurmd in the foreground, as children of this process."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.procs = root, []
+        host = socket.gethostname()
+        for d in ("state", "spool"):
+            (root / d).mkdir()
+        self.conf = root / "slurm.conf"
+        self.conf.write_text("\n".join([
+            "ClusterName=recover", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={root}/munge.sock",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+            f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
+            f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
+            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
+            "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none", "MpiDefault=none",
+            "ReturnToService=2", "MinJobAge=600",
+            f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self._start([_daemon("munged"), "-F", "--force", f"--socket={root}/munge.sock",
+                     f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
+                     f"--seed-file={root}/munged.seed"])
+        self._wait_for(lambda: (root / "munge.sock").exists(), "munged's socket")
+        self._start([_daemon("slurmctld"), "-D", "-f", str(self.conf)])
+        self._start([_daemon("slurmd"), "-D", "-f", str(self.conf)])
+        self._wait_for(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T"), "an idle node")
+
+    def _start(self, cmd: list[str]) -> None:
+        log = open(self.root / f"{Path(cmd[0]).name}.out", "w")
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           env=getattr(self, "env", None), start_new_session=True))
+
+    def _wait_for(self, ready, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            dead = [p.args[0] for p in self.procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = "\n".join(p.read_text()[-800:] for p in self.root.glob("*.out"))
+                raise RuntimeError(f"SLURM did not come up ({what}; exited: {dead}):\n{logs}")
+            time.sleep(0.2)
+
+    def run(self, *cmd: str) -> str:
+        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
+        return done.stdout + done.stderr
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # by PID: each daemon and anything in its session
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = _install()
+    if why is not None:
+        pytest.skip(why)
+    c = Cluster(tmp_path_factory.mktemp("slurm"))
+    yield c
+    c.stop()
+
+
+def submit(cluster: Cluster, work: Path, nproc: int, *flags: str) -> str:
+    """sbatch the template with the tiny CPU config; the job id."""
+    env = {**cluster.env, "CONFIG": "tiny_cpu", "CKPT_DIR": str(work / "ck"),
+           "NPROC_PER_NODE": str(nproc), "PYTHON": sys.executable}
+    done = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--cpus-per-task",
+                           str(os.cpu_count()), "--chdir", str(REPO), "--output",
+                           str(work / "out.txt"), str(SBATCH), *flags],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def field(cluster: Cluster, job: str, name: str) -> str:
+    for word in cluster.run("scontrol", "show", "job", job).split():
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    return ""
+
+
+def wait(cluster: Cluster, job: str, timeout: float = 300) -> tuple[str, str]:
+    """(JobState, ExitCode) once the job has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = field(cluster, job, "JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state, field(cluster, job, "ExitCode")
+        time.sleep(0.5)
+    cluster.run("scancel", "--signal=KILL", job)
+    raise AssertionError(f"job {job} still {field(cluster, job, 'JobState')} after {timeout}s")
+
+
+def leftovers(work: Path) -> list[str]:
+    """Processes of this job still alive (they carry its checkpoint path on the command line)."""
+    out = subprocess.run(["pgrep", "-af", str(work / "ck")], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_a_killed_rank_is_survived_and_the_job_completes(cluster, tmp_path):
+    job = submit(cluster, tmp_path, 4, "--train-iters", "10", "--recover-balance", "even",
+                 "--inject-fault", "kill:rank=1,iter=5,phase=backward")
+    assert wait(cluster, job) == ("COMPLETED", "0:0"), (tmp_path / "out.txt").read_text()[-3000:]
+    out = (tmp_path / "out.txt").read_text()
+    assert "injecting kill at iter 5" in out
+    assert all(f"iteration {i:8d}/" in out for i in range(1, 11))
+    assert "but the job declared completion" in out and "success" in out
+    assert read_latest(tmp_path / "ck") == 10
+    assert leftovers(tmp_path) == []
+
+
+def test_too_few_replicas_left_ends_the_job_failed_with_the_launchers_status(cluster, tmp_path):
+    job = submit(cluster, tmp_path, 2, "--train-iters", "10", "--recover-balance", "even",
+                 "--recover-min-replicas", "2", "--inject-fault", "kill:rank=1,iter=3,phase=backward")
+    state, code = wait(cluster, job)
+    out = (tmp_path / "out.txt").read_text()
+    # the survivor stops for a checkpoint-restart (3); a rank killed makes the launcher's status 1
+    assert (state, code) == ("FAILED", "1:0"), out[-3000:]
+    assert "1 complete replica(s) left, 2 required" in out
+    assert leftovers(tmp_path) == []
+
+
+def test_scancel_term_with_exit_signal_handler_saves_and_exits_0(cluster, tmp_path):
+    job = submit(cluster, tmp_path, 2, "--train-iters", "100000", "--exit-signal-handler")
+    out = tmp_path / "out.txt"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (out.exists() and "iteration        3/" in out.read_text()):
+        time.sleep(0.5)
+    cluster.run("scancel", "--signal=TERM", job)  # what SLURM sends at the time limit
+    assert wait(cluster, job) == ("COMPLETED", "0:0"), out.read_text()[-3000:]
+    text = out.read_text()
+    assert "SIGTERM (--exit-signal-handler)" in text
+    assert (read_latest(tmp_path / "ck") or 0) >= 3
+    assert leftovers(tmp_path) == []
