@@ -343,9 +343,20 @@ def main(argv: list[str] | None = None) -> int:
         if coordinator is not None:
             completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
     status = summarize(list(sup.ranks.values()), completion)
+    record_completion(completion)
     if sup.stop_signal is not None and status != 0:  # ranks that saved and left cleanly (e.g.
         return 128 + sup.stop_signal                   # --exit-signal-handler) make it a 0
     return status
+
+
+def record_completion(completion: tuple[int, frozenset[int]] | None) -> None:
+    """RECOVER_COMPLETION_FILE (the sbatch script sets it): that the job declared itself complete,
+    which srun cannot tell -- a lost node's task fails the step even when the survivors finished."""
+    path = os.environ.get("RECOVER_COMPLETION_FILE")
+    if path and completion is not None:
+        epoch, dead = completion
+        with open(path, "w") as f:
+            f.write(f"declared complete at epoch {epoch} with rank(s) {sorted(dead)} dead\n")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The sbatch template on a real one-node SLURM (Debian's slurm-wlm with munge), brought up for
-this module in a temporary directory and torn down by PID.
+"""The sbatch template on a real SLURM (Debian's slurm-wlm with munge), brought up for this module
+in a temporary directory and torn down by PID: three SLURM nodes, all on this machine (one slurmd
+per node name, `slurmd -N`), so a job can lose a node and a standby node can take over.
 
 Needs root on Debian: installs slurm-wlm with apt when it is missing (once per machine), and skips
-with the reason where it cannot. One node only: several nodes and standby nodes under SLURM are not
-tested here (tests/test_slurm_scripts.py checks their command lines with a stub srun).
+with the reason where it cannot. Several *machines* are not tested: the nodes share one host, its
+loopback and its file system.
 """
 from __future__ import annotations
 
@@ -60,22 +61,25 @@ class Cluster:
     def __init__(self, root: Path) -> None:
         self.root, self.procs = root, []
         host = socket.gethostname()
-        for d in ("state", "spool"):
-            (root / d).mkdir()
+        self.nodes = [host, f"{host}-n1", f"{host}-n2"]  # node 0 first: it resolves (the master)
+        (root / "state").mkdir()
+        for node in self.nodes:
+            (root / "spool" / node).mkdir(parents=True)
         self.conf = root / "slurm.conf"
         self.conf.write_text("\n".join([
             "ClusterName=recover", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={root}/munge.sock",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-            f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-            f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
+            f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool/%n",
+            f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.%n.pid",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.%n.log",
             "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "MpiDefault=none",
             "ReturnToService=2", "MinJobAge=600",
-            f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
+            *(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+              f"CPUs={os.cpu_count()} State=UNKNOWN" for node in self.nodes),
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._start([_daemon("munged"), "-F", "--force", f"--socket={root}/munge.sock",
@@ -83,11 +87,13 @@ class Cluster:
                      f"--seed-file={root}/munged.seed"])
         self._wait_for(lambda: (root / "munge.sock").exists(), "munged's socket")
         self._start([_daemon("slurmctld"), "-D", "-f", str(self.conf)])
-        self._start([_daemon("slurmd"), "-D", "-f", str(self.conf)])
-        self._wait_for(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T"), "an idle node")
+        for node in self.nodes:
+            self._start([_daemon("slurmd"), "-D", "-N", node, "-f", str(self.conf)], node)
+        self._wait_for(lambda: self.run("sinfo", "-h", "-o", "%T %D").split() == ["idle", "3"],
+                       "three idle nodes")
 
-    def _start(self, cmd: list[str]) -> None:
-        log = open(self.root / f"{Path(cmd[0]).name}.out", "w")
+    def _start(self, cmd: list[str], name: str = "") -> None:
+        log = open(self.root / f"{Path(cmd[0]).name}{name}.out", "w")
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                            env=getattr(self, "env", None), start_new_session=True))
 
@@ -123,11 +129,12 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def submit(cluster: Cluster, work: Path, nproc: int, *flags: str) -> str:
+def submit(cluster: Cluster, work: Path, nproc: int, *flags: str, nodes: int = 1,
+           spare_nodes: int = 0) -> str:
     """sbatch the template with the tiny CPU config; the job id."""
     env = {**cluster.env, "CONFIG": "tiny_cpu", "CKPT_DIR": str(work / "ck"),
-           "NPROC_PER_NODE": str(nproc), "PYTHON": sys.executable}
-    done = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--cpus-per-task",
+           "NPROC_PER_NODE": str(nproc), "PYTHON": sys.executable, "SPARE_NODES": str(spare_nodes)}
+    done = subprocess.run(["sbatch", "--parsable", "--nodes", str(nodes), "--cpus-per-task",
                            str(os.cpu_count()), "--chdir", str(REPO), "--output",
                            str(work / "out.txt"), str(SBATCH), *flags],
                           env=env, capture_output=True, text=True, timeout=60)
@@ -194,4 +201,21 @@ def test_scancel_term_with_exit_signal_handler_saves_and_exits_0(cluster, tmp_pa
     text = out.read_text()
     assert "SIGTERM (--exit-signal-handler)" in text
     assert (read_latest(tmp_path / "ck") or 0) >= 3
+    assert leftovers(tmp_path) == []
+
+
+def test_a_standby_node_takes_over_a_lost_node_and_the_job_completes(cluster, tmp_path):
+    """Two training nodes of two ranks and a standby node: node 1 dies with its launcher at
+    iteration 3. srun reports its task killed, yet the job completed: the sbatch script reads the
+    job's declared completion and exits 0."""
+    job = submit(cluster, tmp_path, 2, "--train-iters", "30", "--recover-balance", "even",
+                 "--recover-timeout", "3", "--inject-fault", "node:rank=3,iter=3,phase=forward",
+                 "--inject-fault", "slow:rank=1,seconds=0.25,iter=4,phase=forward",
+                 nodes=3, spare_nodes=1)
+    state = wait(cluster, job)
+    out = (tmp_path / "out.txt").read_text()
+    assert state == ("COMPLETED", "0:0"), out[-3000:]
+    assert "task 1: Killed" in out and "but the job declared complete" in out
+    assert "takes rank 2" in out and "takes rank 3" in out  # the standby processes re-formed them
+    assert all(f"iteration {i:8d}/" in out for i in range(1, 31))
     assert leftovers(tmp_path) == []

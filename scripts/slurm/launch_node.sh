@@ -4,9 +4,10 @@
 # on node 0 the launcher also starts the membership coordinator (DESIGN §5). A rank that dies does
 # not take the others down: neither the launcher nor srun (--kill-on-bad-exit=0) kills the step.
 #
-# VERIFIED ON A REAL ONE-NODE SLURM (tests/test_slurm_real.py: a kill survived, too few replicas,
-# scancel --signal=TERM). NOT VERIFIED on several nodes: multi-node command lines were only checked
-# in dry-run mode with a stub `scontrol` (tests/test_slurm_scripts.py).
+# VERIFIED ON A REAL SLURM (tests/test_slurm_real.py), three SLURM nodes on one machine: a kill
+# survived, too few replicas, scancel --signal=TERM, a standby node taking over a lost node.
+# NOT VERIFIED on several machines; command lines for them are checked with a stub `scontrol`
+# (tests/test_slurm_scripts.py).
 #
 # Usage: bash scripts/slurm/launch_node.sh [extra pretrain_gpt_recover.py flags...]
 #   (extra flags come after the config's, so they win: e.g. --train-iters 10)
