@@ -22,14 +22,20 @@ orders are Megatron's.
 
 "Non-blocking sends" is the executor's obligation: gloo's isend progresses on its own threads, but
 NCCL runs a rank's p2p kernels in order on one stream, so a send there holds back the receives
-behind it; an executor on NCCL must put sends on their own stream (not written yet: this module
-is the order only, issue V's first step).
+behind it; an executor on NCCL must put sends on their own stream. `run_interleaved` runs an
+order over any `ChunkLink`; the link over real process groups, the model chunks and the flags are
+not written yet (issue V's next steps).
 """
 from __future__ import annotations
 
 import enum
 import functools
 from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from recover_patches.schedule import PhaseHook, ScheduleResult, Stage, _no_hook, _nothing
 
 
 class Kind(enum.Enum):
@@ -123,3 +129,54 @@ def interleaved_orders(n: int, stages: int, chunks: int, group: int) -> tuple[tu
                                      f"chunks={chunks} group={group}")  # cannot happen
         time += 1
     return tuple(tuple(o) for o in orders)
+
+
+# -- running an order ---------------------------------------------------------------------------
+class ChunkLink(Protocol):
+    """Activations and gradients between virtual stages. `recv` blocks and returns None where the
+    action has no input (virtual stage 0's forward, the last one's backward); `send` must not
+    block the receives after it (see the module docstring) and drops what has no receiver;
+    `flush` waits for every send."""
+
+    def recv(self, kind: Kind, chunk: int, index: int) -> torch.Tensor | None: ...
+
+    def send(self, kind: Kind, chunk: int, index: int, tensor: torch.Tensor | None) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *, rank: int,
+                    stages: int, group: int, hook: PhaseHook = _no_hook,
+                    before_last_backward: Callable[[], None] = _nothing) -> ScheduleResult:
+    """This rank's part of the interleaved schedule over `ids`: `chunks[c]` is its model chunk c
+    (virtual stage c * stages + rank). A microbatch counts as done here when its chunk-0 backward
+    ends; its loss is taken on the last virtual stage."""
+    order = interleaved_orders(len(ids), stages, len(chunks), group)[rank]
+    last = stages * len(chunks) - 1
+    in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    result = ScheduleResult()
+    backwards = sum(a.kind is Kind.BACKWARD for a in order)
+    for a in order:
+        g, stage = ids[a.index], chunks[a.chunk]
+        hook("p2p", g)
+        received = link.recv(a.kind, a.chunk, a.index)
+        if a.kind is Kind.FORWARD:
+            hook("forward", g)
+            y = stage.forward(g, received)
+            in_flight[(a.chunk, a.index)] = (received, y)
+            link.send(a.kind, a.chunk, a.index, y)
+            continue
+        x, y = in_flight.pop((a.chunk, a.index))
+        hook("backward", g)
+        backwards -= 1
+        if backwards == 0:
+            before_last_backward()
+        dx = stage.backward(x, y, received)
+        if a.chunk * stages + rank == last:
+            result.loss_sum = result.loss_sum + y.detach().double()
+        if a.chunk == 0:
+            result.ids.append(g)
+            result.tokens += stage.tokens(g)
+        link.send(a.kind, a.chunk, a.index, dx)
+    link.flush()
+    return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+import torch
 
 from recover_patches.interleaved import (Action, Kind, backward_sequence, forward_sequence,
                                          interleaved_orders, warmup)
@@ -90,3 +91,100 @@ def test_megatrons_fixed_warmup_deadlocks_on_a_short_last_group():
 def test_a_bad_shape_is_refused():
     with pytest.raises(ValueError):
         interleaved_orders(3, 2, 0, 2)
+
+
+# -- run_interleaved over an in-process link: every rank a thread ---------------------------------
+class QueueLink:
+    """FIFO channels between ranks (non-blocking sends, blocking receives), as the order assumes."""
+
+    def __init__(self, rank: int, stages: int, chunks: int, channels: dict):
+        self.rank, self.stages, self.last, self.channels = rank, stages, stages * chunks - 1, channels
+
+    def _peer(self, kind: Kind, chunk: int, towards_input: bool) -> int | None:
+        v = chunk * self.stages + self.rank
+        step = -1 if (kind is Kind.FORWARD) == towards_input else 1
+        peer = v + step
+        return peer if 0 <= peer <= self.last else None
+
+    def recv(self, kind, chunk, index):
+        source = self._peer(kind, chunk, towards_input=True)
+        if source is None:
+            return None
+        got_index, tensor = self.channels[(source % self.stages, self.rank, kind)].get(timeout=30)
+        assert got_index == index
+        return tensor
+
+    def send(self, kind, chunk, index, tensor):
+        target = self._peer(kind, chunk, towards_input=False)
+        if target is not None:
+            self.channels[(self.rank, target % self.stages, kind)].put((index, tensor.detach()))
+
+    def flush(self):
+        pass
+
+
+class ToyStage:
+    """Virtual stage v: y = tanh(x * w_v); stage 0 starts from the id, the last returns a sum."""
+
+    def __init__(self, v: int, last: int):
+        self.v, self.last = v, last
+        self.w = torch.nn.Parameter(torch.tensor([1.0 + 0.1 * v, 0.5 - 0.05 * v]))
+
+    def forward(self, g, x):
+        x = torch.full((2,), float(g)) * 0.1 if x is None else x.requires_grad_()
+        y = torch.tanh(x * self.w)
+        return y.sum() if self.v == self.last else y
+
+    def backward(self, x, y, dy):
+        torch.autograd.backward(y, grad_tensors=dy)
+        return None if self.v == 0 else x.grad
+
+    def tokens(self, g):
+        return 1
+
+
+def reference(ids, last: int) -> tuple[list[torch.Tensor], float]:
+    """The gradients and the loss sum of every id through all virtual stages in one process."""
+    toys, loss = [ToyStage(v, last) for v in range(last + 1)], 0.0
+    for g in ids:
+        x = None
+        for toy in toys:
+            x = toy.forward(g, x)
+        x.backward()
+        loss += x.item()
+    return [t.w.grad for t in toys], loss
+
+
+@pytest.mark.parametrize("stages, chunks, n", [(2, 2, 3), (4, 2, 5), (4, 3, 5), (3, 2, 0), (2, 3, 1)])
+def test_run_interleaved_over_a_link_gives_the_sequential_gradients(stages, chunks, n):
+    import queue
+    import threading
+
+    from recover_patches.interleaved import run_interleaved
+
+    ids = [10 + 3 * i for i in range(n)]
+    last = stages * chunks - 1
+    channels = {(a, b, k): queue.Queue() for a in range(stages) for b in range(stages) for k in Kind}
+    toys = {v: ToyStage(v, last) for v in range(last + 1)}
+    results, errors = {}, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            mine = [toys[c * stages + rank] for c in range(chunks)]
+            results[rank] = run_interleaved(ids, mine, QueueLink(rank, stages, chunks, channels),
+                                            rank=rank, stages=stages, group=stages)
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and all(not t.is_alive() for t in threads), errors
+    grads, loss = reference(ids, last)
+    for v, want in enumerate(grads):
+        got = toys[v].w.grad
+        assert (got is None and n == 0) or torch.allclose(got, want), (v, got, want)
+    assert all(sorted(results[r].ids) == sorted(ids) for r in range(stages))
+    assert float(results[last % stages].loss_sum) == pytest.approx(loss)
