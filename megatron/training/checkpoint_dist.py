@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing import load as mcore_load
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
-from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import (make_sharded_optimizer_tensor,
                                                         optim_state_to_sharding_state)
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
@@ -288,7 +288,3 @@ def load(template: dict, directory: Path, strict: str,
     except (CheckpointingException, KeyError, RuntimeError, ValueError) as err:
         raise on_error(str(err).splitlines()[0][:300]) from None
     return loaded[0] if isinstance(loaded, tuple) else loaded  # return_*: (state, missing, unexpected)
-
-
-def nonpersistent(value) -> LocalNonpersistentObject:
-    return LocalNonpersistentObject(value)

@@ -5,7 +5,7 @@
 # not take the others down: neither the launcher nor srun (--kill-on-bad-exit=0) kills the step.
 #
 # VERIFIED ON A REAL SLURM (tests/test_slurm_real.py), three SLURM nodes on one machine: a kill
-# survived, too few replicas, scancel --signal=TERM, a standby node taking over a lost node.
+# survived, the last replica lost, scancel --signal=TERM, a standby node taking over a lost node.
 # NOT VERIFIED on several machines; command lines for them are checked with a stub `scontrol`
 # (tests/test_slurm_scripts.py).
 #
