@@ -97,11 +97,14 @@ def run(trainer: GPTTrainer, checkpointer: Checkpointer, iters: int) -> list[flo
     return losses
 
 
-@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", [[], ["--async-save"], ["--async-save", "--use-persistent-ckpt-worker"]],
+                         ids=["sync", "async", "async-persistent-worker"])
 def test_resume_is_exact(tmp_path, mode):
     args = make_args(tmp_path, *mode)
     first = GPTTrainer(args)
-    reference = run(first, Checkpointer(args, 0, 1), 4)
+    saver = Checkpointer(args, 0, 1)
+    reference = run(first, saver, 4)
+    assert (saver.worker is not None) == ("--use-persistent-ckpt-worker" in mode)
     ck = tmp_path / "ck"
     assert read_latest(ck) == 4
     assert sorted(p.name for p in (ck / "iter_0000002").iterdir()) == [

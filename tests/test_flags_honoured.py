@@ -16,8 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 HONOURED_BY_THE_ARGUMENT_CHECKS = {
     "context_parallel_size": "only 1 is accepted (anything else is refused), which is the behaviour",
     "optimizer": "only adam is accepted (sgd is refused)",
-    "use_persistent_ckpt_worker": "what it asks for always holds: the --async-save writer is a "
-                                  "thread of the training process, nothing is forked per save",
     "ckpt_fully_parallel_save": "refused when set; --no-ckpt-fully-parallel-save (one replica "
                                 "writes) is ReCoVer's only behaviour",
     "ckpt_assume_constant_structure": "refused when set",

@@ -244,9 +244,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                         "writing replica writes in the background and the next save, the last "
                         "iteration or an exit lands it (latest moves then).")
     g.add_argument("--use-persistent-ckpt-worker", action="store_true",
-                   help="With --async-save: one long-lived background writer instead of a process "
-                        "forked per save. ReCoVer's writer is always a thread of the training "
-                        "process (nothing is forked per save), so this asks for what it does anyway.")
+                   help="With --async-save: one long-lived writer thread for every save instead "
+                        "of a thread started per save (Megatron: a persistent worker process "
+                        "instead of one forked per save).")
     g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
                    choices=STRICTNESS,
                    help="torch_dist loading: what to do with keys in the checkpoint that this "

@@ -43,6 +43,8 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,7 +192,7 @@ class PendingSave:
     final: Path
     is_leader: bool
     write: ckd.ShardedWrite
-    thread: threading.Thread | None = None
+    written: Callable[[], object] | None = None  # async: waits for the background write
     error: BaseException | None = None
 
     def run(self, faults) -> None:
@@ -219,6 +221,7 @@ class Checkpointer:
         self.started = time.monotonic()  # for --exit-duration-in-mins
         self.last_saved: int | None = None
         self.pending: PendingSave | None = None
+        self.worker: ThreadPoolExecutor | None = None  # --use-persistent-ckpt-worker
 
     def load(self, trainer) -> None:
         point = self.resume
@@ -347,9 +350,7 @@ class Checkpointer:
             if pending is None:
                 trainer.faults.at("checkpoint", iteration)
             else:
-                pending.thread = threading.Thread(target=pending.run, args=(trainer.faults,),
-                                                  name=f"async-save-{iteration}", daemon=True)
-                pending.thread.start()
+                pending.written = self._in_background(pending, trainer.faults)
                 self.pending = pending
             return
         if pending is None:
@@ -379,11 +380,24 @@ class Checkpointer:
         return ckd.ShardedWrite(sharded, tmp, trainer.groups.replica,
                                 next(trainer.model.parameters()).device)
 
+    def _in_background(self, pending: PendingSave, faults) -> Callable[[], object]:
+        """Start the write; return what waits for it. --use-persistent-ckpt-worker: on the one
+        long-lived writer thread; else on a thread of its own per save (Megatron forks a process
+        per save there; a thread shares the host copy without pickling it)."""
+        if self.args.use_persistent_ckpt_worker:
+            if self.worker is None:
+                self.worker = ThreadPoolExecutor(1, thread_name_prefix="recover-ckpt-writer")
+            return self.worker.submit(pending.run, faults).result
+        thread = threading.Thread(target=pending.run, args=(faults,), daemon=True,
+                                  name=f"recover-async-save-{pending.iteration}")
+        thread.start()
+        return thread.join
+
     def _land(self, pending: PendingSave) -> None:
         """A writer's end of a torch_dist save: its part is on disk (or the error it hit is
         raised); the writers' results meet and the leader writes DCP's .metadata and commits."""
-        if pending.thread is not None:
-            pending.thread.join()
+        if pending.written is not None:
+            pending.written()
         if pending.error is not None:
             raise pending.error
         pending.write.finish()
