@@ -105,8 +105,12 @@ def optimizer_template(params: list[torch.Tensor], param_groups: list[dict],
 
 
 def rng_sharded(trainer, rng: dict) -> ShardedObject:
+    """ReCoVer's RNG state (`checkpointing.rng_state()`) under Megatron's key names, one object
+    per (pp, tp) position."""
     topo, coord = trainer.groups.topology, trainer.groups.coord
-    return ShardedObject("rng_state", [rng], (topo.pp, topo.tp), (coord.pp, coord.tp), replica_id=0)
+    megatron = {"torch_rng_state": rng["torch_cpu"], "rng_tracker_states": rng["tracker"]}
+    return ShardedObject("rng_state", [megatron], (topo.pp, topo.tp), (coord.pp, coord.tp),
+                         replica_id=0)
 
 
 def with_megatron_args(args: argparse.Namespace, iteration: int,
@@ -132,8 +136,7 @@ def checkpoint_state(trainer, args, optimizer_state: dict | None, rng: dict | No
                                                trainer.optimizer.model_params)
         state["opt_param_scheduler"] = trainer.scheduler.state_dict()
     if rng is not None:
-        state["rng_state"] = rng_sharded(trainer, {"torch_rng_state": rng["torch_cpu"],
-                                                   "rng_tracker_states": rng["tracker"]})
+        state["rng_state"] = rng_sharded(trainer, rng)
     return state
 
 
@@ -146,8 +149,7 @@ def load_template(trainer, with_optimizer: bool, moments: bool, rng: dict | None
         template["optimizer"] = optimizer_sharded(
             optimizer_template(params, trainer.optimizer.param_groups, moments), model_sd, params)
     if rng is not None:
-        template["rng_state"] = rng_sharded(trainer, {"torch_rng_state": rng["torch_cpu"],
-                                                      "rng_tracker_states": rng["tracker"]})
+        template["rng_state"] = rng_sharded(trainer, rng)
     return template
 
 
