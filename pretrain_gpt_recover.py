@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.model import build_model, memory_note
     from megatron.training.distributed_optimizer import ShardedAdamW
     from megatron.training.optimizer import build_optimizer, build_scheduler
-    from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer, build_stage,
-                                            link_for, replica_vote)
+    from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer,
+                                            build_stages, link_for, replica_vote)
     from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
     from megatron.training.state_transfer import receive_state, send_state
     from recover_patches.recovery.grow import GrowBack, JobComplete, JobStopped
@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
             topology.dp // args.num_distributed_optimizer_instances
             if args.use_distributed_optimizer else 1))
+        if args.virtual_pipeline_model_parallel_size is not None:
+            logger.info(f"interleaved schedule: {args.virtual_pipeline_model_parallel_size} model "
+                        f"chunks per pipeline rank, microbatches in groups of "
+                        f"{args.microbatch_group_size_per_vp_stage} (any quota length runs)")
         if args.device == "cuda" and args.gradient_accumulation_fusion:
             logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
                         "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
@@ -181,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(
         args=args, groups=groups, model=model, optimizer=optimizer, scheduler=scheduler,
         grads=grads,
-        train_stage=build_stage(args, groups, model, train_ds, tracker, optimizer.scaler),
-        valid_stage=None if valid_ds is None else build_stage(args, groups, model, valid_ds, tracker),
+        train_stages=build_stages(args, groups, model, train_ds, tracker, optimizer.scaler),
+        valid_stages=None if valid_ds is None else build_stages(args, groups, model, valid_ds,
+                                                                tracker),
         link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
         metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
                               WandbConfig.from_args(args)),

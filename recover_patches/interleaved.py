@@ -22,20 +22,15 @@ orders are Megatron's.
 
 "Non-blocking sends" is the executor's obligation: gloo's isend progresses on its own threads, but
 NCCL runs a rank's p2p kernels in order on one stream, so a send there holds back the receives
-behind it; an executor on NCCL must put sends on their own stream. `run_interleaved` runs an
-order over any `ChunkLink`; the link over real process groups, the model chunks and the flags are
-not written yet (issue V's next steps).
+behind it (which is why ReCoVer runs VP > 1 on gloo only, see arguments_validate_schedule).
+`recover_patches.schedule.run_interleaved` runs an order; `makespan` is the same simulation's
+finish time, layer 3's cost model. Pure Python (no torch): layer 3 imports it.
 """
 from __future__ import annotations
 
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
-
-import torch
-
-from recover_patches.schedule import PhaseHook, ScheduleResult, Stage, _no_hook, _nothing
 
 
 class Kind(enum.Enum):
@@ -69,10 +64,22 @@ def warmup(stages: int, rank: int, chunks: int, group: int, n: int) -> int:
 FORWARD_COST, BACKWARD_COST = 1, 2
 
 
-@functools.lru_cache(maxsize=256)
 def interleaved_orders(n: int, stages: int, chunks: int, group: int) -> tuple[tuple[Action, ...], ...]:
     """Every rank's order of forwards and backwards (rank r's is element r). Pure and cached:
     every rank computes all of them and they agree without communication."""
+    return _simulate(n, stages, chunks, group)[0]
+
+
+def makespan(n: int, stages: int, chunks: int, group: int) -> int:
+    """When the last rank finishes `n` microbatches, in the simulation's units (a chunk's forward
+    1, its backward 2: one microbatch is 3 * chunks units of one rank's work). With one chunk it is
+    1F1B's (n + stages - 1) * 3 for n > 0."""
+    return _simulate(n, stages, chunks, group)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulate(n: int, stages: int, chunks: int, group: int
+              ) -> tuple[tuple[tuple[Action, ...], ...], int]:
     if n < 0 or stages < 1 or chunks < 1 or group < 1:
         raise ValueError(f"bad schedule shape n={n} stages={stages} chunks={chunks} group={group}")
     fwd, bwd = forward_sequence(n, chunks, group), backward_sequence(n, chunks, group)
@@ -128,55 +135,6 @@ def interleaved_orders(n: int, stages: int, chunks: int, group: int) -> tuple[tu
                 raise AssertionError(f"schedule simulation stalled: n={n} stages={stages} "
                                      f"chunks={chunks} group={group}")  # cannot happen
         time += 1
-    return tuple(tuple(o) for o in orders)
+    return tuple(tuple(o) for o in orders), max(free_at)
 
 
-# -- running an order ---------------------------------------------------------------------------
-class ChunkLink(Protocol):
-    """Activations and gradients between virtual stages. `recv` blocks and returns None where the
-    action has no input (virtual stage 0's forward, the last one's backward); `send` must not
-    block the receives after it (see the module docstring) and drops what has no receiver;
-    `flush` waits for every send."""
-
-    def recv(self, kind: Kind, chunk: int, index: int) -> torch.Tensor | None: ...
-
-    def send(self, kind: Kind, chunk: int, index: int, tensor: torch.Tensor | None) -> None: ...
-
-    def flush(self) -> None: ...
-
-
-def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *, rank: int,
-                    stages: int, group: int, hook: PhaseHook = _no_hook,
-                    before_last_backward: Callable[[], None] = _nothing) -> ScheduleResult:
-    """This rank's part of the interleaved schedule over `ids`: `chunks[c]` is its model chunk c
-    (virtual stage c * stages + rank). A microbatch counts as done here when its chunk-0 backward
-    ends; its loss is taken on the last virtual stage."""
-    order = interleaved_orders(len(ids), stages, len(chunks), group)[rank]
-    last = stages * len(chunks) - 1
-    in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    result = ScheduleResult()
-    backwards = sum(a.kind is Kind.BACKWARD for a in order)
-    for a in order:
-        g, stage = ids[a.index], chunks[a.chunk]
-        hook("p2p", g)
-        received = link.recv(a.kind, a.chunk, a.index)
-        if a.kind is Kind.FORWARD:
-            hook("forward", g)
-            y = stage.forward(g, received)
-            in_flight[(a.chunk, a.index)] = (received, y)
-            link.send(a.kind, a.chunk, a.index, y)
-            continue
-        x, y = in_flight.pop((a.chunk, a.index))
-        hook("backward", g)
-        backwards -= 1
-        if backwards == 0:
-            before_last_backward()
-        dx = stage.backward(x, y, received)
-        if a.chunk * stages + rank == last:
-            result.loss_sum = result.loss_sum + y.detach().double()
-        if a.chunk == 0:
-            result.ids.append(g)
-            result.tokens += stage.tokens(g)
-        link.send(a.kind, a.chunk, a.index, dx)
-    link.flush()
-    return result

@@ -11,6 +11,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from recover_patches.interleaved import Kind
+
 
 class StageLink:
     def __init__(self, group, stage: int, num_stages: int, shape: Sequence[int],
@@ -77,3 +79,54 @@ class StageLink:
     def send_backward_recv_forward(self, dx: torch.Tensor | None) -> torch.Tensor | None:
         x = self._exchange(dx, self._prev(), self._prev())
         return None if x is None else x.requires_grad_()
+
+
+class ChunkP2P:
+    """`schedule.ChunkLink` over the replica's PP group: activations and gradients between virtual
+    stages (chunk c of rank r is virtual stage c * P + r; the last rank's chunk c feeds rank 0's
+    chunk c + 1). Receives block; sends are posted and left to complete while this rank computes,
+    which the interleaved order needs (a blocked send may hold up a receive a neighbour waits on).
+    Each (direction, receiving chunk) has its own tag, so a pair of ranks exchanging activations
+    and gradients of several chunks can never match one for another. gloo only: NCCL would run a
+    posted send and a later receive on one stream, one after the other."""
+
+    def __init__(self, group, rank: int, stages: int, chunks: int, shape: Sequence[int],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.group, self.rank, self.stages, self.chunks = group, rank, stages, chunks
+        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
+        self.last = stages * chunks - 1
+        # (work, tensor) until `flush` (the end of the schedule): a tensor must live until its send
+        # completes, and layer 1's works only implement wait(). At most one activation or
+        # gradient per action: the activations held for backward are more.
+        self._sends: list = []
+
+    def _tag(self, backward: bool, receiving_virtual_stage: int) -> int:
+        return 2 * (receiving_virtual_stage // self.stages) + int(backward)
+
+    def recv(self, kind: Kind, chunk: int, index: int) -> torch.Tensor | None:
+        v = chunk * self.stages + self.rank
+        backward = kind is Kind.BACKWARD
+        if (v == self.last) if backward else (v == 0):
+            return None
+        src = (self.rank + (1 if backward else -1)) % self.stages
+        received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        work = dist.irecv(received, group=self.group, group_src=src, tag=self._tag(backward, v))
+        assert work is not None  # None only for a rank outside the group
+        work.wait()
+        return received if backward else received.requires_grad_()
+
+    def send(self, kind: Kind, chunk: int, index: int, tensor: torch.Tensor | None) -> None:
+        v = chunk * self.stages + self.rank
+        backward = kind is Kind.BACKWARD
+        if tensor is None or ((v == 0) if backward else (v == self.last)):
+            return
+        to = v - 1 if backward else v + 1
+        outgoing = tensor.detach().contiguous()
+        work = dist.isend(outgoing, group=self.group, group_dst=to % self.stages,
+                          tag=self._tag(backward, to))
+        self._sends.append((work, outgoing))
+
+    def flush(self) -> None:
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            work.wait()

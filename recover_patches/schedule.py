@@ -1,7 +1,8 @@
 """1F1B pipeline schedule over an arbitrary list of global microbatch ids.
 
 The list may be empty or shorter than the pipeline (a replica's quota after re-planning can be
-anything); gradients accumulate into `.grad` and stay local -- reduction is the caller's business.
+anything), with one model chunk per rank (`run_1f1b`) or several (`run_interleaved`, the order from
+`recover_patches.interleaved`); gradients accumulate into `.grad` and stay local -- reduction is the caller's business.
 What one forward/backward *means* lives in `recover_patches.stage`; this module only orders them.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from recover_patches.interleaved import Kind, interleaved_orders
 from recover_patches.p2p import StageLink
 
 PhaseHook = Callable[[str, int | None], None]  # (phase, microbatch id): fault injection
@@ -113,4 +115,79 @@ def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
             result.loss_sum = result.loss_sum + y.detach().double()
         result.ids.append(g)
         result.tokens += stage.tokens(g)
+    return result
+
+
+# -- running an order ---------------------------------------------------------------------------
+class ChunkLink(Protocol):
+    """Activations and gradients between virtual stages. `recv` blocks and returns None where the
+    action has no input (virtual stage 0's forward, the last one's backward); `send` must not
+    block the receives after it (see the module docstring) and drops what has no receiver;
+    `flush` waits for every send."""
+
+    def recv(self, kind: Kind, chunk: int, index: int) -> torch.Tensor | None: ...
+
+    def send(self, kind: Kind, chunk: int, index: int, tensor: torch.Tensor | None) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *, rank: int,
+                    stages: int, group: int, hook: PhaseHook = _no_hook,
+                    before_last_backward: Callable[[], None] = _nothing) -> ScheduleResult:
+    """This rank's part of the interleaved schedule over `ids`: `chunks[c]` is its model chunk c
+    (virtual stage c * stages + rank). A microbatch counts as done here when its chunk-0 backward
+    ends; its loss is taken on the last virtual stage."""
+    order = interleaved_orders(len(ids), stages, len(chunks), group)[rank]
+    last = stages * len(chunks) - 1
+    in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    result = ScheduleResult()
+    backwards = sum(a.kind is Kind.BACKWARD for a in order)
+    for a in order:
+        g, stage = ids[a.index], chunks[a.chunk]
+        hook("p2p", g)
+        received = link.recv(a.kind, a.chunk, a.index)
+        if a.kind is Kind.FORWARD:
+            hook("forward", g)
+            y = stage.forward(g, received)
+            in_flight[(a.chunk, a.index)] = (received, y)
+            link.send(a.kind, a.chunk, a.index, y)
+            continue
+        x, y = in_flight.pop((a.chunk, a.index))
+        hook("backward", g)
+        backwards -= 1
+        if backwards == 0:
+            before_last_backward()
+        dx = stage.backward(x, y, received)
+        if a.chunk * stages + rank == last:
+            result.loss_sum = result.loss_sum + y.detach().double()
+        tokens = stage.tokens(g)  # every chunk counted them in its forward
+        if a.chunk == 0:
+            result.ids.append(g)
+            result.tokens += tokens
+        link.send(a.kind, a.chunk, a.index, dx)
+    link.flush()
+    return result
+
+
+def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *,
+                                 rank: int, stages: int, hook: PhaseHook = _no_hook
+                                 ) -> ScheduleResult:
+    """Evaluation with model chunks: each microbatch through every chunk in turn. Valid with
+    blocking receives and non-blocking sends: virtual stage v's forward of microbatch k waits only
+    on v - 1's of k, which no rank orders after anything that waits on v's."""
+    result = ScheduleResult()
+    last = stages * len(chunks) - 1
+    for index, g in enumerate(ids):
+        hook("eval", g)
+        for c, stage in enumerate(chunks):
+            y = stage.forward(g, link.recv(Kind.FORWARD, c, index))
+            link.send(Kind.FORWARD, c, index, y)
+            tokens = stage.tokens(g)
+            if c * stages + rank == last:
+                result.loss_sum = result.loss_sum + y.detach().double()
+            if c == 0:
+                result.ids.append(g)
+                result.tokens += tokens
+    link.flush()
     return result

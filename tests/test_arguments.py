@@ -270,7 +270,7 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 # --- user errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flag", [
-    "--num-layers-per-virtual-pipeline-stage 2", "--expert-model-parallel-size 2", "--num-experts 8",
+    "--overlap-p2p-communication-warmup-flush", "--expert-model-parallel-size 2", "--num-experts 8",
     "--fp8-format hybrid", "--use-flash-attn",
     "--context-parallel-size 2", "--optimizer sgd", "--cross-entropy-loss-fusion"])
 def test_unsupported_megatron_flag(flag):

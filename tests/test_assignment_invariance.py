@@ -11,7 +11,7 @@ from megatron.training.datasets import build_datasets
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.model import build_model
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.training import build_stage
+from megatron.training.training import build_stages
 from recover_patches.p2p import StageLink
 from recover_patches.recovery.grad_buffer import GradBuffer
 from recover_patches.recovery.reduce import Totals, check_commit
@@ -42,7 +42,7 @@ def local_gradient(model, ids, world) -> tuple[torch.Tensor, Totals]:
     args, groups, train, vocab, tracker = world
     buf = GradBuffer(list(model.parameters()), replicas=1, dp_group=None)
     link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size))
-    done = run_1f1b(ids, build_stage(args, groups, model, train, tracker), link)
+    done = run_1f1b(ids, build_stages(args, groups, model, train, tracker)[0], link)
     reduced = buf.reduce(Totals.of_ids(done.ids, done.tokens), replica=0, time_wire=1.0)
     return buf.reduced_grads.clone(), reduced.totals
 

@@ -34,6 +34,12 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
     "local_rank": "the launcher's LOCAL_RANK wins (Megatron's rule); read as args.local_rank",
     "use_cpu_initialization": "always on: weights are drawn on the CPU by global name",
     "rerun_mode": "only disabled is accepted (the other modes are refused), which is the behaviour",
+    "num_layers_per_virtual_pipeline_stage": "turned into args.virtual_pipeline_model_parallel_size "
+                                             "by the checks; the model, link and schedule read it",
+    "num_virtual_stages_per_pipeline_rank": "likewise: virtual_pipeline_model_parallel_size",
+    "overlap_p2p_comm": "--no-overlap-p2p-communication is refused with model chunks (the "
+                        "interleaved schedule's sends are always asynchronous); without them it "
+                        "means nothing in Megatron-LM either",
 }
 
 

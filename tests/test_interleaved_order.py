@@ -160,7 +160,7 @@ def test_run_interleaved_over_a_link_gives_the_sequential_gradients(stages, chun
     import queue
     import threading
 
-    from recover_patches.interleaved import run_interleaved
+    from recover_patches.schedule import run_interleaved
 
     ids = [10 + 3 * i for i in range(n)]
     last = stages * chunks - 1

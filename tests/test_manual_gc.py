@@ -17,7 +17,7 @@ class Loop:
 
     def __init__(self, args: Namespace, events: list) -> None:
         self.args, self.state, self.events = args, TrainState(), events
-        self.checkpointer, self.grow, self.valid_stage, self.history = None, None, object(), []
+        self.checkpointer, self.grow, self.valid_stages, self.history = None, None, [object()], []
 
     def transaction(self):
         return self

@@ -31,6 +31,7 @@ from megatron.training.arguments_validate_io import (
     validate_checkpointing, validate_data, validate_logging, validate_recover, validate_tokenizer)
 from megatron.training.arguments_validate_model import (
     validate_device_flags, validate_model_shape, validate_parallel)
+from megatron.training.arguments_validate_pipeline import validate_pipeline_backend
 from megatron.training.arguments_validate_schedule import (
     global_batch_size_at, validate_batch, validate_lr_and_weight_decay, validate_training_length)
 
@@ -95,6 +96,7 @@ def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu"
     validate_parallel(args, world_size)
     validate_model_shape(args)
     validate_device_flags(args, device)
+    validate_pipeline_backend(args)
     validate_batch(args)
     validate_training_length(args)
     validate_lr_and_weight_decay(args)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.arguments_validate_pipeline import add_pipeline_split_args
+
 # The split Megatron falls back to (with a warning) when --data-path is given without --split.
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 # megatron-core's dist_checkpointing StrictHandling values (not imported: parsing stays light)
@@ -93,6 +95,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor parallel size.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline stages.")
+    add_pipeline_split_args(g)
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Sequence parallelism over the TP group (norms and dropout on sequence shards).")
     g.add_argument("--context-parallel-size", type=int, default=1,

@@ -7,6 +7,7 @@ import importlib.util
 import os
 
 from megatron.training.arguments_errors import ArgumentError
+from megatron.training.arguments_validate_pipeline import validate_pipeline_split
 
 DEVICES = ("cpu", "cuda")
 
@@ -68,16 +69,13 @@ def validate_model_shape(args: argparse.Namespace) -> None:
                  "max_position_embeddings"):
         flag = "--" + dest.replace("_", "-")
         _require_positive(args, dest, f"pass {flag} N (N >= 1)")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp = args.tensor_model_parallel_size
     if args.num_attention_heads % tp != 0:
         raise ArgumentError(
             "--num-attention-heads",
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}", "use a head count that is a multiple of the TP size")
-    if args.num_layers % pp != 0:
-        raise ArgumentError(
-            "--num-layers", f"--num-layers {args.num_layers} is not divisible by "
-            f"--pipeline-model-parallel-size {pp}", "use a layer count that is a multiple of the PP size")
+    validate_pipeline_split(args)
     if args.seq_length > args.max_position_embeddings:
         raise ArgumentError(
             "--max-position-embeddings",

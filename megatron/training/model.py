@@ -22,7 +22,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -120,6 +121,12 @@ def transformer_config(args) -> TransformerConfig:
         kv_channels=args.kv_channels,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         sequence_parallel=args.sequence_parallel,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
@@ -177,7 +184,9 @@ class TorchNorm:
         return norm
 
 
-def layer_spec(args):
+def layer_spec(args, config: TransformerConfig, vp_stage: int | None, pp_rank: int):
+    """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
+    loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules."""
     if args.transformer_impl == "transformer_engine":  # GPU with TE installed (checked before)
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
@@ -189,7 +198,7 @@ def layer_spec(args):
     if args.qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = TorchNorm
     return TransformerBlockSubmodules(
-        layer_specs=[spec] * (args.num_layers // args.pipeline_model_parallel_size),
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
         layer_norm=TorchNorm)
 
 
@@ -209,9 +218,29 @@ class DeviceMemoryBuffer:
         return held[:numel].view(*tensor_shape)
 
 
+class ModelChunks(torch.nn.ModuleList):
+    """A pipeline rank's model chunks (the interleaved schedule): chunk c is virtual stage
+    c * PP + rank. Parameters, `state_dict` and `modules()` span every chunk ("0.", "1." key
+    prefixes), so the optimizer, the gradient buffer and state transfer take it like one model."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        # the chunks' checkpoint keys are global already (layer numbers include the chunk's
+        # offset); only the dict keys get the chunk prefix, to mirror `state_dict`
+        chunks: list[RecoverGPTModel] = list(self)  # type: ignore[arg-type]
+        return {f"{prefix}{c}.{key}": value for c, chunk in enumerate(chunks)
+                for key, value in chunk.sharded_state_dict(metadata=metadata).items()}
+
+
+def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model chunks of `build_model`'s result, in virtual-stage order."""
+    return list(model) if isinstance(model, ModelChunks) else [model]
+
+
 def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
                 tp_rank: int, padded_vocab_size: int,
-                device: torch.device | str = "cpu") -> RecoverGPTModel:
+                device: torch.device | str = "cpu") -> torch.nn.Module:
+    """This rank's GPTModel, or its `ModelChunks` with an interleaved schedule."""
     config = transformer_config(args)
     parallel_state._GLOBAL_MEMORY_BUFFER = DeviceMemoryBuffer(device)
     if not torch.cuda.is_available():
@@ -219,23 +248,29 @@ def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
         # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
         # those allocations into CPU ones and nothing else (CUDA stays unavailable).
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    model = RecoverGPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(args),
-        vocab_size=padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pp_stage == 0,
-        post_process=pp_stage == args.pipeline_model_parallel_size - 1,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        pg_collection=pg_collection,
-    )
-    init_parameters_by_name(model, seed=args.seed, std=args.init_method_std,
-                            num_layers=args.num_layers, tp_size=args.tensor_model_parallel_size,
-                            tp_rank=tp_rank, gated=args.swiglu)
+    vp = args.virtual_pipeline_model_parallel_size
+    first, last = pp_stage == 0, pp_stage == args.pipeline_model_parallel_size - 1
+    chunks = [
+        RecoverGPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(args, config, vp_stage, pp_stage),
+            vocab_size=padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=first and not vp_stage,
+            post_process=last and vp_stage in (None, (vp or 1) - 1),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        ) for vp_stage in ([None] if vp is None else range(vp))]
+    for chunk in chunks:
+        init_parameters_by_name(chunk, seed=args.seed, std=args.init_method_std,
+                                num_layers=args.num_layers, tp_size=args.tensor_model_parallel_size,
+                                tp_rank=tp_rank, gated=args.swiglu)
+    model = chunks[0] if vp is None else ModelChunks(chunks)
     return model.to(device=device, dtype=args.params_dtype)
 
 

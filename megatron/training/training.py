@@ -23,19 +23,21 @@ from megatron.training.arguments import global_batch_size_at
 from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
+from megatron.training.model import model_chunks
 from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
                                          flat_layout_for, global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.faults import FaultInjector
-from recover_patches.p2p import StageLink
+from recover_patches.p2p import ChunkP2P, StageLink
 from recover_patches.recovery.agreement import ReplicaLink, StoreAgreement
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
 from recover_patches.recovery.grow import GrowBack, JoinRecord
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
 from recover_patches.recovery.reduce import Totals
 from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
-from recover_patches.schedule import run_1f1b, run_forward_only
+from recover_patches.schedule import (run_1f1b, run_forward_only, run_forward_only_interleaved,
+                                      run_interleaved)
 from recover_patches.stage import GPTStage
 from recover_patches.workload.policy import even_plan, stable_plan
 from recover_patches.log import PLAIN
@@ -72,9 +74,9 @@ class Trainer:
     optimizer: Optimizer
     scheduler: OptimizerParamScheduler
     grads: GradBuffer
-    train_stage: GPTStage
-    valid_stage: GPTStage | None
-    link: StageLink
+    train_stages: list[GPTStage]  # one per model chunk (several: the interleaved schedule)
+    valid_stages: list[GPTStage] | None
+    link: StageLink | ChunkP2P
     faults: FaultInjector
     metrics: MetricsWriter
     checkpointer: Any = None  # megatron.training.checkpointing.Checkpointer (it imports us)
@@ -97,7 +99,8 @@ class Trainer:
                                  # with their replica
                                  min_replicas=topo.dp if self.one_optimizer_copy
                                  else self.args.recover_min_replicas, replicas=topo.dp)
-        self.timer = MicrobatchTimer(pipeline_depth=topo.pp)
+        self.timer = MicrobatchTimer(pipeline_depth=topo.pp, chunks=self.chunks,
+                                     group=self.args.microbatch_group_size_per_vp_stage or 0)
         self.timings: dict[int, float | None] = {}
         self._execute_seconds = 0.0
         self._executed = 0
@@ -114,6 +117,11 @@ class Trainer:
                 self.optimizer.overlap = True
                 self.optimizer.wait_in_forward(self.model)
         self.grads.scatter = self.scatter_while(self.live.live_replicas)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank (layer 3's finish-time model depends on it)."""
+        return self.args.virtual_pipeline_model_parallel_size or 1
 
     @property
     def one_optimizer_copy(self) -> bool:
@@ -137,12 +145,20 @@ class Trainer:
             return even_plan(ids, range(self.groups.topology.dp))
         if self.args.recover_balance == "even":
             return even_plan(ids, replicas)
-        return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10)
+        return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10,
+                           chunks=self.chunks,
+                           group=self.args.microbatch_group_size_per_vp_stage or 0)
 
     def execute(self, ids: list[int]):
         self.model.train()
         start = time.perf_counter()
-        done = run_1f1b(ids, self.train_stage, self.link, self.hook, self.grads.arm)
+        if isinstance(self.link, ChunkP2P):
+            done = run_interleaved(ids, self.train_stages, self.link, rank=self.groups.coord.pp,
+                                   stages=self.groups.topology.pp,
+                                   group=self.args.microbatch_group_size_per_vp_stage,
+                                   hook=self.hook, before_last_backward=self.grads.arm)
+        else:
+            done = run_1f1b(ids, self.train_stages[0], self.link, self.hook, self.grads.arm)
         self._execute_seconds += time.perf_counter() - start
         self._executed += len(ids)
         return done
@@ -364,7 +380,7 @@ class Trainer:
             gc.collect()
         if self.checkpointer is not None:
             self.checkpointer.after_iteration(self)
-        if args.eval_interval and self.valid_stage is not None \
+        if args.eval_interval and self.valid_stages is not None \
                 and self.state.iteration % args.eval_interval == 0:
             collect = args.manual_gc and args.manual_gc_eval
             if collect:
@@ -496,12 +512,17 @@ class Trainer:
         m = args.global_batch_size // args.micro_batch_size
         first = (self.state.iteration // args.eval_interval - 1) * args.eval_iters * m
         total = Totals.of_ids([])
-        assert self.valid_stage is not None  # train() evaluates only with a validation set
+        assert self.valid_stages is not None  # train() evaluates only with a validation set
         with torch.no_grad():
             for k in range(args.eval_iters):
                 ids = list(range(first + k * m, first + (k + 1) * m))
                 mine = even_plan(ids, self.live.live_replicas).get(self.groups.coord.replica, [])
-                done = run_forward_only(mine, self.valid_stage, self.link, self._eval_hook)
+                if isinstance(self.link, ChunkP2P):
+                    done = run_forward_only_interleaved(
+                        mine, self.valid_stages, self.link, rank=self.groups.coord.pp,
+                        stages=self.groups.topology.pp, hook=self._eval_hook)
+                else:
+                    done = run_forward_only(mine, self.valid_stages[0], self.link, self._eval_hook)
                 total = total + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
         stats = total.as_tensor().to(self.device)
         if self.groups.dp.size() > 1:
@@ -513,15 +534,23 @@ class Trainer:
         return float(loss_sum) / max(total.tokens, 1)
 
 
-def build_stage(args, groups: ParallelGroups, model, dataset, tracker,
-                scaler: LossScaler | None = None) -> GPTStage:
+def build_stages(args, groups: ParallelGroups, model, dataset, tracker,
+                 scaler: LossScaler | None = None) -> list[GPTStage]:
+    """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
+    dropout seeds: with one chunk, the pipeline stage)."""
     sampler = MicrobatchSampler(dataset, args.micro_batch_size,
                                 with_mask=args.reset_attention_mask)
-    return GPTStage(model, sampler, tp_group=groups.tp, tracker=tracker, seed=args.seed,
-                    pp_stage=groups.coord.pp, tp_rank=groups.coord.tp,
-                    is_first=groups.is_first_stage, is_last=groups.is_last_stage,
-                    device=next(model.parameters()).device,
-                    loss_scale=None if scaler is None else (lambda: scaler.scale))
+    chunks = model_chunks(model)
+    pp, last = groups.topology.pp, groups.topology.pp * len(chunks) - 1
+    stages = []
+    for c, chunk in enumerate(chunks):
+        virtual = c * pp + groups.coord.pp
+        stages.append(GPTStage(chunk, sampler, tp_group=groups.tp, tracker=tracker,
+                               seed=args.seed, pp_stage=virtual, tp_rank=groups.coord.tp,
+                               is_first=virtual == 0, is_last=virtual == last,
+                               device=next(chunk.parameters()).device,
+                               loss_scale=None if scaler is None else (lambda: scaler.scale)))
+    return stages
 
 
 def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> GradBuffer:
@@ -532,10 +561,15 @@ def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> Gra
                       overlap=args.overlap_grad_reduce)
 
 
-def link_for(args, groups: ParallelGroups, device) -> StageLink:
+def link_for(args, groups: ParallelGroups, device) -> StageLink | ChunkP2P:
     """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
-    hidden], in the training dtype."""
+    hidden], in the training dtype; between virtual stages with model chunks."""
     seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        return ChunkP2P(groups.pp, groups.coord.pp, groups.topology.pp,
+                        args.virtual_pipeline_model_parallel_size,
+                        (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
+                        device=device)
     return StageLink(groups.pp, groups.coord.pp, groups.topology.pp,
                      (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
                      device=device)

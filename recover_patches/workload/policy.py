@@ -8,6 +8,12 @@ Cost model (1F1B pipeline of depth P): a replica that runs q > 0 microbatches at
 after (q + P - 1) * t; a replica with q = 0 does nothing and finishes at 0. The plan minimises the
 largest finish time over the replicas.
 
+Interleaved pipeline (V > 1 model chunks per rank, groups of G microbatches): the finish time is
+the interleaved schedule's own, simulated with unit costs by `recover_patches.interleaved.makespan`
+(one microbatch is 3 * V units of one rank's work, so f(q) = makespan(q) / (3 V) * t), made
+non-decreasing by a running maximum: the simulated order falls back for a short last group and can
+finish a longer list sooner. For long lists f(q) ~ (q + (P - 1) / V) * t, Megatron's bubble.
+
 Why greedy is exact: f_r(k) = (k + P - 1) * t_r is non-decreasing in k, so any quota vector q "uses" the
 values f_r(1..q_r) of each replica, N = sum(q_r) values in total, and its finish time max_r f_r(q_r) is
 at least the N-th smallest of the multiset {f_r(k)}. Giving ids one at a time to the replica whose next
@@ -18,9 +24,12 @@ and turns equal timings into the even split of :func:`even_plan`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Mapping, Sequence
+
+from recover_patches.interleaved import makespan
 
 
 class PlanInputError(ValueError):
@@ -59,9 +68,25 @@ def _known_time(time_per_microbatch: Mapping[int, float | None], replica: int) -
     return value
 
 
-def _finish_time(quota: int, seconds: float, pipeline_depth: int) -> float:
+def _finish_time(quota: int, seconds: float, pipeline_depth: int, chunks: int = 1,
+                 group: int = 0) -> float:
     # The single place the cost model is evaluated: plan() and predicted_time() must agree bit for bit.
-    return 0.0 if quota == 0 else (quota + pipeline_depth - 1) * seconds
+    return 0.0 if quota == 0 else finish_factor(quota, pipeline_depth, chunks, group) * seconds
+
+
+def finish_factor(quota: int, pipeline_depth: int, chunks: int = 1, group: int = 0) -> float:
+    """Finish time in microbatch times: 1F1B's q + P - 1; interleaved, the simulated schedule's
+    (module doc). `group` 0 means P (Megatron's default group size)."""
+    if quota == 0:
+        return 0.0
+    if chunks == 1:
+        return float(quota + pipeline_depth - 1)
+    return _interleaved_units(quota, pipeline_depth, chunks, group or pipeline_depth) / (3 * chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _interleaved_units(quota: int, stages: int, chunks: int, group: int) -> int:
+    return max(makespan(k, stages, chunks, group) for k in range(1, quota + 1))
 
 
 def _blocks(ids: list[int], order: list[int], quotas: Mapping[int, int]) -> dict[int, list[int]]:
@@ -89,23 +114,25 @@ def even_plan(ids: Sequence[int], replicas: Sequence[int]) -> dict[int, list[int
     return _blocks(ids, order, even_quotas(len(ids), order))
 
 
-def optimal_quotas(count: int, times: Mapping[int, float], pipeline_depth: int) -> dict[int, int]:
+def optimal_quotas(count: int, times: Mapping[int, float], pipeline_depth: int, chunks: int = 1,
+                   group: int = 0) -> dict[int, int]:
     """Integer quotas summing to count that minimise max_r finish time (greedy, see module doc)."""
     order = sorted(times)
     quotas = {replica: 0 for replica in order}
     # Heap entries (finish time if given one more id, replica order index): the index breaks float ties.
-    heap = [(_finish_time(1, times[r], pipeline_depth), index) for index, r in enumerate(order)]
+    heap = [(_finish_time(1, times[r], pipeline_depth, chunks, group), index) for index, r in enumerate(order)]
     heapq.heapify(heap)
     for _ in range(count):
         _, index = heapq.heappop(heap)
         replica = order[index]
         quotas[replica] += 1
-        heapq.heappush(heap, (_finish_time(quotas[replica] + 1, times[replica], pipeline_depth), index))
+        heapq.heappush(heap, (_finish_time(quotas[replica] + 1, times[replica], pipeline_depth,
+                                               chunks, group), index))
     return quotas
 
 
 def plan(ids: Sequence[int], replicas: Sequence[int], time_per_microbatch: Mapping[int, float | None],
-         pipeline_depth: int) -> dict[int, list[int]]:
+         pipeline_depth: int, chunks: int = 1, group: int = 0) -> dict[int, list[int]]:
     """Map microbatch ids (kept in the given order) to live replicas as contiguous blocks.
 
     Returns {replica: ids it computes} for every live replica (an empty list when its quota is 0).
@@ -117,16 +144,17 @@ def plan(ids: Sequence[int], replicas: Sequence[int], time_per_microbatch: Mappi
     order = _check_replicas(replicas, ids)
     _check_depth(pipeline_depth)
     times = {replica: _known_time(time_per_microbatch, replica) for replica in order}
-    if any(seconds is None for seconds in times.values()):
+    known = {replica: seconds for replica, seconds in times.items() if seconds is not None}
+    if len(known) < len(times):
         quotas = even_quotas(len(ids), order)
     else:
-        quotas = optimal_quotas(len(ids), times, pipeline_depth)
+        quotas = optimal_quotas(len(ids), known, pipeline_depth, chunks, group)
     return _blocks(ids, order, quotas)
 
 
 def predicted_time(quotas: Mapping[int, int], time_per_microbatch: Mapping[int, float | None],
-                   pipeline_depth: int) -> float:
-    """Predicted iteration time max_r (q_r + P - 1) * t_r, with q_r = 0 counting as 0."""
+                   pipeline_depth: int, chunks: int = 1, group: int = 0) -> float:
+    """Predicted iteration time max_r f(q_r) * t_r (1F1B: f(q) = q + P - 1), q_r = 0 counting 0."""
     _check_depth(pipeline_depth)
     worst = 0.0
     for replica in sorted(quotas):
@@ -138,7 +166,7 @@ def predicted_time(quotas: Mapping[int, int], time_per_microbatch: Mapping[int, 
         seconds = _known_time(time_per_microbatch, replica)
         if seconds is None:
             raise PlanInputError(f"replica {replica} has {quota} microbatches but no known timing")
-        worst = max(worst, _finish_time(quota, seconds, pipeline_depth))
+        worst = max(worst, _finish_time(quota, seconds, pipeline_depth, chunks, group))
     return worst
 
 
@@ -149,7 +177,7 @@ def quotas_of(plan_: Mapping[int, Sequence[int]]) -> dict[int, int]:
 
 def stable_plan(ids: Sequence[int], replicas: Sequence[int],
                 time_per_microbatch: Mapping[int, float | None], pipeline_depth: int,
-                min_gain: float = 0.05) -> dict[int, list[int]]:
+                min_gain: float = 0.05, chunks: int = 1, group: int = 0) -> dict[int, list[int]]:
     """The even plan unless the throughput-aware plan is predicted to be at least `min_gain`
     faster. Equal replicas thus keep the failure-free assignment (and its reduction order, so a
     resumed run stays bitwise identical); only a real imbalance moves work."""
@@ -157,7 +185,7 @@ def stable_plan(ids: Sequence[int], replicas: Sequence[int],
     times = {r: _known_time(time_per_microbatch, r) for r in _check_replicas(replicas, list(ids))}
     if any(t is None for t in times.values()):
         return even
-    best = plan(ids, replicas, time_per_microbatch, pipeline_depth)
-    t_even = predicted_time(quotas_of(even), time_per_microbatch, pipeline_depth)
-    t_best = predicted_time(quotas_of(best), time_per_microbatch, pipeline_depth)
+    best = plan(ids, replicas, time_per_microbatch, pipeline_depth, chunks, group)
+    t_even = predicted_time(quotas_of(even), time_per_microbatch, pipeline_depth, chunks, group)
+    t_best = predicted_time(quotas_of(best), time_per_microbatch, pipeline_depth, chunks, group)
     return best if t_best < (1.0 - min_gain) * t_even else even

@@ -4,8 +4,9 @@ Each replica keeps an exponentially weighted moving average (EWMA) of its second
 updated at commit, and publishes it to all replicas with an all-gather. Plans must be computed from the
 *gathered* values on every rank (including a replica's own entry) so that all ranks see identical floats.
 
-The estimate is consistent with the policy's 1F1B cost model: an iteration of q microbatches on a pipeline
-of depth P takes (q + P - 1) * t, so the measured seconds are divided by (q + P - 1), not by q.
+The estimate is consistent with the policy's cost model: an iteration of q microbatches on a pipeline
+of depth P takes (q + P - 1) * t with 1F1B (the interleaved schedule: `policy.finish_factor`), so the
+measured seconds are divided by that factor, not by q.
 
 Torch-free on purpose (layer 3 stays pure); the caller builds the all-gather tensor, one float64 value
 per replica from :meth:`MicrobatchTimer.to_wire`, and turns the gathered values back with
@@ -17,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from recover_patches.workload.policy import finish_factor
+
 # Wire value of "no measurement yet". Valid timings are > 0, so any negative value means unknown.
 UNKNOWN_WIRE = -1.0
 
@@ -24,13 +27,15 @@ UNKNOWN_WIRE = -1.0
 class MicrobatchTimer:
     """EWMA of one replica's seconds per microbatch; value is None until the first measurement."""
 
-    def __init__(self, alpha: float = 0.3, pipeline_depth: int = 1) -> None:
+    def __init__(self, alpha: float = 0.3, pipeline_depth: int = 1, chunks: int = 1,
+                 group: int = 0) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if pipeline_depth < 1:
             raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
         self.alpha = alpha
         self.pipeline_depth = pipeline_depth
+        self.chunks, self.group = chunks, group  # the interleaved schedule's (1: plain 1F1B)
         self.value: float | None = None
 
     def update(self, seconds: float, microbatches: int) -> None:
@@ -44,7 +49,7 @@ class MicrobatchTimer:
             raise ValueError(f"seconds must be finite and > 0, got {seconds}")
         if microbatches == 0:
             return
-        sample = seconds / (microbatches + self.pipeline_depth - 1)
+        sample = seconds / finish_factor(microbatches, self.pipeline_depth, self.chunks, self.group)
         if self.value is None:
             self.value = sample
         else:

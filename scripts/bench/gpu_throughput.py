@@ -43,7 +43,7 @@ def build(args_list):
     from megatron.training.model import build_model
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.training import Trainer, build_grad_buffer, build_stage, link_for
+    from megatron.training.training import Trainer, build_grad_buffer, build_stages, link_for
     from recover_patches.faults import FaultInjector
     from recover_patches.rng import install_rng_tracker
     from recover_patches.topology import Topology
@@ -59,7 +59,7 @@ def build(args_list):
     trainer = Trainer(
         args=args, groups=groups, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, args), grads=build_grad_buffer(args, groups, optimizer),
-        train_stage=build_stage(args, groups, model, train_ds, tracker), valid_stage=None,
+        train_stages=build_stages(args, groups, model, train_ds, tracker), valid_stages=None,
         link=link_for(args, groups, "cuda"), faults=FaultInjector([], 0), metrics=MetricsWriter(None))
     return args, groups, vocab, train_ds, trainer
 

@@ -117,7 +117,7 @@ def build_arms(bench: argparse.Namespace):
     from megatron.training.model import build_model
     from megatron.training.optimizer import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.training import Trainer, build_grad_buffer, build_stage, link_for
+    from megatron.training.training import Trainer, build_grad_buffer, build_stages, link_for
     from recover_patches.faults import FaultInjector
     from recover_patches.rng import install_rng_tracker
     from recover_patches.sampler import MicrobatchSampler
@@ -141,7 +141,7 @@ def build_arms(bench: argparse.Namespace):
     trainer = Trainer(
         args=args, groups=groups, model=model_a, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, args), grads=build_grad_buffer(args, groups, optimizer),
-        train_stage=build_stage(args, groups, model_a, train_ds, tracker), valid_stage=None,
+        train_stages=build_stages(args, groups, model_a, train_ds, tracker), valid_stages=None,
         link=link_for(args, groups, "cpu"),
         faults=FaultInjector([], 0), metrics=MetricsWriter(None))
     plain = PlainArm(model_b, MicrobatchSampler(train_ds, args.micro_batch_size), args, vocab)

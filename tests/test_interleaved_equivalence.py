@@ -1,0 +1,102 @@
+"""The interleaved schedule (VP = 2 model chunks per pipeline rank) end to end: every layout
+trains along the single-process trajectory, for every quota a replica can get, and a rank killed
+in p2p or in backward does not change it.
+
+The batch ramps from 1 to 6 microbatches (`--rampup-batch-size 1 1 15`: 1,1,1,2,2,3,4,5,6), so
+one short run gives a replica quotas of 0 and 1 (one microbatch over two replicas), PP - 1 and
+PP + 1 -- lists Megatron's interleaved schedule refuses (not a multiple of PP).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests._launch_util import TINY_GPT, launch
+
+pytestmark = pytest.mark.multiprocess  # every test here starts several processes
+
+BATCHES = [1, 1, 1, 2, 2, 3, 4, 5, 6]
+COMMON = [*TINY_GPT, "--num-layers", "8", "--train-iters", str(len(BATCHES)),
+          "--global-batch-size", "6", "--rampup-batch-size", "1", "1", "15",
+          "--recover-balance", "even"]
+
+
+def _run(tmp_path, nproc: int, *extra: str, launcher_args=None):
+    run = launch(nproc, [*COMMON, *extra], tmp_path / "metrics.jsonl", timeout=300,
+                 launcher_args=launcher_args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [r for r in run.records if "lm_loss" in r], run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    records, _ = _run(tmp_path_factory.mktemp("one-process"), 1)
+    assert [r["microbatches"] for r in records] == BATCHES
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"]  # it learns: equality proves something
+    return records
+
+
+def assert_on_reference(records, reference) -> None:
+    assert [r["iteration"] for r in records] == list(range(1, len(BATCHES) + 1))
+    first = 0
+    for mine, ref, m in zip(records, reference, BATCHES):
+        assert mine["microbatches"] == m, mine  # every id of the iteration committed once
+        assert mine["id_sum"] == sum(range(first, first + m)), mine
+        assert mine["tokens"] == ref["tokens"]
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
+        first += m
+
+
+# (TP, PP, DP) and the flag that makes two chunks per rank (both of Megatron's spellings)
+LAYOUTS = {
+    "tp1-pp2-dp2": (1, 2, 2, ["--num-layers-per-virtual-pipeline-stage", "2"]),
+    "tp2-pp2-dp1": (2, 2, 1, ["--num-virtual-stages-per-pipeline-rank", "2"]),
+    "tp1-pp4-dp1": (1, 4, 1, ["--num-layers-per-virtual-pipeline-stage", "1"]),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_vp2_layout_matches_one_process_for_every_quota(reference, tmp_path, name):
+    tp, pp, dp, vp_flag = LAYOUTS[name]
+    records, run = _run(tmp_path, tp * pp * dp, "--tensor-model-parallel-size", str(tp),
+                        "--pipeline-model-parallel-size", str(pp), *vp_flag)
+    assert "interleaved schedule: 2 model chunks per pipeline rank" in run.stdout
+    assert_on_reference(records, reference)
+    quotas = {q for r in records for q in r["quotas"].values()}
+    wanted = {1, pp - 1, pp + 1} | ({0} if dp > 1 else set())
+    assert wanted <= quotas, (wanted, quotas)
+
+
+KILLS = {  # (1, 2, 2): replica r is ranks r (stage 0) and r + 2 (stage 1)
+    "p2p": "kill:rank=2,iter=8,phase=p2p",  # 5 microbatches: replica 1 ran 2 of them
+    "backward": "kill:rank=1,iter=7,phase=backward",
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(KILLS))
+def test_a_killed_rank_keeps_the_vp2_trajectory(reference, tmp_path, name):
+    records, run = _run(tmp_path, 4, "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "2",
+                        "--inject-fault", KILLS[name], launcher_args=[])
+    assert "peer failure" in run.stdout, run.stdout[-3000:]  # the fault really fired
+    assert_on_reference(records, reference)
+
+
+@pytest.mark.timeout(600)
+def test_a_vp2_checkpoint_resumes_in_one_process(reference, tmp_path):
+    """An async torch_dist save by ranks with two chunks each loads into one process without
+    chunks (the checkpoint's keys are global layer numbers) and goes on along the trajectory."""
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "save").mkdir()
+    (tmp_path / "resume").mkdir()
+    _run(tmp_path / "save", 4, "--pipeline-model-parallel-size", "2",
+         "--num-virtual-stages-per-pipeline-rank", "2", "--save", str(ckpt), "--save-interval",
+         "6", "--async-save")
+    assert (ckpt / "iter_0000006" / "common.pt").exists()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("6")  # as if it had stopped at 6
+    records, _ = _run(tmp_path / "resume", 1, "--load", str(ckpt))
+    assert [r["iteration"] for r in records] == [7, 8, 9]
+    for mine, ref in zip(records, reference[6:]):
+        assert mine["microbatches"] == ref["microbatches"]
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
