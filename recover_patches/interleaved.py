@@ -24,7 +24,9 @@ orders are Megatron's.
 NCCL runs a rank's p2p kernels in order on one stream, so a send there holds back the receives
 behind it (which is why ReCoVer runs VP > 1 on gloo only, see arguments_validate_schedule).
 `recover_patches.schedule.run_interleaved` runs an order; `makespan` is the same simulation's
-finish time, layer 3's cost model. Pure Python (no torch): layer 3 imports it.
+finish time, layer 3's cost model; `best_group` picks, per list length, the group size whose order
+finishes first (the fallback for lengths that leave a short last group). Pure Python (no torch):
+layer 3 imports it.
 """
 from __future__ import annotations
 
@@ -68,6 +70,20 @@ def interleaved_orders(n: int, stages: int, chunks: int, group: int) -> tuple[tu
     """Every rank's order of forwards and backwards (rank r's is element r). Pure and cached:
     every rank computes all of them and they agree without communication."""
     return _simulate(n, stages, chunks, group)[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def best_group(n: int, stages: int, chunks: int, group: int) -> int:
+    """The group size a list of `n` runs with: the one in [group, 2 * group] whose order finishes
+    first (ties: the smallest, so `group` itself wherever it is best -- Megatron's lengths). A
+    short last group stretches the schedule (P = 4, V = 2, nine microbatches in groups of 4
+    finish after 12.3 microbatch times, later than 1F1B's 12; groups of 5 finish after 10.5, the
+    n + (P - 1) / V of Megatron's lengths). The cap keeps in-flight activations within twice the
+    configured group's."""
+    if chunks == 1 or n <= group:
+        return group
+    return min(range(group, 2 * group + 1),
+               key=lambda g: (_simulate(n, stages, chunks, g)[1], g))
 
 
 def makespan(n: int, stages: int, chunks: int, group: int) -> int:

@@ -12,7 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from recover_patches.interleaved import Kind, interleaved_orders
+from recover_patches.interleaved import Kind, best_group, interleaved_orders
 from recover_patches.p2p import StageLink
 
 PhaseHook = Callable[[str, int | None], None]  # (phase, microbatch id): fault injection
@@ -138,7 +138,8 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
     """This rank's part of the interleaved schedule over `ids`: `chunks[c]` is its model chunk c
     (virtual stage c * stages + rank). A microbatch counts as done here when its chunk-0 backward
     ends; its loss is taken on the last virtual stage."""
-    order = interleaved_orders(len(ids), stages, len(chunks), group)[rank]
+    order = interleaved_orders(len(ids), stages, len(chunks),
+                               best_group(len(ids), stages, len(chunks), group))[rank]
     last = stages * len(chunks) - 1
     in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     result = ScheduleResult()

@@ -529,3 +529,68 @@ def test_a_changed_schedule_on_resume_follows_megatrons_flags():
         validate_args(parse_args(TINY + ["--use-checkpoint-opt_param-scheduler",
                                          "--override-opt_param-scheduler"]), 1)
     assert error.value.flag == "--override-opt_param-scheduler"
+
+
+PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+
+
+@pytest.mark.parametrize("extra, world, device, flag, text", [
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1",
+            "--num-virtual-stages-per-pipeline-rank", "2"], 2, "cpu",
+     "--num-layers-per-virtual-pipeline-stage", "both"),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], 1, "cpu",
+     "--num-layers-per-virtual-pipeline-stage", "2 or more"),
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "3"], 2, "cpu",
+     "--num-layers-per-virtual-pipeline-stage", "does not divide"),
+    (PP2 + ["--num-virtual-stages-per-pipeline-rank", "4"], 2, "cpu",
+     "--num-virtual-stages-per-pipeline-rank", "do not split"),
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication"], 2,
+     "cpu", "--no-overlap-p2p-communication", "asynchronously"),
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1",
+            "--microbatch-group-size-per-virtual-pipeline-stage", "1"], 2, "cpu",
+     "--microbatch-group-size-per-virtual-pipeline-stage", "below"),
+    (PP2 + ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], 2, "cpu",
+     "--microbatch-group-size-per-virtual-pipeline-stage", "there is none"),
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 2, "cuda",
+     "--num-layers-per-virtual-pipeline-stage", "gloo"),
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1",
+            "--decoder-first-pipeline-num-layers", "2"], 2, "cpu",
+     "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"),
+    (["--decoder-first-pipeline-num-layers", "2"], 1, "cpu",
+     "--decoder-first-pipeline-num-layers", "one"),
+    (PP2 + ["--decoder-last-pipeline-num-layers", "5"], 2, "cpu",
+     "--decoder-last-pipeline-num-layers", "middle"),
+    (PP2 + ["--decoder-first-pipeline-num-layers", "1", "--num-virtual-stages-per-pipeline-rank",
+            "2"], 2, "cpu", "--decoder-first-pipeline-num-layers", "2 model chunks"),
+    (PP2 + ["--decoder-first-pipeline-num-layers", "1",
+            "--account-for-loss-in-pipeline-split"], 2, "cpu",
+     "--decoder-first-pipeline-num-layers", "account-for"),
+    (PP2 + ["--account-for-embedding-in-pipeline-split"], 2, "cpu", "--num-layers",
+     "embedding/loss counted"),
+])
+def test_pipeline_split_flags_are_checked_in_one_line(extra, world, device, flag, text,
+                                                      monkeypatch):
+    fake_find_spec(monkeypatch, set())
+    with pytest.raises(ArgumentError) as error:
+        validate_args(parse_args(TINY + extra), world, device)
+    assert error.value.flag == flag and text in str(error.value) and error.value.fix
+
+
+def test_pipeline_split_flags_are_taken_with_megatrons_meaning():
+    by_layers = validate_args(parse_args(TINY + PP2 + [
+        "--num-layers-per-virtual-pipeline-stage", "1"]), 2)
+    assert by_layers.virtual_pipeline_model_parallel_size == 2  # 4 layers / PP 2 / 1 per chunk
+    assert by_layers.microbatch_group_size_per_vp_stage == 2  # Megatron's default: PP
+    assert by_layers.overlap_p2p_comm
+    one_chunk = validate_args(parse_args(TINY + PP2 + [
+        "--num-layers-per-virtual-pipeline-stage", "2", "--no-overlap-p2p-communication"]), 2)
+    assert one_chunk.virtual_pipeline_model_parallel_size is None  # VP 1 is Megatron's None
+    assert not one_chunk.overlap_p2p_comm
+    uneven = validate_args(parse_args(TINY + PP2 + [
+        "--num-virtual-stages-per-pipeline-rank", "2", "--decoder-last-pipeline-num-layers", "2",
+        "--microbatch-group-size-per-virtual-pipeline-stage", "3"]), 2)
+    assert uneven.virtual_pipeline_model_parallel_size == 2
+    assert uneven.microbatch_group_size_per_vp_stage == 3
+    assert validate_args(parse_args(TINY + ["--pipeline-model-parallel-size", "3", "--num-layers",
+                                            "4", "--account-for-embedding-in-pipeline-split",
+                                            "--account-for-loss-in-pipeline-split"]), 3)

@@ -8,6 +8,8 @@ PP + 1 -- lists Megatron's interleaved schedule refuses (not a multiple of PP).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests._launch_util import TINY_GPT, launch
@@ -51,6 +53,9 @@ LAYOUTS = {
     "tp1-pp2-dp2": (1, 2, 2, ["--num-layers-per-virtual-pipeline-stage", "2"]),
     "tp2-pp2-dp1": (2, 2, 1, ["--num-virtual-stages-per-pipeline-rank", "2"]),
     "tp1-pp4-dp1": (1, 4, 1, ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    # uneven stages with chunks: rank 0 holds 2 layers (1 per chunk), rank 1 holds 6 (3 per chunk)
+    "uneven-tp1-pp2-dp2": (1, 2, 2, ["--num-virtual-stages-per-pipeline-rank", "2",
+                                     "--decoder-first-pipeline-num-layers", "2"]),
 }
 
 
@@ -62,9 +67,22 @@ def test_vp2_layout_matches_one_process_for_every_quota(reference, tmp_path, nam
                         "--pipeline-model-parallel-size", str(pp), *vp_flag)
     assert "interleaved schedule: 2 model chunks per pipeline rank" in run.stdout
     assert_on_reference(records, reference)
+    if "--decoder-first-pipeline-num-layers" in vp_flag:  # the split really was uneven:
+        # rank 0 holds the embedding and 2 of 8 layers (an even split: 4, 218368 parameters)
+        held = re.search(r"rank 0: (\d+) parameters on this rank", run.stdout)
+        assert held and int(held.group(1)) < 150_000, run.stdout[:3000]
     quotas = {q for r in records for q in r["quotas"].values()}
     wanted = {1, pp - 1, pp + 1} | ({0} if dp > 1 else set())
     assert wanted <= quotas, (wanted, quotas)
+
+
+@pytest.mark.timeout(600)
+def test_embedding_and_loss_counted_as_layers_keep_the_trajectory(reference, tmp_path):
+    """--account-for-embedding/loss-in-pipeline-split: 8 layers + 2 over PP 2 is 4 + 4 layers."""
+    records, _ = _run(tmp_path, 2, "--pipeline-model-parallel-size", "2",
+                      "--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split")
+    assert_on_reference(records, reference)
 
 
 KILLS = {  # (1, 2, 2): replica r is ranks r (stage 0) and r + 2 (stage 1)

@@ -9,7 +9,8 @@ from collections import deque
 import pytest
 import torch
 
-from recover_patches.interleaved import (Action, Kind, backward_sequence, forward_sequence,
+from recover_patches.interleaved import (Action, Kind, backward_sequence, best_group,
+                                         forward_sequence, makespan,
                                          interleaved_orders, warmup)
 
 
@@ -61,6 +62,23 @@ def test_every_length_runs_to_the_end_in_dependency_order(stages, chunks, group)
     for n in range(0, 3 * stages + 2):
         orders = interleaved_orders(n, stages, chunks, group)
         assert problems(orders, n, stages, chunks) == [], (n, stages, chunks, group)
+
+
+@pytest.mark.parametrize("stages, chunks", [(2, 2), (3, 2), (4, 2), (4, 3)])
+def test_the_group_the_executor_picks_is_valid_and_keeps_megatrons_lengths(stages, chunks):
+    for n in range(0, 3 * stages + 2):
+        group = best_group(n, stages, chunks, stages)
+        assert stages <= group <= 2 * stages
+        if n % stages == 0:
+            assert group == stages, n  # Megatron's lengths keep Megatron's order
+        assert problems(interleaved_orders(n, stages, chunks, group), n, stages, chunks) == [], n
+
+
+def test_a_short_last_group_gets_a_larger_group_that_finishes_sooner():
+    # P = 4, V = 2, nine microbatches: groups of 4 leave a group of 1 and finish after 12.3
+    # microbatch times (1F1B: 12); groups of 5 after 10.5 = 9 + (P - 1) / V
+    assert makespan(9, 4, 2, 4) / 6 > 9 + 3
+    assert best_group(9, 4, 2, 4) == 5 and makespan(9, 4, 2, 5) / 6 == 9 + 1.5
 
 
 def megatron_order(n: int, stages: int, rank: int, chunks: int, group: int) -> list[Action]:

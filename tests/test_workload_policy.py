@@ -159,3 +159,37 @@ def test_timer_ewma_and_wire_format():
         timer.update(seconds=0.0, microbatches=1)
     with pytest.raises(ValueError):
         MicrobatchTimer(alpha=0.0)
+
+
+# -- the interleaved schedule's finish-time model (VP > 1) -----------------------------------------
+def test_finish_factor_is_1f1b_for_one_chunk_and_the_simulated_schedule_for_more():
+    from recover_patches.interleaved import makespan
+    from recover_patches.workload.policy import finish_factor
+    assert [finish_factor(q, 4) for q in range(6)] == [0.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    factors = [finish_factor(q, 4, chunks=2) for q in range(14)]
+    # from PP microbatches on: Megatron's bubble divided by VP, for every length (not only the
+    # multiples of PP Megatron accepts): the schedule's group choice, not a formula
+    assert factors[4:] == [q + (4 - 1) / 2 for q in range(4, 14)]
+    assert factors[9] < makespan(9, 4, 2, 4) / 6  # groups of 4 would leave a short last group
+    assert all(a <= b for a, b in zip(factors, factors[1:]))  # non-decreasing (greedy needs it)
+    assert factors[1] == 4.0 and all(f < q + 3 for q, f in enumerate(factors) if q > 1)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_interleaved_plan_is_optimal_by_brute_force(stages):
+    import itertools
+    from recover_patches.workload.policy import finish_factor
+    times = {0: 1.0, 1: 1.7, 2: 2.3}
+    for count in range(10):
+        got = predicted_time(quotas_of(plan(list(range(count)), [0, 1, 2], times, stages,
+                                           chunks=2)), times, stages, chunks=2)
+        best = min(max(finish_factor(q, stages, 2) * times[r] for r, q in enumerate(split))
+                   for split in itertools.product(range(count + 1), repeat=3)
+                   if sum(split) == count)
+        assert got == best, (count, got, best)
+
+
+def test_timer_divides_by_the_interleaved_finish_factor():
+    timer = MicrobatchTimer(alpha=1.0, pipeline_depth=4, chunks=2)
+    timer.update(19.0, 8)  # 8 microbatches, PP 4, VP 2: 9.5 microbatch times
+    assert timer.value == 2.0

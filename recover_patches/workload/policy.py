@@ -10,9 +10,10 @@ largest finish time over the replicas.
 
 Interleaved pipeline (V > 1 model chunks per rank, groups of G microbatches): the finish time is
 the interleaved schedule's own, simulated with unit costs by `recover_patches.interleaved.makespan`
-(one microbatch is 3 * V units of one rank's work, so f(q) = makespan(q) / (3 V) * t), made
-non-decreasing by a running maximum: the simulated order falls back for a short last group and can
-finish a longer list sooner. For long lists f(q) ~ (q + (P - 1) / V) * t, Megatron's bubble.
+for the group size the schedule picks (`best_group`): one microbatch is 3 * V units of one rank's
+work, so f(q) = makespan(q) / (3 V) * t, made non-decreasing by a running maximum (the simulation
+need not be). Measured: f(q) = q + (P - 1) / V for q >= P (Megatron's bubble over VP) and every
+q tried; shorter lists pay more.
 
 Why greedy is exact: f_r(k) = (k + P - 1) * t_r is non-decreasing in k, so any quota vector q "uses" the
 values f_r(1..q_r) of each replica, N = sum(q_r) values in total, and its finish time max_r f_r(q_r) is
@@ -29,7 +30,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 
-from recover_patches.interleaved import makespan
+from recover_patches.interleaved import best_group, makespan
 
 
 class PlanInputError(ValueError):
@@ -86,7 +87,8 @@ def finish_factor(quota: int, pipeline_depth: int, chunks: int = 1, group: int =
 
 @functools.lru_cache(maxsize=4096)
 def _interleaved_units(quota: int, stages: int, chunks: int, group: int) -> int:
-    return max(makespan(k, stages, chunks, group) for k in range(1, quota + 1))
+    return max(makespan(k, stages, chunks, best_group(k, stages, chunks, group))
+               for k in range(1, quota + 1))
 
 
 def _blocks(ids: list[int], order: list[int], quotas: Mapping[int, int]) -> dict[int, list[int]]:
