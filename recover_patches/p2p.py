@@ -130,3 +130,6 @@ class ChunkP2P:
         sends, self._sends = self._sends, []
         for work, _ in sends:
             work.wait()
+
+    def discard(self) -> None:
+        self._sends = []

@@ -123,13 +123,16 @@ class ChunkLink(Protocol):
     """Activations and gradients between virtual stages. `recv` blocks and returns None where the
     action has no input (virtual stage 0's forward, the last one's backward); `send` must not
     block the receives after it (see the module docstring) and drops what has no receiver;
-    `flush` waits for every send."""
+    `flush` waits for every send; `discard` forgets the sends posted so far (after a failure:
+    they belong to a broken group, and a later schedule must not wait on them)."""
 
     def recv(self, kind: Kind, chunk: int, index: int) -> torch.Tensor | None: ...
 
     def send(self, kind: Kind, chunk: int, index: int, tensor: torch.Tensor | None) -> None: ...
 
     def flush(self) -> None: ...
+
+    def discard(self) -> None: ...
 
 
 def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *, rank: int,
@@ -144,29 +147,33 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
     in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     result = ScheduleResult()
     backwards = sum(a.kind is Kind.BACKWARD for a in order)
-    for a in order:
-        g, stage = ids[a.index], chunks[a.chunk]
-        hook("p2p", g)
-        received = link.recv(a.kind, a.chunk, a.index)
-        if a.kind is Kind.FORWARD:
-            hook("forward", g)
-            y = stage.forward(g, received)
-            in_flight[(a.chunk, a.index)] = (received, y)
-            link.send(a.kind, a.chunk, a.index, y)
-            continue
-        x, y = in_flight.pop((a.chunk, a.index))
-        hook("backward", g)
-        backwards -= 1
-        if backwards == 0:
-            before_last_backward()
-        dx = stage.backward(x, y, received)
-        if a.chunk * stages + rank == last:
-            result.loss_sum = result.loss_sum + y.detach().double()
-        tokens = stage.tokens(g)  # every chunk counted them in its forward
-        if a.chunk == 0:
-            result.ids.append(g)
-            result.tokens += tokens
-        link.send(a.kind, a.chunk, a.index, dx)
+    try:
+        for a in order:
+            g, stage = ids[a.index], chunks[a.chunk]
+            hook("p2p", g)
+            received = link.recv(a.kind, a.chunk, a.index)
+            if a.kind is Kind.FORWARD:
+                hook("forward", g)
+                y = stage.forward(g, received)
+                in_flight[(a.chunk, a.index)] = (received, y)
+                link.send(a.kind, a.chunk, a.index, y)
+                continue
+            x, y = in_flight.pop((a.chunk, a.index))
+            hook("backward", g)
+            backwards -= 1
+            if backwards == 0:
+                before_last_backward()
+            dx = stage.backward(x, y, received)
+            if a.chunk * stages + rank == last:
+                result.loss_sum = result.loss_sum + y.detach().double()
+            tokens = stage.tokens(g)  # every chunk counted them in its forward
+            if a.chunk == 0:
+                result.ids.append(g)
+                result.tokens += tokens
+            link.send(a.kind, a.chunk, a.index, dx)
+    except BaseException:  # a failed peer: these sends belong to a broken group
+        link.discard()
+        raise
     link.flush()
     return result
 
@@ -179,16 +186,20 @@ def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], li
     on v - 1's of k, which no rank orders after anything that waits on v's."""
     result = ScheduleResult()
     last = stages * len(chunks) - 1
-    for index, g in enumerate(ids):
-        hook("eval", g)
-        for c, stage in enumerate(chunks):
-            y = stage.forward(g, link.recv(Kind.FORWARD, c, index))
-            link.send(Kind.FORWARD, c, index, y)
-            tokens = stage.tokens(g)
-            if c * stages + rank == last:
-                result.loss_sum = result.loss_sum + y.detach().double()
-            if c == 0:
-                result.ids.append(g)
-                result.tokens += tokens
+    try:
+        for index, g in enumerate(ids):
+            hook("eval", g)
+            for c, stage in enumerate(chunks):
+                y = stage.forward(g, link.recv(Kind.FORWARD, c, index))
+                link.send(Kind.FORWARD, c, index, y)
+                tokens = stage.tokens(g)
+                if c * stages + rank == last:
+                    result.loss_sum = result.loss_sum + y.detach().double()
+                if c == 0:
+                    result.ids.append(g)
+                    result.tokens += tokens
+    except BaseException:
+        link.discard()
+        raise
     link.flush()
     return result

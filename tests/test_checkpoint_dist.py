@@ -137,7 +137,7 @@ def test_a_checkpoint_written_by_megatron_core_loads(tmp_path, monkeypatch):
             p.add_(0.5)  # not what a fresh model starts from
     directory = tmp_path / "stock" / "iter_0000007"
     directory.mkdir(parents=True)
-    state = {"model": model_sharded(stock), "args": Namespace(**vars(args)), "iteration": 7,
+    state = {**model_sharded(stock), "args": Namespace(**vars(args)), "iteration": 7,
              "checkpoint_version": CHECKPOINT_VERSION}
     dist_checkpointing.save(state, str(directory))
     (tmp_path / "stock" / LATEST_FILE).write_text("7")
@@ -197,7 +197,7 @@ def test_ours_loads_with_megatron_cores_loader(tmp_path):
     assert common["iteration"] == 2 and common["args"].consumed_train_samples == 4
 
     fresh = GPTTrainer(args)
-    template = {"model": model_sharded(fresh)}
+    template = model_sharded(fresh)  # {"model": ...}: one chunk
     with torch.serialization.safe_globals([Namespace]):
         loaded = dist_checkpointing.load(template, str(directory))
     fresh.model.load_state_dict(loaded["model"])

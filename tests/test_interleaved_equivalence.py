@@ -118,3 +118,18 @@ def test_a_vp2_checkpoint_resumes_in_one_process(reference, tmp_path):
     for mine, ref in zip(records, reference[6:]):
         assert mine["microbatches"] == ref["microbatches"]
         assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
+
+
+@pytest.mark.timeout(600)
+def test_a_replacement_rejoins_a_vp2_replica_and_the_trajectory_holds(reference, tmp_path):
+    """Growing back with model chunks: rank 3 (replica 1's second stage) dies in backward, its
+    launcher starts a replacement, the replica is re-formed from replica 0's state (every chunk)
+    and both replicas train on. Rank 0 is slowed so the replacement is up before the job ends."""
+    records, run = _run(tmp_path, 4, "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "2",
+                        "--inject-fault", "kill:rank=3,iter=5,phase=backward",
+                        "--inject-fault", "slow:rank=0,seconds=0.3,iter=6,phase=forward",
+                        launcher_args=["--max-replacements", "1"])
+    assert_on_reference(records, reference)
+    assert len(records[4]["live_replicas"]) == 1 and records[-1]["live_replicas"] == [0, 1]
+    assert re.search(r"replicas \[1\] joined \(state from replica 0", run.stdout), run.stdout[-3000:]

@@ -140,6 +140,9 @@ class QueueLink:
     def flush(self):
         pass
 
+    def discard(self):
+        pass
+
 
 class ToyStage:
     """Virtual stage v: y = tanh(x * w_v); stage 0 starts from the id, the last returns a sum."""
@@ -206,3 +209,37 @@ def test_run_interleaved_over_a_link_gives_the_sequential_gradients(stages, chun
         assert (got is None and n == 0) or torch.allclose(got, want), (v, got, want)
     assert all(sorted(results[r].ids) == sorted(ids) for r in range(stages))
     assert float(results[last % stages].loss_sum) == pytest.approx(loss)
+
+
+class FailingLink:
+    """The link of a rank whose neighbour dies: its third receive fails."""
+
+    def __init__(self):
+        self.receives, self.sent, self.discarded, self.flushed = 0, [], False, False
+
+    def recv(self, kind, chunk, index):
+        self.receives += 1
+        if self.receives == 3:
+            raise ConnectionError("peer died")
+        return None if kind is Kind.BACKWARD else torch.ones(2)
+
+    def send(self, kind, chunk, index, tensor):
+        self.sent.append((kind, chunk, index))
+
+    def flush(self):
+        self.flushed = True
+
+    def discard(self):
+        self.discarded = True
+
+
+def test_a_failed_schedule_discards_its_posted_sends():
+    """A rank that survives a failure in its schedule runs the next one on a rebuilt group: it
+    must not wait there for sends posted into the broken one (negative control: without
+    discarding, the link would still hold them)."""
+    from recover_patches.schedule import run_interleaved
+    link = FailingLink()
+    with pytest.raises(ConnectionError):
+        run_interleaved([1, 2, 3, 4], [ToyStage(1, 3), ToyStage(3, 3)], link, rank=1, stages=2,
+                        group=2)
+    assert link.sent and link.discarded and not link.flushed

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +44,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
+from megatron.training.model import checkpoint_keys, model_chunks
+
 CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
           "common_backend": "torch", "common_backend_version": 1}
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current value: its loader checks for it
@@ -59,9 +62,13 @@ def is_torch_dist(directory: Path) -> bool:
 
 # -- what goes in ---------------------------------------------------------------------------------
 def model_sharded(trainer) -> dict:
-    # the DP part of every replica id is 0: only the writing replica saves, and on load every
-    # replica needs every slice of its own layout
-    return trainer.model.sharded_state_dict(metadata={"dp_cp_group": trainer.groups.self_group})
+    """{"model": ...} or, with model chunks, {"model0": ..., "model1": ...} as in Megatron; the
+    sharded keys inside are global (layer numbers include a chunk's offset), so a checkpoint loads
+    into any TP/PP/VP layout. The DP part of every replica id is 0: only the writing replica
+    saves, and on load every replica needs every slice of its own layout."""
+    metadata = {"dp_cp_group": trainer.groups.self_group}
+    return {key: chunk.sharded_state_dict(metadata=metadata)
+            for key, chunk in zip(checkpoint_keys(trainer.model), model_chunks(trainer.model))}
 
 
 def _by_param(model_sd: dict, params: list[torch.Tensor]) -> dict[int, ShardedTensor]:
@@ -128,7 +135,7 @@ def checkpoint_state(trainer, args, optimizer_state: dict | None, rng: dict | No
     st = trainer.state
     state: dict = {
         "args": with_megatron_args(args, st.iteration, st.consumed_samples),
-        "checkpoint_version": CHECKPOINT_VERSION, "iteration": st.iteration, "model": model_sd,
+        "checkpoint_version": CHECKPOINT_VERSION, "iteration": st.iteration, **model_sd,
         "recover": {"consumed_samples": st.consumed_samples,
                     "topology": vars(trainer.groups.topology).copy()}}
     if optimizer_state is not None:
@@ -143,7 +150,7 @@ def checkpoint_state(trainer, args, optimizer_state: dict | None, rng: dict | No
 def load_template(trainer, with_optimizer: bool, moments: bool, rng: dict | None) -> dict:
     """What this rank reads: its layout's slices of the model (and Adam, and its RNG)."""
     model_sd = model_sharded(trainer)
-    template: dict = {"model": model_sd}
+    template: dict = dict(model_sd)
     if with_optimizer:
         params = trainer.optimizer.model_params
         template["optimizer"] = optimizer_sharded(
@@ -159,8 +166,8 @@ def as_rank_state(loaded: dict) -> dict:
     recover = loaded.get("recover") or {}
     saved_args = loaded.get("args")
     consumed = recover.get("consumed_samples", getattr(saved_args, "consumed_train_samples", 0))
-    state = {"model": loaded["model"], "iteration": int(loaded["iteration"]),
-             "consumed_samples": int(consumed)}
+    state = {"iteration": int(loaded["iteration"]), "consumed_samples": int(consumed),
+             **{key: value for key, value in loaded.items() if re.fullmatch(r"model\d*", key)}}
     if "optimizer" in loaded:
         optimizer = loaded["optimizer"]
         inner = optimizer["optimizer"]

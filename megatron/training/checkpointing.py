@@ -55,6 +55,7 @@ from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_F
                                                  CheckpointError, CkptFormat, ResumePoint,
                                                  find_resume_point, iter_dir_name, rank_dir_name,
                                                  read_latest)
+from megatron.training.model import checkpoint_keys, model_chunks
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
 
@@ -117,7 +118,8 @@ def rank_state(trainer, args, optimizer_state: dict | None = None) -> dict:
         "consumed_samples": trainer.state.consumed_samples,
         "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
         "coord": {"rank": trainer.groups.rank, "tp": coord.tp, "pp": coord.pp, "replica": coord.replica},
-        "model": trainer.model.state_dict(),
+        **{key: chunk.state_dict() for key, chunk in zip(checkpoint_keys(trainer.model),
+                                                          model_chunks(trainer.model))},
     }
     if not args.no_save_optim:
         state["optimizer"] = (trainer.optimizer.state_dict() if optimizer_state is None
@@ -145,7 +147,8 @@ def apply_rank_state(trainer, state: dict, args) -> None:
     """Weights always; optimizer, schedule, RNG and progress unless --finetune / --no-load-*.
     Dropout is reseeded per microbatch (recover_patches.rng), so exact resume needs the iteration
     and consumed samples; the RNG streams are restored for anything else drawing from them."""
-    trainer.model.load_state_dict(state["model"], strict=True)
+    for key, chunk in zip(checkpoint_keys(trainer.model), model_chunks(trainer.model)):
+        chunk.load_state_dict(state[key], strict=True)
     if args.finetune or args.no_load_optim:
         trainer.optimizer.reload_model_params()  # bf16/fp16: main params follow
     if args.finetune:

@@ -220,21 +220,21 @@ class DeviceMemoryBuffer:
 
 class ModelChunks(torch.nn.ModuleList):
     """A pipeline rank's model chunks (the interleaved schedule): chunk c is virtual stage
-    c * PP + rank. Parameters, `state_dict` and `modules()` span every chunk ("0.", "1." key
-    prefixes), so the optimizer, the gradient buffer and state transfer take it like one model."""
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: dict | None = None) -> dict:
-        # the chunks' checkpoint keys are global already (layer numbers include the chunk's
-        # offset); only the dict keys get the chunk prefix, to mirror `state_dict`
-        chunks: list[RecoverGPTModel] = list(self)  # type: ignore[arg-type]
-        return {f"{prefix}{c}.{key}": value for c, chunk in enumerate(chunks)
-                for key, value in chunk.sharded_state_dict(metadata=metadata).items()}
+    c * PP + rank. Parameters, `state_dict` and `modules()` span every chunk, so the optimizer,
+    the gradient buffer and state transfer take it like one model; checkpoints store each chunk
+    under Megatron's key (`checkpoint_keys`)."""
 
 
 def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model chunks of `build_model`'s result, in virtual-stage order."""
     return list(model) if isinstance(model, ModelChunks) else [model]
+
+
+def checkpoint_keys(model: torch.nn.Module) -> list[str]:
+    """Megatron's checkpoint keys of a rank's model, one per chunk: "model", or "model0",
+    "model1", ... with an interleaved schedule."""
+    chunks = model_chunks(model)
+    return ["model"] if len(chunks) == 1 else [f"model{c}" for c in range(len(chunks))]
 
 
 def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
