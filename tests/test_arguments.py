@@ -552,7 +552,7 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
     (PP2 + ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], 2, "cpu",
      "--microbatch-group-size-per-virtual-pipeline-stage", "there is none"),
     (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 2, "cuda",
-     "--num-layers-per-virtual-pipeline-stage", "gloo"),
+     "--num-layers-per-virtual-pipeline-stage", "CPU (gloo) only"),
     (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1",
             "--decoder-first-pipeline-num-layers", "2"], 2, "cpu",
      "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"),

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.multiprocess  # every test here starts several processe
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "schedule_overhead.py"
 
 
-def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_script(args: list[str], timeout: float, script: Path = SCRIPT) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, text=True,
+    proc = subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -54,3 +54,23 @@ def test_bad_iteration_count_is_a_user_error():
     run = run_script(["--iters", "0"], timeout=50)
     assert run.returncode == 2
     assert "--iters" in run.stderr and run.stdout == ""
+
+
+BUBBLE = SCRIPT.parent / "interleaved_bubble.py"
+
+
+@pytest.mark.timeout(300)
+def test_bubble_benchmark_compares_the_same_training_in_both_schedules(tmp_path):
+    run = run_script(["--pp", "2", "--microbatches", "4", "--device-ms", "5", "--iters", "1",
+                      "--warmup", "1", "--out-dir", str(tmp_path)], timeout=280, script=BUBBLE)
+    assert run.returncode == 0, run.stderr[-2000:] + run.stdout[-2000:]
+    assert re.search(r"^ratio VP2/VP1: ms per iteration \d+\.\d+", run.stdout, re.MULTILINE)
+    losses = re.search(r"first measured loss: VP1 (\S+) VP2 (\S+)", run.stdout)
+    assert losses and abs(float(losses.group(1)) - float(losses.group(2))) <= 1e-5, run.stdout
+    assert (tmp_path / "interleaved_bubble.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(60)
+def test_bubble_benchmark_refuses_a_pipeline_it_cannot_split():
+    run = run_script(["--pp", "3"], timeout=50, script=BUBBLE)
+    assert run.returncode == 2 and "--pp" in run.stderr and run.stdout == ""

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import re
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -225,9 +226,10 @@ class ModelChunks(torch.nn.ModuleList):
     under Megatron's key (`checkpoint_keys`)."""
 
 
-def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+def model_chunks(model: torch.nn.Module) -> list[RecoverGPTModel]:
     """The model chunks of `build_model`'s result, in virtual-stage order."""
-    return list(model) if isinstance(model, ModelChunks) else [model]
+    chunks = list(model) if isinstance(model, ModelChunks) else [model]
+    return cast(list[RecoverGPTModel], chunks)
 
 
 def checkpoint_keys(model: torch.nn.Module) -> list[str]:

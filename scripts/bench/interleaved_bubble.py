@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from recover_patches.interleaved import makespan  # noqa: E402
+from recover_patches.interleaved import best_group, makespan  # noqa: E402
 
 LAYERS = 8
 
@@ -77,7 +77,8 @@ def run_arm(pp: int, vp: int, a: argparse.Namespace, out: Path) -> list[dict]:
 def summarize(records: list[dict], pp: int, vp: int, a: argparse.Namespace) -> dict:
     execute = statistics.median(r["phase_seconds"]["execute"] for r in records)
     busy = a.microbatches * 3 * a.device_ms / 1000
-    predicted = makespan(a.microbatches, pp, vp, pp) / (3 * vp)  # in microbatch times
+    group = best_group(a.microbatches, pp, vp, pp)  # the group size the schedule runs with
+    predicted = makespan(a.microbatches, pp, vp, group) / (3 * vp)  # in microbatch times
     return {"vp": vp, "ms_per_iteration": statistics.median(r["ms_per_iteration"] for r in records),
             "execute_ms": 1000 * execute, "bubble": 1 - busy / execute,
             "model_bubble": 1 - a.microbatches / predicted,
