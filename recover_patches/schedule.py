@@ -137,16 +137,21 @@ class ChunkLink(Protocol):
 
 def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *, rank: int,
                     stages: int, group: int, hook: PhaseHook = _no_hook,
-                    before_last_backward: Callable[[], None] = _nothing) -> ScheduleResult:
+                    before_backwards: Callable[[int], None] = lambda backwards: None
+                    ) -> ScheduleResult:
     """This rank's part of the interleaved schedule over `ids`: `chunks[c]` is its model chunk c
     (virtual stage c * stages + rank). A microbatch counts as done here when its chunk-0 backward
-    ends; its loss is taken on the last virtual stage."""
+    ends; its loss is taken on the last virtual stage. `before_backwards(n)` runs before the
+    first action of a non-empty list: every parameter will see n backwards (one per id), so
+    gradient buckets can start reducing as soon as their chunk's last one is done, while the
+    other chunks still run (--overlap-grad-reduce)."""
     order = interleaved_orders(len(ids), stages, len(chunks),
                                best_group(len(ids), stages, len(chunks), group))[rank]
     last = stages * len(chunks) - 1
     in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     result = ScheduleResult()
-    backwards = sum(a.kind is Kind.BACKWARD for a in order)
+    if ids:
+        before_backwards(len(ids))
     try:
         for a in order:
             g, stage = ids[a.index], chunks[a.chunk]
@@ -160,9 +165,6 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
                 continue
             x, y = in_flight.pop((a.chunk, a.index))
             hook("backward", g)
-            backwards -= 1
-            if backwards == 0:
-                before_last_backward()
             dx = stage.backward(x, y, received)
             if a.chunk * stages + rank == last:
                 result.loss_sum = result.loss_sum + y.detach().double()

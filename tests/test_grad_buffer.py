@@ -166,3 +166,23 @@ def test_layout_pads_buckets_and_gives_a_marked_parameter_its_own():
     # the defaults: one bucket, no padding, the same reversed offsets
     plain = flat_layout(params)
     assert plain.buckets == [(0, 21)] and [plain.offsets[p] for p in params] == [16, 9, 3, 0]
+
+
+def test_arming_for_several_backwards_starts_buckets_after_the_last_of_them():
+    """The interleaved schedule arms before its first backward with one backward per microbatch
+    left: no bucket may start until each of its parameters has had all of them."""
+    plain_net, overlap_net = model(), model()
+    plain = GradBuffer(list(plain_net.parameters()), replicas=1, dp_group=None, bucket_numel=20)
+    overlap = GradBuffer(list(overlap_net.parameters()), replicas=1, dp_group=None,
+                         bucket_numel=20, overlap=True)
+    overlap.arm(3)
+    for k, seed in enumerate([1, 2, 3]):
+        backward(plain_net, seed)
+        backward(overlap_net, seed)
+        if k < 2:
+            assert not overlap._works  # counted down, not yet final
+    assert set(overlap._works) == set(range(len(overlap.buckets) - 1))
+    totals = Totals.of_ids([0, 1, 2], tokens=3)
+    plain.reduce(totals, 0, 1.0)
+    overlap.reduce(totals, 0, 1.0)
+    assert torch.equal(plain.reduced, overlap.reduced)

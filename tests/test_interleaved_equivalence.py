@@ -50,7 +50,9 @@ def assert_on_reference(records, reference) -> None:
 
 # (TP, PP, DP) and the flag that makes two chunks per rank (both of Megatron's spellings)
 LAYOUTS = {
-    "tp1-pp2-dp2": (1, 2, 2, ["--num-layers-per-virtual-pipeline-stage", "2"]),
+    # with buckets that start reducing during backward, as soon as their chunk is done
+    "tp1-pp2-dp2": (1, 2, 2, ["--num-layers-per-virtual-pipeline-stage", "2",
+                              "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]),
     "tp2-pp2-dp1": (2, 2, 1, ["--num-virtual-stages-per-pipeline-rank", "2"]),
     "tp1-pp4-dp1": (1, 4, 1, ["--num-layers-per-virtual-pipeline-stage", "1"]),
     # uneven stages with chunks: rank 0 holds 2 layers (1 per chunk), rank 1 holds 6 (3 per chunk)

@@ -156,11 +156,13 @@ class GradBuffer:
             while len(self._works) < len(self.buckets) - 1 and self._pending[len(self._works)] == 0:
                 self._launch(len(self._works))
 
-    def arm(self) -> None:
-        """The next backward is this round's last on this rank (--overlap-grad-reduce): start each
-        bucket's reduction as soon as all its gradients are final."""
+    def arm(self, backwards: int = 1) -> None:
+        """Every parameter has `backwards` backwards left this round on this rank (1F1B arms
+        before its last; the interleaved schedule before its first, with one per microbatch)
+        (--overlap-grad-reduce): start each bucket's reduction as soon as all its gradients are
+        final."""
         if self.overlap:
-            self._pending = list(self._bucket_params)
+            self._pending = [count * backwards for count in self._bucket_params]
 
     def _launch(self, b: int) -> None:
         if b in self._works:
