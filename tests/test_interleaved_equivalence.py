@@ -87,20 +87,34 @@ def test_embedding_and_loss_counted_as_layers_keep_the_trajectory(reference, tmp
     assert_on_reference(records, reference)
 
 
+VP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def vp2_dropout_reference(tmp_path_factory):
+    """Failure-free (1, 2, 2) VP = 2 with dropout: masks are drawn per (microbatch id, virtual
+    stage), so another layout draws others, and a recomputed microbatch must draw these."""
+    records, _ = _run(tmp_path_factory.mktemp("vp2-dropout"), 4, *VP2, *DROPOUT)
+    return records
+
+
 KILLS = {  # (1, 2, 2): replica r is ranks r (stage 0) and r + 2 (stage 1)
-    "p2p": "kill:rank=2,iter=8,phase=p2p",  # 5 microbatches: replica 1 ran 2 of them
-    "backward": "kill:rank=1,iter=7,phase=backward",
+    # 5 microbatches: replica 0 runs 3, lost with rank 2; replica 1 recomputes them (dropout on)
+    "p2p": ("kill:rank=2,iter=8,phase=p2p", DROPOUT),
+    "backward": ("kill:rank=1,iter=7,phase=backward", []),
 }
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(KILLS))
-def test_a_killed_rank_keeps_the_vp2_trajectory(reference, tmp_path, name):
-    records, run = _run(tmp_path, 4, "--pipeline-model-parallel-size", "2",
-                        "--num-layers-per-virtual-pipeline-stage", "2",
-                        "--inject-fault", KILLS[name], launcher_args=[])
+def test_a_killed_rank_keeps_the_vp2_trajectory(reference, vp2_dropout_reference, tmp_path, name):
+    fault, dropout = KILLS[name]
+    records, run = _run(tmp_path, 4, *VP2, *dropout, "--inject-fault", fault, launcher_args=[])
     assert "peer failure" in run.stdout, run.stdout[-3000:]  # the fault really fired
-    assert_on_reference(records, reference)
+    if dropout:
+        assert vp2_dropout_reference[-1]["lm_loss"] != reference[-1]["lm_loss"]  # dropout is on
+    assert_on_reference(records, vp2_dropout_reference if dropout else reference)
 
 
 @pytest.mark.timeout(600)
