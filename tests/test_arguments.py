@@ -591,6 +591,7 @@ def test_pipeline_split_flags_are_taken_with_megatrons_meaning():
         "--microbatch-group-size-per-virtual-pipeline-stage", "3"]), 2)
     assert uneven.virtual_pipeline_model_parallel_size == 2
     assert uneven.microbatch_group_size_per_vp_stage == 3
-    assert validate_args(parse_args(TINY + ["--pipeline-model-parallel-size", "3", "--num-layers",
-                                            "4", "--account-for-embedding-in-pipeline-split",
-                                            "--account-for-loss-in-pipeline-split"]), 3)
+    counted = validate_args(parse_args(TINY + [  # (4 + 2) layers over PP 3: taken, no chunks
+        "--pipeline-model-parallel-size", "3", "--num-layers", "4",
+        "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]), 3)
+    assert counted.virtual_pipeline_model_parallel_size is None and not counted.overlap_p2p_comm

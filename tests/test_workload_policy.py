@@ -175,6 +175,30 @@ def test_finish_factor_is_1f1b_for_one_chunk_and_the_simulated_schedule_for_more
     assert factors[1] == 4.0 and all(f < q + 3 for q, f in enumerate(factors) if q > 1)
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_the_closed_form_from_pp_on_is_what_the_schedule_simulation_gives(stages, chunks):
+    """finish_factor stops simulating at q = P: the schedule the executor runs must finish then."""
+    from recover_patches.interleaved import best_group, makespan
+    from recover_patches.workload.policy import finish_factor
+    for group in (stages, stages + 1, 2 * stages):
+        for q in range(1, 4 * stages + 3):
+            simulated = makespan(q, stages, chunks, best_group(q, stages, chunks, group))
+            if q >= stages:
+                assert simulated / (3 * chunks) == q + (stages - 1) / chunks, (group, q)
+            else:
+                assert finish_factor(q, stages, chunks, group) >= simulated / (3 * chunks)
+
+
+def test_a_large_quota_takes_the_closed_form():
+    """GPT-3 175B's batch on one replica (simulating every length up to it took minutes)."""
+    from recover_patches.workload.policy import finish_factor
+    assert finish_factor(1536, 16, chunks=2) == 1536 + 7.5
+    timer = MicrobatchTimer(alpha=1.0, pipeline_depth=16, chunks=2)
+    timer.update(1543.5, 1536)
+    assert timer.value == 1.0
+
+
 @pytest.mark.parametrize("stages", [2, 4])
 def test_interleaved_plan_is_optimal_by_brute_force(stages):
     import itertools

@@ -12,8 +12,8 @@ Interleaved pipeline (V > 1 model chunks per rank, groups of G microbatches): th
 the interleaved schedule's own, simulated with unit costs by `recover_patches.interleaved.makespan`
 for the group size the schedule picks (`best_group`): one microbatch is 3 * V units of one rank's
 work, so f(q) = makespan(q) / (3 V) * t, made non-decreasing by a running maximum (the simulation
-need not be). Measured: f(q) = q + (P - 1) / V for q >= P (Megatron's bubble over VP) and every
-q tried; shorter lists pay more.
+need not be). From q = P on the simulation gives exactly q + (P - 1) / V (Megatron's bubble over
+V), which `finish_factor` then uses directly; shorter lists pay more.
 
 Why greedy is exact: f_r(k) = (k + P - 1) * t_r is non-decreasing in k, so any quota vector q "uses" the
 values f_r(1..q_r) of each replica, N = sum(q_r) values in total, and its finish time max_r f_r(q_r) is
@@ -77,16 +77,20 @@ def _finish_time(quota: int, seconds: float, pipeline_depth: int, chunks: int = 
 
 def finish_factor(quota: int, pipeline_depth: int, chunks: int = 1, group: int = 0) -> float:
     """Finish time in microbatch times: 1F1B's q + P - 1; interleaved, the simulated schedule's
-    (module doc). `group` 0 means P (Megatron's default group size)."""
+    below P and q + (P - 1) / V from P on, which is what the simulation gives there (tested for
+    P 2-8, V 2-3, groups P to 2P, q up to 4P + 2) at no cost for large quotas: simulating every
+    length up to q would take minutes for a thousand microbatches. `group` 0 means P."""
     if quota == 0:
         return 0.0
     if chunks == 1:
         return float(quota + pipeline_depth - 1)
-    return _interleaved_units(quota, pipeline_depth, chunks, group or pipeline_depth) / (3 * chunks)
+    if quota >= pipeline_depth:
+        return quota + (pipeline_depth - 1) / chunks
+    return _short_list_units(quota, pipeline_depth, chunks, group or pipeline_depth) / (3 * chunks)
 
 
-@functools.lru_cache(maxsize=4096)
-def _interleaved_units(quota: int, stages: int, chunks: int, group: int) -> int:
+@functools.lru_cache(maxsize=1024)
+def _short_list_units(quota: int, stages: int, chunks: int, group: int) -> int:
     return max(makespan(k, stages, chunks, best_group(k, stages, chunks, group))
                for k in range(1, quota + 1))
 
