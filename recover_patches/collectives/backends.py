@@ -1,58 +1,179 @@
-"""Building and discarding the real backend inside a ResilientProcessGroup.
+"""Building, connecting, shrinking and discarding the real backend inside a ResilientProcessGroup.
 
 gloo (CPU, measured here): construction with a long timeout (it is the rendezvous), then the
 operation timeout via `set_timeout`, which really cancels a stuck operation. gloo has no working
 abort: dropping the last reference closes its sockets (peers then fail in ~20 ms), but the
 destructor waits for in-flight work up to the timeout, so it runs on a background thread.
 
-NCCL (GPU, UNVERIFIED on this machine, from public facts: torchft / PyTorch docs): non-blocking
-communicator init (`config.blocking = 0`), no watchdog tear-down of the process on errors, and
-`abort()` when discarded; needs NCCL >= 2.26.2 (abort can hang in 2.25.1).
+NCCL (GPU; see DESIGN §17 for what torch 2.13 does on its own): the rank's environment was set
+by `nccl_env` before any group existed. A backend is connected *inside* the rebuild's bounds:
+non-blocking init, the NCCL unique id fetched from a store client whose timeout is the rebuild's,
+the communicator created eagerly and proven by a one-element all-reduce, all on a helper thread
+the rebuild stops waiting for at its deadline. Otherwise a member that died before first use
+would surface mid-phase, as a wait of up to 30 minutes inside torch. A DP group whose member died
+is shrunk (`ncclCommShrink` with NCCL_SHRINK_ABORT) rather than re-created where the backend can.
+
+Kinds are registered by name (`KINDS`), so tests can add a fake asynchronous backend that
+behaves like NCCL (works complete later, errors arrive on completion) without a GPU.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from recover_patches.collectives import nccl_env
+from recover_patches.collectives.watchdog import PENDING, result_of
+
+SHRINK_ABORT = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one backend kind is made and watched."""
+    # (store, rank, size, build timeout, op timeout) -> an unconnected backend
+    make: Callable[..., object]
+    host_waits: bool  # wait() blocks the host (gloo); else a stream wait the watchdog bounds
+    device: Callable[[], torch.device] = lambda: torch.device("cpu")
+    # a probe per operation: its inputs are ready (a CUDA event on the compute stream)
+    ready_probe: Callable[[], Callable[[], bool] | None] = lambda: None
+
+
+def _make_gloo(store, rank: int, size: int, build_timeout: float, op_timeout: float):
+    backend = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=build_timeout))
+    backend.set_timeout(timedelta(seconds=op_timeout))  # the real cancellation on gloo
+    return backend
+
+
+def _make_nccl(store, rank: int, size: int, build_timeout: float, op_timeout: float):
+    if not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+    nccl_env.check_applied()
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.blocking = 0  # non-blocking init: waitReady is bounded by the env's timeout
+    # torch's C++ watchdog must never act first: ReCoVer's watchdog aborts at op_timeout
+    options._timeout = timedelta(seconds=nccl_env.cpp_timeout(op_timeout))
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def bounded_client(store, timeout: float):
+    """The NCCL unique-id exchange waits on the store with the store's own timeout (torch sets
+    no bound of its own): a client of its own whose timeout is the rebuild's. The shared client
+    keeps its timeout for everything else."""
+    if not hasattr(store, "clone"):
+        return store
+    client = store.clone()
+    client.set_timeout(timedelta(seconds=timeout))
+    return client
+
+
+def _cuda_ready_probe() -> Callable[[], bool]:
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
+
+
+KINDS: dict[str, Kind] = {
+    "gloo": Kind(_make_gloo, host_waits=True),
+    "nccl": Kind(_make_nccl, host_waits=False,
+                 device=lambda: torch.device("cuda", torch.cuda.current_device()),
+                 ready_probe=_cuda_ready_probe),
+}
+
+
+def kind_of(name: str) -> Kind:
+    if name not in KINDS:
+        raise ValueError(f"backend {name!r} is not supported: use 'gloo' (CPU) or 'nccl' (GPU)")
+    return KINDS[name]
+
+
+def build(kind: str, store, prefix: str, rank: int, size: int, build_timeout: float,
+          op_timeout: float):
+    """A connected backend under `prefix` of `store`, or RuntimeError within `build_timeout`
+    (+ a moment). gloo's construction is its own bounded rendezvous; an asynchronous backend
+    gets a store client bounded by `build_timeout` and is connected eagerly."""
+    spec = kind_of(kind)
+    if spec.host_waits:
+        return spec.make(dist.PrefixStore(prefix, store), rank, size, build_timeout, op_timeout)
+    client = dist.PrefixStore(prefix, bounded_client(store, build_timeout))
+    backend = spec.make(client, rank, size, build_timeout, op_timeout)
+    connect_within(backend, spec.device(), build_timeout)
+    return backend
+
+
+def shrink(kind: str, parent, excluded: Sequence[int], build_timeout: float):
+    """A smaller communicator from `parent` without its `excluded` (group-local) ranks; the
+    parent's pending operations are aborted (NCCL_SHRINK_ABORT). RuntimeError on failure."""
+    spec = kind_of(kind)
+    box: list = []
+
+    def run() -> None:
+        box.append(parent.shrink(sorted(excluded), SHRINK_ABORT, None))
+    _within(run, build_timeout, "shrink")
+    connect_within(box[0], spec.device(), build_timeout)
+    return box[0]
+
+
+def can_shrink(backend) -> bool:
+    return bool(getattr(backend, "supports_shrinking", False))
+
+
+def connect_within(backend, device: torch.device, timeout: float) -> None:
+    """Create the communicator now and prove it with a one-element all-reduce, all within
+    `timeout`; else abort the backend (in the background) and raise RuntimeError."""
+    def run() -> None:
+        if hasattr(backend, "eager_connect_single_device"):
+            backend.eager_connect_single_device(device)
+        work = backend.allreduce([torch.ones(1, device=device)])
+        while not work.is_completed():
+            time.sleep(0.001)
+        while (error := result_of(work, backend)) is PENDING:
+            time.sleep(0.001)
+        if error is not None:
+            raise RuntimeError(f"warm-up all-reduce failed: {error}")
+    try:
+        _within(run, timeout, "connect")
+    except RuntimeError:
+        discard(backend, [])
+        raise
+
+
+def _within(action: Callable[[], None], timeout: float, what: str) -> None:
+    """Run `action` on a helper thread; stop waiting for it after `timeout` s. A thread left
+    behind is stuck inside torch (e.g. waitReady) until the backend's abort or its own bound."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            errors.append(e)
+    thread = threading.Thread(target=run, name=f"recover-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RuntimeError(f"{what} did not finish within {timeout:g}s (a member is gone)")
+    if errors:
+        raise RuntimeError(f"{what} failed: {errors[0]}") from errors[0]
+
+
 _drops: list[threading.Thread] = []
 _drops_lock = threading.Lock()
 
 
-def build(kind: str, store: dist.Store, rank: int, size: int, build_timeout: float,
-          op_timeout: float):
-    if kind == "gloo":
-        backend = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=build_timeout))
-    elif kind == "nccl":
-        backend = _build_nccl(store, rank, size, build_timeout)
-    else:
-        raise ValueError(f"backend {kind!r} is not supported: use 'gloo' (CPU) or 'nccl' (GPU)")
-    backend.set_timeout(timedelta(seconds=op_timeout))
-    return backend
-
-
-def _build_nccl(store: dist.Store, rank: int, size: int, build_timeout: float):
-    if not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
-    # The NCCL watchdog would otherwise kill a survivor whose peer died: we detect and abort.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-    options = dist.ProcessGroupNCCL.Options()
-    options.config.blocking = 0
-    options._timeout = timedelta(seconds=build_timeout)
-    return dist.ProcessGroupNCCL(store, rank, size, options)
-
-
 def discard(backend, works: list) -> None:
-    """Drop `backend` (and the works that keep it alive) without blocking the caller."""
+    """Drop `backend` (and the works that keep it alive) without blocking the caller: abort a
+    communicator that has one (NCCL), drop the last references (gloo closes its sockets)."""
     box = [backend, *works]
     del backend, works
 
     def drop() -> None:
-        if box and hasattr(box[0], "abort") and box[0].name() == "nccl":
+        if box and box[0].name() != "gloo" and hasattr(box[0], "abort"):
             box[0].abort()
         box.clear()  # the last references: gloo's destructor may block up to its timeout here
 

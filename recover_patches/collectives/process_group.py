@@ -1,38 +1,24 @@
 """ResilientProcessGroup: a torch ProcessGroup whose every operation completes or raises
-PeerFailure within its bound, and whose inner backend can be replaced in place (DESIGN §5).
-
-Rules, and why:
-  * A newer membership epoch that declares one of this group's *members* dead discards the inner
-    backend at once (peers blocked on it then fail in milliseconds) and every pending or later
-    operation raises PeerFailure until `rebuild()`. Every member learns of the epoch within
-    milliseconds, so all of them stop using the old backend together. A group none of whose
-    members died simply adopts the new epoch and carries on: the TP/PP groups of a healthy replica
-    never see another replica's failure (DESIGN §3), so its in-flight microbatches are not torn.
-  * `rebuild(e, members, key)` is strict: if any epoch after e has started, it raises PeerFailure,
-    so all survivors abandon a recovery attempt together and retry with the newer epoch. `key`
-    names the agreed step that rebuilds (a recovery attempt, a join): the rendezvous lives under
-    (epoch, key), so processes with different histories -- a replacement that never saw the
-    earlier rebuilds of this epoch -- meet in the same place.
-  * An operation that errors (a peer's socket closed) or times out is reported to the coordinator;
-    the group waits up to `verdict_timeout` for the coordinator's verdict (a new epoch naming the
-    dead) so that PeerFailure names the right rank even when gloo cannot.
-  * No thread and no future callback per operation: the failure-free path is the backend's own
-    call plus a few attribute reads and a set insert under an uncontended lock. The caller's
-    wait() is the backend's wait():
-    - gloo blocks the caller inside the backend, bounded by gloo itself (collectives: the group
-      timeout set with `set_timeout`; p2p: a timed wait, which closes the connection only when
-      it times out). A peer whose process dies -- killed, or fenced by its launcher after the
-      coordinator declared it dead -- or that drops the group closes its sockets, and the wait
-      fails within milliseconds. A peer that is alive but silent and not fenced costs the timeout.
-    - NCCL only makes the stream wait (the host runs ahead); the process's one watchdog
-      (`watchdog.py`) bounds the work and, past its deadline, aborts the communicator and latches
-      a PeerFailure that the next operation or `raise_latched()` (the commit) raises.
-  * Buffers of a failed operation may still be written by the old backend until it times out:
-    after a PeerFailure, do not reuse them.
+PeerFailure within its bound, and whose inner backend can be replaced in place (DESIGN §5). Rules:
+  * A newer epoch that declares one of this group's *members* dead discards the inner backend at
+    once on every member (peers blocked on it fail in milliseconds); every later operation raises
+    PeerFailure until a rebuild. A group none of whose members died adopts the epoch and carries
+    on: a healthy replica's TP/PP groups never see another replica's failure (DESIGN §3).
+  * `rebuild`/`regroup(e, members, key)` are strict: if an epoch after e has started they raise
+    PeerFailure, so all survivors abandon a recovery attempt together. The rendezvous lives under
+    (epoch, key), so processes with different histories meet in the same place; there the
+    members decide together whether the backend is kept, shrunk or re-created (`rendezvous`).
+  * A failed or timed-out operation is reported to the coordinator; its verdict (an epoch naming
+    the dead, awaited up to `verdict_timeout`) names the right rank in the PeerFailure.
+  * No thread and no callback per operation: the caller's wait() is the backend's. gloo blocks
+    inside the backend, bounded by its timeouts, and fails within milliseconds when a peer's
+    process dies or drops the group; an alive, silent, unfenced peer costs the timeout. NCCL only
+    makes the stream wait: the process's one watchdog (`watchdog.py`) bounds the work, aborts the
+    communicator past its deadline and latches a PeerFailure for `raise_latched()` (the commit).
+  * After a PeerFailure, do not reuse its buffers: the old backend may still write them.
   * Works returned for async ops only implement wait() (is_completed() stays False).
 
-The group registers itself in torch.distributed's group tables, so `dist.get_rank(group)`,
-`get_process_group_ranks`, `broadcast(src=<global rank>)` and torch's error logging work.
+It registers in torch.distributed's group tables: `dist.get_rank(group)`, `broadcast(src=...)` work.
 """
 from __future__ import annotations
 
@@ -44,7 +30,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch._C._distributed_c10d import PythonCallbackWork
 
-from recover_patches.collectives import backends
+from recover_patches.collectives import backends, rendezvous
+from recover_patches.collectives.rendezvous import Regroup, Retired
 from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
 from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
 
@@ -78,8 +65,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self.verdict_timeout = (verdict_timeout if verdict_timeout is not None else
                                 membership.heartbeat_timeout + 2 * membership.heartbeat_interval)
         self.backend_kind = backend
+        self._kind = backends.kind_of(backend)
         self.watchdog = watchdog
-        self._host_waits = backend == "gloo"  # else wait() is a stream wait: the watchdog bounds it
+        self._host_waits = self._kind.host_waits  # else a stream wait: the watchdog bounds it
         self._p2p_timeout = timedelta(seconds=timeout)
         self.before_op: Callable[[str], None] | None = None  # fault-injection hook
         self._cond = threading.Condition()
@@ -90,9 +78,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._latched: PeerFailure | None = None  # the watchdog's, for raise_latched()
         self._ops: set[_Op] = set()  # issued, not yet waited
         self._attempts: dict[tuple[int, str], int] = {}
+        self._prefix = ""  # the rendezvous that built the backend: names it to every member
+        self._parent: Retired | None = None  # a backend kept aside to shrink (NCCL)
         membership.add_listener(self._on_epoch)
         if connect:
-            self._build(membership.epoch(), members)
+            self.rebuild(membership.epoch(), members)
         else:  # a spare's group: no backend until the join rebuilds it with the others
             self._failure = PeerFailure(-1, (), f"{name}.join", "not joined yet", confirmed=False)
             self._register()
@@ -161,15 +151,91 @@ class ResilientProcessGroup(dist.ProcessGroup):
         """Replace the inner backend by one for `members` in membership `epoch` (all the members
         call this with the same arguments). Raises PeerFailure if the rebuild is interrupted by a
         newer epoch or a member never shows up."""
+        self.apply(self.meet(epoch, members, key, force=True))
+
+    def regroup(self, epoch: int, members: Sequence[int], key: str = "") -> str:
+        """`rebuild`, unless every member can keep the backend (see `rendezvous`): 'kept',
+        'shrunk' or 'rebuilt', the same on every member."""
+        return self.apply(self.meet(epoch, members, key))
+
+    @property
+    def dirty(self) -> bool:
+        """This member cannot vouch for the backend's message sequence: it is gone or broken,
+        or an operation was issued and not waited for."""
+        with self._cond:
+            return (self._inner is None or self._failure is not None
+                    or self._latched is not None or bool(self._ops))
+
+    def meet(self, epoch: int, members: Sequence[int], key: str = "", force: bool = False
+             ) -> Regroup:
+        """Step 1 of a regroup: meet the other members and decide with them (store only)."""
         members = tuple(int(m) for m in members)
         if self.membership.rank not in members:
             raise ValueError(f"group {self.name!r}: rank {self.membership.rank} rebuilt without itself")
+        current, dead = self.membership.view()
+        if current < epoch:
+            self.membership.wait_for_epoch_after(epoch - 1, self.verdict_timeout)
+            current, dead = self.membership.view()
+        if current > epoch:  # strict: every survivor restarts recovery with the newer epoch
+            raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.name}.rebuild",
+                              f"epoch {current} already started")
+        dirty = force or self.dirty or members != self.members or bool(dead & set(self.members))
+        parent = self._parent.prefix if self._parent is not None and \
+            self._parent.shrinks_to(members) else None
+        attempt = self._attempts.get((epoch, key), 0)
+        self._attempts[(epoch, key)] = attempt + 1
+        prefix = f"pg/{self.name}/e{epoch}/{key}.{attempt}/"
+        with self._cond:
+            self._epoch, self._dead_at_build = epoch, dead
+        try:
+            meeting = rendezvous.meet(
+                self.membership.store, prefix, self.membership.rank, members, self.build_timeout,
+                dirty=dirty, parent=parent, newer_epoch=lambda: self.membership.epoch() > epoch)
+        except rendezvous.NewerEpoch:  # nothing is decided: a clean backend stays clean
+            raise PeerFailure(epoch, self.membership.dead_ranks() - dead, f"{self.name}.rebuild",
+                              "a newer epoch started during the rendezvous") from None
+        except rendezvous.MembersMissing as e:
+            raise PeerFailure(epoch, e.missing, f"{self.name}.rebuild", str(e),
+                              confirmed=False) from None
+        return Regroup(epoch, members, prefix, meeting)
+
+    def apply(self, plan: Regroup) -> str:
+        """Step 2: keep, shrink or re-create the backend as the meeting decided."""
+        if not plan.meeting.rebuild:
+            return "kept"
+        retired, self._parent = self._parent, None
         self._discard()
-        self._build(epoch, members, key)
+        try:
+            if plan.meeting.shrink and retired is not None:
+                excluded = [i for i, m in enumerate(retired.members) if m not in plan.members]
+                inner = backends.shrink(self.backend_kind, retired.backend, excluded,
+                                        self.build_timeout)
+            else:
+                inner = backends.build(self.backend_kind, self.membership.store,
+                                       plan.prefix + "backend/",
+                                       plan.members.index(self.membership.rank),
+                                       len(plan.members), self.build_timeout, self.timeout)
+        except RuntimeError as e:  # a member vanished between the rendezvous and the connect
+            raise PeerFailure(plan.epoch, (), f"{self.name}.rebuild",
+                              f"backend set-up failed: {e}", confirmed=False) from e
+        finally:
+            if retired is not None:
+                backends.discard(retired.backend, [])
+        with self._cond:
+            self._inner, self._failure, self._latched = inner, None, None
+            self.members, self._prefix = plan.members, plan.prefix
+        self._register()
+        if self.membership.epoch() > plan.epoch:  # an epoch arrived while we were building
+            self._discard()
+            raise self._fail("rebuild", "a newer epoch started during the rebuild")
+        return "shrunk" if plan.meeting.shrink and retired is not None else "rebuilt"
 
     def shutdown(self) -> None:
         """Stop using this group: discard the backend, forget the listener and the registration."""
         self.membership.remove_listener(self._on_epoch)
+        retired, self._parent = self._parent, None
+        if retired is not None:
+            backends.discard(retired.backend, [])
         self._discard(PeerFailure(self._epoch, (), f"{self.name}.shutdown", "group was shut down",
                                   confirmed=False))
         world = dist.distributed_c10d._world
@@ -179,53 +245,6 @@ class ResilientProcessGroup(dist.ProcessGroup):
     abort = shutdown
 
     # --- internals --------------------------------------------------------------------------
-    def _build(self, epoch: int, members: tuple[int, ...], key: str = "") -> None:
-        current, dead = self.membership.view()
-        if current < epoch:
-            self.membership.wait_for_epoch_after(epoch - 1, self.verdict_timeout)
-            current, dead = self.membership.view()
-        if current > epoch:  # strict: every survivor restarts recovery with the newer epoch
-            raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.name}.rebuild",
-                              f"epoch {current} already started")
-        attempt = self._attempts.get((epoch, key), 0)
-        self._attempts[(epoch, key)] = attempt + 1
-        prefix = f"pg/{self.name}/e{epoch}/{key}.{attempt}/"
-        with self._cond:
-            self._epoch, self._dead_at_build, self.members = epoch, dead, members
-        self._rendezvous(prefix, epoch, members)
-        try:
-            inner = backends.build(self.backend_kind, dist.PrefixStore(prefix + "backend/",
-                                   self.membership.store), members.index(self.membership.rank),
-                                   len(members), self.build_timeout, self.timeout)
-        except RuntimeError as e:  # a member vanished between the rendezvous and the connect
-            raise PeerFailure(epoch, (), f"{self.name}.rebuild", f"backend set-up failed: {e}",
-                              confirmed=False) from e
-        with self._cond:
-            self._inner, self._failure, self._latched = inner, None, None
-        self._register()
-        if self.membership.epoch() > epoch:  # an epoch arrived while we were building
-            self._discard()
-            raise self._fail("rebuild", "a newer epoch started during the rebuild")
-
-    def _rendezvous(self, prefix: str, epoch: int, members: tuple[int, ...]) -> None:
-        """Meet the other members on the store, watching for a newer epoch while waiting."""
-        store, me = self.membership.store, self.membership.rank
-        store.set(f"{prefix}arrived/{me}", "1")
-        if store.add(f"{prefix}count", 1) == len(members):
-            store.set(f"{prefix}ready", "1")
-        deadline = time.monotonic() + self.build_timeout
-        pause = 0.001
-        while not store.check([f"{prefix}ready"]):
-            if self.membership.epoch() > epoch:
-                raise self._fail("rebuild", "a newer epoch started during the rendezvous")
-            if time.monotonic() > deadline:
-                missing = [m for m in members if not store.check([f"{prefix}arrived/{m}"])]
-                raise PeerFailure(epoch, missing, f"{self.name}.rebuild",
-                                  f"members {missing} did not arrive in {self.build_timeout:g}s",
-                                  confirmed=False)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-
     def _register(self) -> None:
         world = dist.distributed_c10d._world
         world.pg_map[self] = (self.backend_kind, self.membership.store)
@@ -242,13 +261,15 @@ class ResilientProcessGroup(dist.ProcessGroup):
                               failure.confirmed)
         if inner is None or (self.membership.epoch() > self._epoch and self._stale()):
             raise self._fail(op, "the group's epoch is over", peer)
+        ready = None if self._host_waits else self._kind.ready_probe()
         try:
             work = start(inner)
         except RuntimeError as e:
             raise self._fail(op, str(e), peer) from e
-        if not self._host_waits:
+        if not self._host_waits:  # one lane per stream: collectives, and p2p per peer
             self.watchdog.track(inner, work, self.timeout,
-                                lambda reason: self._expire(inner, op, peer, reason))
+                                lambda reason: self._expire(inner, op, peer, reason),
+                                lane=peer, ready=ready)
         issued = _Op(work)
         del work
         with self._cond:
@@ -330,7 +351,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         any later operation raises PeerFailure until `rebuild()`."""
         self._discard(PeerFailure(self._epoch, (), f"{self.name}.abandon", reason, confirmed=False))
 
-    def _discard(self, failure: PeerFailure | None = None) -> None:
+    def _discard(self, failure: PeerFailure | None = None, retire: bool = False) -> None:
+        """Stop using the backend. `retire` (an epoch declared a member dead): where it can
+        shrink, set it aside for the survivors' regroup instead of aborting it."""
         with self._cond:
             inner, self._inner = self._inner, None
             if failure is not None and self._failure is None:
@@ -338,8 +361,12 @@ class ResilientProcessGroup(dist.ProcessGroup):
             for issued in self._ops:
                 issued.work = None
             self._ops.clear()
-        if inner is not None:
-            self.watchdog.forget(inner)
+        if inner is None:
+            return
+        self.watchdog.forget(inner)
+        if retire and backends.can_shrink(inner):  # its stuck works end with the shrink's abort
+            self._parent = Retired(inner, self.members, self._prefix)
+        else:
             backends.discard(inner, [])
 
     def _stale(self) -> bool:
@@ -366,6 +393,6 @@ class ResilientProcessGroup(dist.ProcessGroup):
             if not self._host_waits:  # a work whose wait() returned may be cut short: say so
                 self._latched = PeerFailure(epoch, dead & set(self.members), f"{self.name}.epoch",
                                             f"epoch {epoch} declared a member dead")
-            self._discard()
+            self._discard(retire=True)
         else:
             self._adopt(epoch, dead)

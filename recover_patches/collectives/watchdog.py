@@ -2,23 +2,36 @@
 
 On NCCL, `work.wait()` only makes the current CUDA stream wait: the host runs ahead and queues
 more kernels, and a collective stuck on a dead peer would hang the stream, not the caller. So
-every such work is handed to the watchdog with its deadline. The thread polls the works it holds
-(`is_completed()`, an event query on CUDA) and, for a work past its deadline or one that ended
-in an error, calls `on_expired` -- the group aborts its communicator (which unblocks the stuck
-kernels) and latches a PeerFailure that its next operation, or the commit, raises.
+every such work is handed to the watchdog. A work that ended in an error, or that has not ended
+`timeout` seconds after it *could start*, is reported through `on_expired` -- the group aborts
+its communicator (which unblocks the stuck kernels) and latches a PeerFailure that its next
+operation, or the commit, raises.
+
+Why queues and heads: the works of one lane (a communicator's collective stream, or its stream
+to one p2p peer) run in order, so only the oldest unfinished one can be the stuck one, and only
+it is polled: a sweep costs O(lanes), not O(works in flight). The deadline of a work counts
+from the sweep that first saw it at the head of its lane (its predecessor done) and -- with a
+`ready` probe (a CUDA event recorded on the compute stream when it was enqueued) -- its inputs
+ready: a multi-GB transfer queued behind others, or a collective queued during a pipeline
+warm-up, does not time out only because it waited its turn.
+
+Why 20 ms: the sweep runs Python on a thread of the training process; polling every 2 ms took
+the GIL from the thread that launches kernels. A hang is declared seconds after it starts, so a
+20 ms sweep changes detection by at most 20 ms.
 
 gloo works are not watched: their wait() blocks the caller inside the backend, bounded by gloo's
-own timeouts (collectives: `set_timeout`; p2p: the timed wait), and fails within milliseconds
-when a peer's process dies or drops the group (its sockets close). An epoch that declares a
-member dead is handled by the group itself (`ResilientProcessGroup._on_epoch`), not here.
+own timeouts, and fails within milliseconds when a peer's process dies or drops the group.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+POLL_SECONDS = 0.02
 
 
 class AsyncWork(Protocol):
@@ -29,30 +42,43 @@ class AsyncWork(Protocol):
 
 @dataclass
 class Watched:
-    owner: object  # what to forget together (a group's backend generation)
     work: AsyncWork
-    deadline: float
+    timeout: float
     on_expired: Callable[[str], None]  # called once, on the watchdog thread, with the reason
+    ready: Callable[[], bool] | None = None  # inputs ready (a CUDA event query); None: at enqueue
+    since: float | None = None  # when its deadline started: the sweep that saw it head and ready
+
+
+@dataclass
+class Lane:
+    owner: object  # what to forget together (a group's backend generation)
+    works: deque[Watched] = field(default_factory=deque)
 
 
 class Watchdog:
-    """Pending works of every watched group, oldest first; `poll` seconds between sweeps while
+    """The pending works of every watched lane, oldest first; a sweep every `poll` seconds while
     any is pending, none while idle."""
 
-    def __init__(self, poll: float = 0.002, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, poll: float = POLL_SECONDS, clock: Callable[[], float] = time.monotonic,
+                 background: bool = True):
         self.poll, self.clock = poll, clock
+        self.background = background  # False: only explicit sweep() calls (tests drive the clock)
         self._cond = threading.Condition()
-        self._watched: list[Watched] = []
+        self._lanes: dict[tuple[int, Hashable], Lane] = {}
         self._thread: threading.Thread | None = None
         self._sweeping = threading.Lock()  # one sweep at a time: a work expires once
 
     def track(self, owner: object, work: AsyncWork | None, timeout: float,
-              on_expired: Callable[[str], None]) -> None:
+              on_expired: Callable[[str], None], lane: Hashable = None,
+              ready: Callable[[], bool] | None = None) -> None:
         if work is None:  # a backend that returned no work (seen from NCCL's list all-gather)
             return        # leaves nothing to watch; a watchdog thread must not die on it
         with self._cond:
-            self._watched.append(Watched(owner, work, self.clock() + timeout, on_expired))
-            if self._thread is None or not self._thread.is_alive():
+            key = (id(owner), lane)
+            if key not in self._lanes:
+                self._lanes[key] = Lane(owner)
+            self._lanes[key].works.append(Watched(work, timeout, on_expired, ready))
+            if self.background and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._run, name="recover-watchdog",
                                                 daemon=True)
                 self._thread.start()
@@ -61,55 +87,97 @@ class Watchdog:
     def forget(self, owner: object) -> None:
         """The owner's backend is gone (aborted, rebuilt): its works need no watching."""
         with self._cond:
-            self._watched = [w for w in self._watched if w.owner is not owner]
+            self._lanes = {k: v for k, v in self._lanes.items() if v.owner is not owner}
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._watched)
+            return sum(len(lane.works) for lane in self._lanes.values())
 
     def sweep(self) -> None:
-        """One pass: drop completed works, expire failed or overdue ones."""
+        """One pass over the head of every lane: drop finished works, expire a failed or overdue
+        head (and forget its lane: the owner aborts that communicator)."""
         with self._sweeping:
-            self._sweep()
-
-    def _sweep(self) -> None:
-        with self._cond:
-            watched = list(self._watched)
-        now, done, expired = self.clock(), [], []
-        for w in watched:
-            if w.work.is_completed():
-                done.append(w)
-                error = _error_of(w.work)
-                if error is not None:
-                    expired.append((w, f"backend error: {error}"))
-            elif now > w.deadline:
-                done.append(w)
-                expired.append((w, f"no completion within the deadline "
-                                   f"({now - w.deadline:.1f}s past it)"))
-        if done:
-            finished = {id(w) for w in done}
             with self._cond:
-                self._watched = [w for w in self._watched if id(w) not in finished]
-        for w, reason in expired:
-            w.on_expired(reason)
+                lanes = list(self._lanes.items())
+            expired = []
+            for key, lane in lanes:
+                reason = self._advance(lane)
+                if reason is not None:
+                    expired.append((lane.works[0], reason))
+                    with self._cond:
+                        self._lanes.pop(key, None)
+                elif not lane.works:
+                    with self._cond:
+                        if not lane.works:
+                            self._lanes.pop(key, None)
+            for watched, reason in expired:
+                watched.on_expired(reason)
+
+    def _advance(self, lane: Lane) -> str | None:
+        """Pop the lane's finished heads; the reason its head failed, or None."""
+        now = self.clock()
+        while lane.works:
+            head = lane.works[0]
+            if head.ready is not None:
+                if not head.ready():  # its inputs are not there yet: its clock has not started
+                    return None
+                head.ready, head.since = None, now
+            if head.since is None:  # it became the head (at most one sweep ago)
+                head.since = now
+            if head.work.is_completed():
+                status = result_of(head.work, lane.owner)
+                if status is PENDING:  # completed, but its result is not published yet
+                    return None if now <= head.since + head.timeout else \
+                        "completed, but its result never became readable"
+                if status is not None:
+                    return f"backend error: {status}"
+                with self._cond:
+                    lane.works.popleft()
+                continue
+            if now > head.since + head.timeout:
+                return (f"no completion within {head.timeout:g}s of becoming able to start "
+                        f"({now - head.since - head.timeout:.1f}s past it)")
+            return None
+        return None
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._watched))
+                self._cond.wait_for(lambda: bool(self._lanes))
             self.sweep()
             time.sleep(self.poll)
 
 
-def _error_of(work) -> object | None:
-    """A completed work's backend error, or None. On torch 2.11's CUDA build (measured on an
-    H100) `Work.exception()` of a NCCL work raises TypeError even after a success: its binding
-    cannot return the exception_ptr. Nothing is known then; a failed NCCL collective still ends
-    in ProcessGroupNCCL's own error handling, and a stuck one here as overdue."""
+PENDING = object()  # a completed work whose result torch has not published yet
+
+
+def result_of(work, backend=None) -> object | None:
+    """A completed work's error (None: it succeeded; PENDING: not known yet).
+
+    NCCL works publish their outcome as `get_future_result()`, a Future of `WorkResult` that
+    ProcessGroupNCCL's own watchdog fills in (COMM_ERROR, TIMEOUT; SUCCESS when it retires the
+    work, up to its 100 ms loop later). gloo's raise "not implemented": then `exception()`
+    decides. Its binding raised TypeError for every NCCL work on torch 2.11 (measured on an
+    H100); a work whose outcome can be read neither way is an error, never a success: a failed
+    collective must not be committed. The backend's own error state (`get_error()`, NCCL only)
+    is read as well: a communicator that failed fails the work that completed on it."""
     try:
-        return work.exception()
-    except TypeError:
-        return None
+        future = work.get_future_result()
+    except (AttributeError, RuntimeError):  # gloo: "getFutureResult not implemented"
+        try:
+            error = work.exception()
+        except TypeError as unreadable:
+            return f"its outcome cannot be read ({unreadable})"
+        return error
+    if not future.done():
+        return PENDING
+    value = future.value()
+    if getattr(value, "name", str(value)) != "SUCCESS":
+        return f"work result {getattr(value, 'name', value)}"
+    state = backend.get_error() if hasattr(backend, "get_error") else None
+    if state is not None and getattr(state, "name", str(state)) != "SUCCESS":
+        return f"communicator error {getattr(state, 'name', state)}"
+    return None
 
 
 WATCHDOG = Watchdog()  # the process's one watchdog

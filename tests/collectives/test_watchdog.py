@@ -1,124 +1,66 @@
-"""The watchdog that bounds operations whose wait() does not block the host (NCCL), with a fake
-backend whose works complete asynchronously, as NCCL's do (no GPU needed)."""
+"""The watchdog that bounds operations whose wait() does not block the host (NCCL), with the fake
+asynchronous NCCL-like backend of `fake_async` (no GPU needed): [I] items 2 and 5."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
-from recover_patches.collectives import backends
+from recover_patches.collectives import backends, watchdog as watchdog_module
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.collectives.process_group import ResilientProcessGroup
-from recover_patches.collectives.watchdog import Watchdog
+from recover_patches.collectives.watchdog import Watchdog, result_of, PENDING
+from tests.collectives import fake_async
+from tests.collectives.fake_async import FakeWork, Result
+from tests.collectives.fake_world import FakeWorld, build_together
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class FakeWork:
-    def __init__(self):
-        self.completed = threading.Event()
-        self.error = None
-        self.waited = False
-
-    def is_completed(self) -> bool:
-        return self.completed.is_set()
-
-    def exception(self):
-        return self.error
-
-    def wait(self, timeout=None) -> bool:  # a stream wait: returns at once
-        self.waited = True
-        return True
-
-
-class FakeBackend:
-    """Looks like NCCL to `backends.discard` (name, abort)."""
-
-    def __init__(self):
-        self.works: list[FakeWork] = []
-        self.aborted = threading.Event()
-
-    def allreduce(self, tensors, opts):
-        self.works.append(FakeWork())
-        return self.works[-1]
-
-    def name(self) -> str:
-        return "nccl"
-
-    def abort(self) -> None:
-        self.aborted.set()
-
-
-class FakeMembership:
-    rank, heartbeat_timeout, heartbeat_interval, store = 0, 1.0, 0.1, None
-
-    def __init__(self):
-        self._epoch, self.reports, self.listeners = 0, [], []
-
-    def epoch(self) -> int:
-        return self._epoch
-
-    def view(self):
-        return self._epoch, frozenset()
-
-    def dead_ranks(self):
-        return frozenset()
-
-    def mark(self, where, iteration=None, microbatch=None):
-        pass
-
-    def add_listener(self, listener) -> None:
-        self.listeners.append(listener)
-
-    def remove_listener(self, listener) -> None:
-        self.listeners.remove(listener)
-
-    def report_failure(self, suspects, where) -> None:
-        self.reports.append((sorted(suspects), where))
-
-
 @pytest.fixture
 def group():
-    """A 2-member group on the fake backend, watched by its own watchdog (1 ms sweeps)."""
-    membership = FakeMembership()
-    watchdog = Watchdog(poll=0.001)
-    g = ResilientProcessGroup("fake.g", (0, 1), membership=membership, timeout=0.2,
-                              backend="nccl", verdict_timeout=0.0, connect=False,
-                              watchdog=watchdog)
-    g._inner, g._failure, g._epoch = FakeBackend(), None, 0  # as after a build in epoch 0
-    yield g, g._inner, watchdog, membership
-    g.shutdown()
+    """Member 0 of a 2-member group on the fake backend, built with member 1 (threads), watched by
+    its own watchdog (1 ms sweeps); works complete only when a test says so."""
+    fabric = fake_async.Fabric()
+    fake_async.install(fabric)
+    world, watchdog = FakeWorld(), Watchdog(poll=0.001)
+    g, other = build_together(world, "fake.g", [(0, 1), (0, 1)], backend=fake_async.NAME,
+                              timeout=0.2, watchdog=watchdog)
+    fabric.complete = False  # the warm-up all-reduces are done; from now on the test decides
+    backend = next(b for b in fabric.made if b.group_rank == 0)
+    yield g, backend, watchdog, world.member(0)
+    for each in (g, other):
+        each.shutdown()
     assert backends.join_discards(5.0)
+    fake_async.uninstall()
 
 
-def allreduce(g) -> FakeWork:
+def allreduce(g, backend) -> FakeWork:
     handle = g.allreduce([torch.ones(2)])
     handle.wait()  # returns at once, like NCCL's stream wait
-    return g._inner.works[-1] if g._inner is not None else None
+    return backend.works[-1]
 
 
 def test_a_healthy_run_never_latches(group):
     g, backend, watchdog, membership = group
     for _ in range(20):
-        allreduce(g).completed.set()  # the device finishes it a moment later
+        allreduce(g, backend).finish()  # the device finishes it a moment later
     deadline = time.monotonic() + 5
     while watchdog.pending() and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.3)  # past every deadline
     assert watchdog.pending() == 0 and not backend.aborted.is_set()
     g.raise_latched()  # nothing to raise
-    allreduce(g).completed.set()
     assert membership.reports == []
 
 
 def test_a_work_past_its_deadline_aborts_the_backend_and_latches_a_failure(group):
     g, backend, watchdog, membership = group
-    work = allreduce(g)  # never completes: a peer died inside the collective
+    work = allreduce(g, backend)  # never completes: a peer died inside the collective
     assert work.waited and not backend.aborted.is_set()  # the host was not blocked
     assert backend.aborted.wait(5.0)  # the watchdog aborted the communicator
-    with pytest.raises(PeerFailure, match="no completion within the deadline") as latched:
+    with pytest.raises(PeerFailure, match="no completion within") as latched:
         g.raise_latched()  # what the commit calls
     assert latched.value.suspects == {1} and not latched.value.confirmed
     with pytest.raises(PeerFailure, match="broken by an earlier failure"):
@@ -126,61 +68,132 @@ def test_a_work_past_its_deadline_aborts_the_backend_and_latches_a_failure(group
     assert membership.reports and membership.reports[0][0] == [1]
 
 
-def test_a_work_that_ends_in_an_error_is_latched_at_once(group):
+@pytest.mark.parametrize("result", [Result.COMM_ERROR, Result.TIMEOUT])
+def test_a_work_that_completes_with_an_error_is_latched_and_aborted_at_once(group, result):
+    """[I] 2: a completed NCCL work's WorkResult is read; an error is never a success."""
     g, backend, watchdog, _ = group
-    work = allreduce(g)
-    work.error = RuntimeError("NCCL error: remote process exited")
-    work.completed.set()
-    assert backend.aborted.wait(0.1)  # far inside the 0.2 s deadline
-    with pytest.raises(PeerFailure, match="remote process exited"):
+    g.timeout = 30.0  # only the result can end it in time
+    allreduce(g, backend).finish(result)
+    assert backend.aborted.wait(1.0)
+    with pytest.raises(PeerFailure, match=f"work result {result.name}"):
+        g.raise_latched()
+
+
+def test_a_failed_communicator_fails_the_work_that_completed_on_it(group):
+    g, backend, watchdog, _ = group
+    g.timeout = 30.0
+    backend.error = Result.COMM_ERROR  # Backend.get_error(): what NCCL saw asynchronously
+    allreduce(g, backend).finish(Result.SUCCESS)
+    assert backend.aborted.wait(1.0)
+    with pytest.raises(PeerFailure, match="communicator error COMM_ERROR"):
         g.raise_latched()
 
 
 def test_an_epoch_naming_a_member_aborts_pending_works_at_once(group):
     g, backend, watchdog, membership = group
     g.timeout = 30.0  # the deadline is far away: only the epoch can end the work in time
-    allreduce(g)
+    allreduce(g, backend)
     assert watchdog.pending() == 1
-    membership._epoch = 1
-    for listener in membership.listeners:  # the membership watcher thread announces it
-        listener(1, frozenset({1}))
+    membership.world.declare_dead({1})
     assert backend.aborted.wait(1.0) and watchdog.pending() == 0
     with pytest.raises(PeerFailure):
         g.allreduce([torch.ones(2)])
 
 
-def test_the_watchdog_sweeps_with_its_clock():
-    now = [0.0]
-    watchdog = Watchdog(clock=lambda: now[0])
-    expired: list[str] = []
-    slow, fast = FakeWork(), FakeWork()
-    watchdog.track("a", slow, 1.0, expired.append)
-    watchdog.track("a", fast, 1.0, expired.append)
-    fast.completed.set()
+class GlooLikeWork(FakeWork):
+    """No future result ("not implemented", as gloo's), and an unreadable exception()."""
+
+    def get_future_result(self):
+        raise RuntimeError("getFutureResult not implemented")
+
+
+def test_a_completed_work_whose_outcome_cannot_be_read_is_an_error():
+    """[I] 2: the TypeError of torch 2.11's binding made a failed work pass for a success."""
+    now, expired = [0.0], []
+    watchdog = Watchdog(clock=lambda: now[0], background=False)
+    unreadable, late = GlooLikeWork(), FakeWork()
+    watchdog.track("a", unreadable, 1.0, expired.append)
+    watchdog.track("b", late, 1.0, expired.append)
+    unreadable.finish()
     watchdog.sweep()
-    assert watchdog.pending() == 1 and expired == []
+    assert len(expired) == 1 and "cannot be read" in expired[0]
+    now[0] = 2.0
+    watchdog.sweep()  # the sweep went on: the other lane's overdue work expires too
+    assert watchdog.pending() == 0 and len(expired) == 2
+
+
+def test_an_unpublished_result_is_not_yet_a_success():
+    work = FakeWork()
+    work.finish(publish=False)  # the device finished; torch's watchdog has not retired it yet
+    assert result_of(work) is PENDING
+    work.published.set()
+    assert result_of(work) is None
+
+
+class CountingWork(FakeWork):
+    polls = 0
+
+    def is_completed(self) -> bool:
+        CountingWork.polls += 1
+        return super().is_completed()
+
+
+def test_a_sweep_polls_only_the_head_of_each_lane():
+    """[I] 5: the works of one stream run in order: only the oldest can be the stuck one."""
+    watchdog = Watchdog(clock=lambda: 0.0, background=False)
+    CountingWork.polls = 0
+    for _ in range(50):
+        watchdog.track("comm", CountingWork(), 1.0, lambda reason: None)
+    for peer in (1, 2):  # p2p streams are lanes of their own
+        watchdog.track("comm", CountingWork(), 1.0, lambda reason: None, lane=peer)
+    watchdog.sweep()
+    assert CountingWork.polls == 3 and watchdog.pending() == 52
+    assert 0.02 <= watchdog_module.POLL_SECONDS <= 0.05
+
+
+def test_deadlines_are_chained_from_when_a_work_can_start():
+    """[I] 5: a work queued behind a slow one does not time out only because it waited."""
+    now, expired = [0.0], []
+    watchdog = Watchdog(clock=lambda: now[0], background=False)
+    slow, queued = FakeWork(), FakeWork()
+    watchdog.track("a", slow, 1.0, expired.append)
+    watchdog.track("a", queued, 1.0, expired.append)  # enqueued at 0 as well
+    watchdog.sweep()
+    now[0] = 0.9
+    slow.finish()
+    watchdog.sweep()  # `queued` is the head from here: its clock starts at 0.9
     now[0] = 1.5
     watchdog.sweep()
-    assert watchdog.pending() == 0 and len(expired) == 1 and "deadline" in expired[0]
-    watchdog.track("b", FakeWork(), 1.0, expired.append)
+    assert expired == [] and watchdog.pending() == 1
+    now[0] = 2.0
+    watchdog.sweep()
+    assert len(expired) == 1 and "within 1s of becoming able to start" in expired[0]
+
+
+def test_a_work_whose_inputs_are_not_ready_is_not_timed():
+    """[I] 5: on a GPU the probe is a CUDA event recorded when the work was enqueued (the
+    compute before it, e.g. a pipeline warm-up, may take longer than the timeout)."""
+    now, expired, ready = [0.0], [], [False]
+    watchdog = Watchdog(clock=lambda: now[0], background=False)
+    watchdog.track("a", FakeWork(), 1.0, expired.append, ready=lambda: ready[0])
+    for t in (0.0, 3.0, 5.0):
+        now[0] = t
+        watchdog.sweep()
+    assert expired == []
+    ready[0] = True
+    watchdog.sweep()  # inputs ready at 5.0
+    now[0] = 5.9
+    watchdog.sweep()
+    assert expired == []
+    now[0] = 6.1
+    watchdog.sweep()
+    assert len(expired) == 1
+
+
+def test_forgetting_an_owner_drops_its_lanes():
+    watchdog = Watchdog(clock=lambda: 0.0, background=False)
+    watchdog.track("b", FakeWork(), 1.0, lambda reason: None)
+    watchdog.track("b", FakeWork(), 1.0, lambda reason: None, lane=3)
+    watchdog.track("c", None, 1.0, lambda reason: None)  # NCCL may return no work: nothing to watch
     watchdog.forget("b")  # its backend was discarded: nothing left to watch
     assert watchdog.pending() == 0
-
-
-class UnreadableWork(FakeWork):
-    def exception(self):  # torch 2.11's NCCL binding, even after a success
-        raise TypeError("Unable to convert function return value to a Python type!")
-
-
-def test_a_work_whose_error_cannot_be_read_is_done_and_the_sweep_goes_on():
-    now, expired = [0.0], []
-    watchdog = Watchdog(clock=lambda: now[0])
-    done, late = UnreadableWork(), FakeWork()
-    watchdog.track("a", done, 1.0, expired.append)
-    watchdog.track("a", late, 1.0, expired.append)
-    done.completed.set()
-    watchdog.sweep()
-    assert watchdog.pending() == 1 and expired == []
-    now[0] = 2.0
-    watchdog.sweep()  # the watchdog still expires the overdue one
-    assert watchdog.pending() == 0 and len(expired) == 1

@@ -1,0 +1,95 @@
+"""Where the members of one group meet on the coordinator's store before its backend is rebuilt,
+and decide together whether it needs rebuilding at all.
+
+A group's backend can be kept across a recovery only if its message sequence is intact on every
+member: no member broke it (an operation failed, or it was abandoned while peers may have been
+blocked on it), none has an operation issued and not waited, and the members did not change.
+Each member knows only its own side, so each one that finds its side dirty raises one flag
+before it counts itself in; once all have counted in, every member reads the same flag, and so
+takes the same decision. A dirty group is rebuilt by all its members, a clean one by none: a
+member can never keep a backend that another one replaced.
+
+Shrinking (NCCL >= 2.27) is decided the same way: only if every remaining member still holds
+the same parent communicator (named by the rendezvous that built it) can they all shrink it.
+Recovery only: a failure-free iteration meets nobody here.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Meeting:
+    rebuild: bool  # some member's side was dirty: every member replaces the backend
+    shrink: bool  # ... and every member can shrink the same parent instead of re-creating it
+
+
+class NewerEpoch(Exception):
+    """A newer membership epoch started while waiting: the attempt is over on every member."""
+
+
+class MembersMissing(Exception):
+    def __init__(self, missing: list[int], timeout: float):
+        super().__init__(f"members {missing} did not arrive in {timeout:g}s")
+        self.missing = missing
+
+
+def meet(store, prefix: str, me: int, members: Sequence[int], timeout: float, *,
+         dirty: bool = True, parent: str | None = None,
+         newer_epoch: Callable[[], bool] = lambda: False) -> Meeting:
+    """Count in at `prefix` and wait for every member. `dirty`: this member cannot keep the
+    backend. `parent`: the rendezvous prefix of a retired backend this member could shrink."""
+    if dirty:  # before the count: whoever sees the count complete sees the flag too
+        store.set(f"{prefix}dirty", "1")
+    if parent is not None:
+        store.add(f"{prefix}parent/{parent}", 1)
+    store.set(f"{prefix}arrived/{me}", "1")
+    if store.add(f"{prefix}count", 1) == len(members):
+        store.set(f"{prefix}ready", "1")
+    deadline, pause = time.monotonic() + timeout, 0.001
+    while not store.check([f"{prefix}ready"]):
+        if newer_epoch():
+            raise NewerEpoch()
+        if time.monotonic() > deadline:
+            raise MembersMissing([m for m in members if not store.check([f"{prefix}arrived/{m}"])],
+                                 timeout)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    rebuild = dirty or store.check([f"{prefix}dirty"])
+    shrink = rebuild and parent is not None and \
+        store.add(f"{prefix}parent/{parent}", 0) == len(members)
+    return Meeting(rebuild, shrink)
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """What the members of a group decided at one rendezvous (the same on each of them)."""
+    epoch: int
+    members: tuple[int, ...]
+    prefix: str
+    meeting: Meeting
+
+
+@dataclass(frozen=True)
+class Retired:
+    """A backend set aside when an epoch declared a member dead, to be shrunk by the others."""
+    backend: object
+    members: tuple[int, ...]
+    prefix: str  # the rendezvous that built it: the same on every member that holds it
+
+    def shrinks_to(self, members: tuple[int, ...]) -> bool:
+        return len(members) < len(self.members) and \
+            members == tuple(m for m in self.members if m in members)
+
+
+@dataclass
+class Regrouped:
+    """Which groups a regroup kept, shrank or re-created (names), for the recovery record."""
+    kept: list[str] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
+    shrunk: list[str] = field(default_factory=list)
+
+    def add(self, name: str, outcome: str) -> None:
+        {"kept": self.kept, "rebuilt": self.rebuilt, "shrunk": self.shrunk}[outcome].append(name)

@@ -1,0 +1,128 @@
+"""Groups after a failure ([I] items 3 and 4), members as threads of this process (`fake_world`):
+a rebuilt backend connects inside the rebuild's bound; a group whose members all vouch for it
+keeps its backend, one dirty member makes every member rebuild, and a group that lost a member
+is shrunk where the backend can (the fake NCCL-like backend of `fake_async`)."""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recover_patches.collectives import backends
+from recover_patches.collectives.errors import PeerFailure
+from tests.collectives import fake_async
+from tests.collectives.fake_world import FakeWorld, build_together, together
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fabric():
+    made = fake_async.Fabric()
+    fake_async.install(made)
+    yield made
+    fake_async.uninstall()
+    assert backends.join_discards(5.0)
+
+
+def regroup_all(groups, epoch: int, members, key: str) -> list[str]:
+    return together([lambda g=g: g.regroup(epoch, members, key) for g in groups])
+
+
+def sum_over(groups) -> list[float]:
+    """Every member all-reduces its rank + 1 through the group (proves the backend works)."""
+    tensors = [torch.tensor([float(g.membership.rank + 1)]) for g in groups]
+    together([lambda g=g, t=t: dist.all_reduce(t, group=g) for g, t in zip(groups, tensors)])
+    return [t.item() for t in tensors]
+
+
+def shut(groups) -> None:
+    for g in groups:
+        g.shutdown()
+
+
+def test_a_clean_group_is_kept_and_one_dirty_member_makes_every_member_rebuild():
+    world = FakeWorld()
+    groups = build_together(world, "tp.replica0.stage0", [(0, 1), (0, 1)], backend="gloo")
+    try:
+        assert sum_over(groups) == [3.0, 3.0]
+        assert regroup_all(groups, 0, (0, 1), "recover/1") == ["kept", "kept"]
+        assert sum_over(groups) == [3.0, 3.0]  # the kept backend's sequence is intact
+        groups[1].abandon("recovery started in execute")  # only member 1 left it mid-sequence
+        assert regroup_all(groups, 0, (0, 1), "recover/2") == ["rebuilt", "rebuilt"]
+        assert sum_over(groups) == [3.0, 3.0]
+    finally:
+        shut(groups)
+
+
+def test_an_operation_issued_and_not_waited_makes_the_group_dirty():
+    world = FakeWorld()
+    groups = build_together(world, "pp.replica0.tp0", [(0, 1), (0, 1)], backend="gloo")
+    try:
+        pending = groups[0].send([torch.ones(1)], 1)  # posted, its receiver never came
+        assert groups[0].dirty and not groups[1].dirty
+        assert regroup_all(groups, 0, (0, 1), "recover/1") == ["rebuilt", "rebuilt"]
+        del pending
+    finally:
+        shut(groups)
+
+
+def test_a_group_that_lost_a_member_is_rebuilt_on_gloo():
+    world = FakeWorld()
+    groups = build_together(world, "dp.tp0.stage0", [(0, 1, 2)] * 3, backend="gloo")
+    try:
+        epoch = world.declare_dead({2})
+        assert regroup_all(groups[:2], epoch, (0, 1), "recover/1") == ["rebuilt", "rebuilt"]
+        assert sum_over(groups[:2]) == [3.0, 3.0]
+    finally:
+        shut(groups)
+
+
+@pytest.mark.parametrize("shrinkable", [True, False])
+def test_a_group_that_lost_a_member_is_shrunk_where_the_backend_can(fabric, shrinkable):
+    fabric.shrinkable = shrinkable
+    world = FakeWorld()
+    groups = build_together(world, "dp.tp0.stage0", [(0, 1, 2)] * 3, backend=fake_async.NAME)
+    try:
+        made = len(fabric.made)
+        epoch = world.declare_dead({2})
+        outcome = "shrunk" if shrinkable else "rebuilt"
+        assert regroup_all(groups[:2], epoch, (0, 1), "recover/1") == [outcome, outcome]
+        if shrinkable:  # NCCL_SHRINK_ABORT on the parent, no communicator created from scratch
+            assert len(fabric.made) == made
+            assert sorted(excluded for _, excluded in fabric.shrunk) == [[2], [2]]
+        else:
+            assert len(fabric.made) == made + 2 and fabric.shrunk == []
+    finally:
+        shut(groups)
+
+
+def test_a_member_that_dies_before_first_use_fails_the_rebuild_within_its_bound(fabric):
+    """[I] 3: the communicator is created eagerly inside the rebuild: a member gone before first
+    use is a PeerFailure at the rebuild's deadline, not a hang at the group's first operation."""
+    fabric.hang_connect = True
+    world, bound = FakeWorld(), 0.5
+    start = time.monotonic()
+    with pytest.raises(PeerFailure, match="connect did not finish within 0.5s"):
+        build_together(world, "tp.replica1.stage0", [(0, 1), (0, 1)],
+                       backend=fake_async.NAME, build_timeout=bound)
+    assert time.monotonic() - start < bound + 1.0
+    assert [b.aborted.wait(1.0) for b in fabric.made] == [True, True]  # its threads let go
+
+
+def test_the_unique_id_exchange_waits_no_longer_than_the_rebuild(fabric):
+    """[I] 3: torch fetches the NCCL unique id with the store's own timeout (5 min for our
+    coordinator's): the backend is made on a store client bounded by the rebuild's timeout."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10),
+                          wait_for_workers=False)
+    fabric.fetch_id = True  # member 1 waits for member 0's id, which never comes
+    start = time.monotonic()
+    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        backends.build(fake_async.NAME, store, "pg/tp/e1/", 1, 2, build_timeout=0.5,
+                       op_timeout=1.0)
+    assert time.monotonic() - start < 1.5
+    store.set("still", "usable")  # the shared client keeps its own timeout
+    assert store.get("still") == b"usable"
