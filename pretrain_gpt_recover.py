@@ -117,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                            "`python -m recover_patches.launch --max-replacements K`")
     membership = None
     if os.environ.get("RECOVER_COORDINATOR"):
+        from recover_patches.collectives import nccl_env
         from recover_patches.collectives.membership import MembershipClient
+        refused = nccl_env.conflicts(os.environ)  # a rank started without our launcher
+        if refused:
+            return _user_error(refused[0])
+        nccl_env.apply(os.environ)  # before any process group exists: torch reads it then
         try:
             membership = MembershipClient.from_env(timeout=args.recover_timeout)
         except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
@@ -152,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
-    rank, world = init_default_group(args.distributed_backend, args.distributed_timeout_minutes,
+    # Under recovery the default group carries no training traffic: gloo, so no NCCL
+    # communicator (nor torch's heartbeat monitor of group uid 0) spans a rank that may die.
+    rank, world = init_default_group("gloo" if membership is not None else
+                                     args.distributed_backend, args.distributed_timeout_minutes,
                                      joining=incarnation > 0)
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping)

@@ -134,6 +134,11 @@ def validate(args: argparse.Namespace) -> None:
         raise LaunchUsageError("--standby joins a running job: give it the job's --coordinator-port "
                                "(with --master-addr) or RECOVER_COORDINATOR=host:port, and its "
                                "--job-token (or RECOVER_JOB_TOKEN); drop --no-coordinator")
+    if not args.no_coordinator:  # in-job recovery: torch's own NCCL handling must stay out
+        from recover_patches.collectives import nccl_env
+        refused = nccl_env.conflicts(os.environ)
+        if refused:
+            raise LaunchUsageError(refused[0])
     if not args.no_coordinator and args.nnodes > 1:
         if args.coordinator_port == 0 and not os.environ.get("RECOVER_COORDINATOR"):
             raise LaunchUsageError("with --nnodes > 1 give every node the same --coordinator-port "
@@ -291,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.error(str(e))
             return 2
         extra_env = coordinator.env()
+        from recover_patches.collectives import nccl_env  # in every rank before any group exists
+        extra_env.update(nccl_env.required())
         if coordinator.pid is not None:
             logger.info(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
             extra_env["RECOVER_COORDINATOR_PID"] = str(coordinator.pid)  # the `coordinator` fault

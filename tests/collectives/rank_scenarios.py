@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from recover_patches.collectives import backends
+from recover_patches.collectives import backends, nccl_env
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.collectives.membership import MembershipClient
 from recover_patches.collectives.process_group import ResilientProcessGroup
@@ -29,6 +29,7 @@ out_dir, mode, op_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 rank = int(os.environ["RANK"])
 with open(os.path.join(out_dir, f"pid.{rank}"), "w") as f:
     f.write(str(os.getpid()))
+nccl_env.check_applied()  # the launcher set torch's NCCL knobs before any group exists
 membership = MembershipClient.from_env(timeout=op_timeout)  # heartbeats derive from it
 
 
