@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from recover_patches.collectives.rendezvous import Regrouped
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.agreement import Decision
 from recover_patches.recovery.iteration import (IterationTransaction, LiveReplicas, ReplicaLost,
@@ -86,8 +87,9 @@ class FakeJob:
 
     def rebuild(self, live, epoch, key=""):
         self.rebuilt.append((list(live), epoch))
+        return Regrouped(rebuilt=["dp"], kept=["tp"])
 
-    def abandon(self):
+    def abandon(self, phase="execute"):
         self.abandoned += 1
 
     def reset(self):

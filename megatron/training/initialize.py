@@ -7,6 +7,8 @@ creation never deadlocks.
 from __future__ import annotations
 
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from recover_patches.collectives.rendezvous import Regrouped
 from recover_patches.topology import Coord, Topology
 
 GroupFactory = Callable[[str, Sequence[int]], dist.ProcessGroup]
@@ -79,22 +82,40 @@ class ParallelGroups:
         aborts a stuck collective), then raise what the watchdog latched. Nothing on gloo."""
         groups = [g for g in self.all_groups() if hasattr(g, "raise_latched")]
         if any(g.backend_kind == "nccl" for g in groups):
-            torch.cuda.current_stream().synchronize()
+            # Not a stream synchronize: a DP backend set aside for shrinking (its member died)
+            # is not aborted, and its stuck kernel would hold the stream until the regroup.
+            # The watchdog or the epoch latches such a failure within the operation timeout.
+            finished = torch.cuda.Event()
+            finished.record()
+            while not finished.query():
+                for g in groups:
+                    g.raise_latched()
+                time.sleep(0.0005)
         for g in groups:
             g.raise_latched()
 
-    def abandon(self) -> None:
-        """Recovery starts: stop using every backend, so peers blocked on us fail fast."""
-        for g in self.all_groups():
-            g.abandon("recovery started")
+    def abandon(self, phase: str = "execute") -> None:
+        """Recovery starts: stop using the backends peers may be blocked on, so they fail fast.
+        A rank that left in a phase with TP and PP operations (refresh, execute, step) may have
+        left its peers mid-sequence: all of them. One that left in the reduction, the commit or
+        a recovery attempt had issued every TP and PP operation of its round: only the groups
+        those phases use, so the others can be kept (`regroup`)."""
+        narrow = phase in ("reduce", "commit", "recovery")
+        groups = [g for g in (self.replica, self.embedding, self.dp, self.instance, self.position)
+                  if g is not None] if narrow else self.all_groups()
+        for g in groups:
+            g.abandon(f"recovery started in {phase}")
 
-    def rebuild(self, live_replicas: Sequence[int], epoch: int, key: str = "") -> None:
-        """New backends for the agreed epoch: the DP group keeps one rank per live replica; the
-        groups inside this replica keep their members (all alive) but get fresh backends, so no
-        message of an abandoned round can ever be matched in the next one. The distributed
-        optimizer's instance keeps its live replicas."""
+    def regroup(self, live_replicas: Sequence[int], epoch: int, key: str = "") -> Regrouped:
+        """Groups for the agreed epoch: the DP group keeps one rank per live replica, the
+        distributed optimizer's instance its live replicas. A group whose members all agree
+        its message sequence is intact, and whose membership did not change, keeps its backend;
+        the others are rebuilt (DP groups shrunk where NCCL can), all members deciding alike.
+        On NCCL the new communicators connect concurrently."""
         c, topo = self.coord, self.topology
         size = self.per_instance or 1
+        force = os.environ.get("RECOVER_REGROUP") == "all"  # the rebuild-all baseline (bench)
+        plans = []
         for g in self.all_groups():
             members = g.members
             if g is self.dp:
@@ -105,7 +126,17 @@ class ParallelGroups:
             elif g is self.position:
                 members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
                                                      if r % size == c.replica % size])
-            g.rebuild(epoch, members, key)
+            plans.append((g, g.meet(epoch, members, key, force=force)))
+        if any(g.backend_kind == "nccl" for g, _ in plans):
+            with ThreadPoolExecutor(len(plans), thread_name_prefix="recover-regroup") as pool:
+                done = [pool.submit(g.apply, plan) for g, plan in plans]
+            outcomes = [f.result() for f in done]  # the first PeerFailure, after all ended
+        else:
+            outcomes = [g.apply(plan) for g, plan in plans]
+        report = Regrouped()
+        for (g, _), outcome in zip(plans, outcomes):
+            report.add(g.name, outcome)
+        return report
 
     def pg_collection(self) -> ProcessGroupCollection:
         pgs = ProcessGroupCollection()

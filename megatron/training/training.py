@@ -28,6 +28,7 @@ from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, cou
                                          flat_layout_for, global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from recover_patches.collectives.errors import PeerFailure
+from recover_patches.collectives.rendezvous import Regrouped
 from recover_patches.faults import FaultInjector
 from recover_patches.p2p import ChunkP2P, StageLink
 from recover_patches.recovery.agreement import ReplicaLink, StoreAgreement
@@ -317,9 +318,10 @@ class Trainer:
         assert g.instance is not None
         return Scatter(g.instance, g.position, g.coord.replica % g.per_instance, g.per_instance)
 
-    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> None:
-        """New groups for the agreed live replicas; the distributed optimizer's shards follow."""
-        self.groups.rebuild(live_replicas, epoch, key)
+    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
+        """Groups for the agreed live replicas (only what broke is rebuilt); the distributed
+        optimizer's shards follow."""
+        regrouped = self.groups.regroup(live_replicas, epoch, key)
         self.grads.scatter = self.scatter_while(live_replicas)
         if isinstance(self.optimizer, ShardedAdamW):
             start = time.perf_counter()
@@ -331,6 +333,7 @@ class Trainer:
                             f"state held for live replicas {live_replicas}, "
                             f"{received / 2**20:.2f} MiB received, "
                             f"{(time.perf_counter() - start) * 1000:.0f} ms")
+        return regrouped
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(
@@ -432,7 +435,9 @@ class Trainer:
                 f"(seen in {r.phase}) | epoch {r.epoch}, dead ranks {r.dead}, lost replicas "
                 f"{r.lost_replicas} | lost microbatches {r.lost_ids} -> "
                 + (", ".join(f"replica {k}: {v}" for k, v in r.replanned.items() if v) or "dropped")
-                + " | " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r.seconds.items()))
+                + " | " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r.seconds.items())
+                + f" | groups kept {len(r.groups_kept)}, shrunk {len(r.groups_shrunk)}, "
+                f"rebuilt {len(r.groups_rebuilt)}")
         if self.state.iteration % args.log_interval == 0 or self.state.iteration == 1 \
                 or outcome.recoveries:
             skipped = self.state.skipped_iterations

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from recover_patches.collectives.errors import PeerFailure
+from recover_patches.collectives.rendezvous import Regrouped
 from recover_patches.recovery.agreement import Decision
 from recover_patches.recovery.grad_buffer import ReducedGradients
 from recover_patches.recovery.reduce import Totals, check_commit
@@ -92,6 +93,9 @@ class RecoveryRecord:
     replanned: dict[int, list[int]]
     seconds: dict[str, float] = field(default_factory=dict)  # detection / rebuild / recompute
     redo: bool = False  # this replica's round 0 stopped short: it computes its quota again
+    groups_rebuilt: list[str] = field(default_factory=list)  # this rank's, by name
+    groups_kept: list[str] = field(default_factory=list)  # backend intact on every member
+    groups_shrunk: list[str] = field(default_factory=list)  # NCCL: shrunk, not re-created
 
 
 @dataclass
@@ -114,7 +118,8 @@ class IterationTransaction:
     reduce: Reducer
     step: Stepper
     agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
-    abandon: Callable[[], None] = lambda: None  # drop every group's backend: peers fail fast
+    # drop the backends peers may be blocked on (which: by the phase the failure came in)
+    abandon: Callable[[str], None] = lambda phase: None
     # before computing: PeerFailure if this replica's weights are incomplete (the same answer on
     # all its ranks); a rebuild makes them whole again
     refresh: Callable[[], None] = lambda: None
@@ -124,7 +129,8 @@ class IterationTransaction:
     # before the vote: raise a failure of an operation whose wait() returned before it ended
     # (NCCL's waits do not block the host; layer 1's watchdog latches what went wrong)
     check_reduced: Callable[[], None] = lambda: None
-    rebuild: Callable[[list[int], int, str], None] | None = None  # (live, epoch, agreed key)
+    # (live, epoch, agreed key) -> which groups were kept / rebuilt / shrunk
+    rebuild: Callable[[list[int], int, str], Regrouped] | None = None
     snapshot: Callable[[], Any] = lambda: None  # local gradients, to undo an aborted round
     restore: Callable[[Any], None] = lambda state: None
     drop_lost: bool = False  # the replica-dropping baseline: skip lost ids instead of recomputing
@@ -170,7 +176,7 @@ class IterationTransaction:
                     final.update({g: r for r, q in replanned.items() for g in q})
                     committed = [g for g in ids if final[g] is not None]
                     check_commit(reduced.totals, committed)
-                    clock = time.perf_counter()
+                    phase, clock = "step", time.perf_counter()
                     report = self.step(reduced)  # 5
                     seconds["step"] = time.perf_counter() - clock
                     assignment = {r: [g for g in committed if final[g] == r] for r in m.live_replicas}
@@ -214,8 +220,9 @@ class IterationTransaction:
         this rank's round 0 stopped short; after the rebuild the replica's ranks agree on it."""
         m, clock = self.live, time.perf_counter()
         assert self.agreement is not None and self.rebuild is not None  # recovery is on
-        self.abandon()
+        self.abandon(phase)
         timing = {"detection": 0.0, "rebuild": 0.0}
+        regrouped = Regrouped()
         seen_dead: set[int] = set()  # over all attempts: a grow epoch may clear a dead rank again
         redo = False
         for _ in range(self.max_attempts):
@@ -237,13 +244,13 @@ class IterationTransaction:
                     raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
                 self.hook("recovery")
                 self.agreement.barrier(key, m.members(), epoch)
-                self.rebuild(m.live_replicas, epoch, f"recover/{key}")
+                regrouped = self.rebuild(m.live_replicas, epoch, f"recover/{key}")
                 redo = torn is not None and self.replica_any(torn)
                 timing["rebuild"] += time.perf_counter() - clock
                 break
             except PeerFailure as err:  # someone else died during recovery: next attempt
                 failure = err
-                self.abandon()
+                self.abandon("recovery")
                 clock = time.perf_counter()
         else:
             raise RuntimeError(f"iteration {iteration}: recovery did not converge")
@@ -252,4 +259,5 @@ class IterationTransaction:
             r: list(q) for r, q in self.plan(lost, m.live_replicas).items()}
         return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
                               sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
-                              timing, redo)
+                              timing, redo, regrouped.rebuilt, regrouped.kept,
+                              regrouped.shrunk)
