@@ -55,6 +55,10 @@ def test_a_live_hang_is_fenced_and_survived(reference, tmp_path, layout, victim)
     run = run_job(tmp_path, layout, "--inject-fault", slow)
     records = assert_failure_free_trajectory(run, reference)
     assert [r["iteration"] for r in records if r["recoveries"]] == [3]
+    if layout == "2,1,2":  # [I] 4: replica 0's TP group never saw replica 1's failure
+        (recovery,) = records[2]["recoveries"]  # rank 0's record
+        assert "tp.replica0.stage0" in recovery["groups_kept"], recovery
+        assert "dp.tp0.stage0" in recovery["groups_rebuilt"], recovery
     # declared for its progress, not its heartbeat (which kept beating)
     assert f"dead ranks [{victim}] (rank {victim}: no progress for" in run.stderr, run.stderr[-3000:]
     assert "no heartbeat" not in run.stderr

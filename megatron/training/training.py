@@ -24,6 +24,7 @@ from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.model import model_chunks
+from megatron.training.execute_clock import ExecuteClock
 from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
                                          flat_layout_for, global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -103,8 +104,7 @@ class Trainer:
         self.timer = MicrobatchTimer(pipeline_depth=topo.pp, chunks=self.chunks,
                                      group=self.args.microbatch_group_size_per_vp_stage or 0)
         self.timings: dict[int, float | None] = {}
-        self._execute_seconds = 0.0
-        self._executed = 0
+        self.clock = ExecuteClock(self.device)  # compute time for layer 3's balance
         self._was_logging = False
         self._store_ops_seen = 0  # the agreement's count at the last record
         self._skipped_at_last_line = 0
@@ -152,7 +152,7 @@ class Trainer:
 
     def execute(self, ids: list[int]):
         self.model.train()
-        start = time.perf_counter()
+        self.clock.start()
         if isinstance(self.link, ChunkP2P):
             done = run_interleaved(ids, self.train_stages, self.link, rank=self.groups.coord.pp,
                                    stages=self.groups.topology.pp,
@@ -160,8 +160,7 @@ class Trainer:
                                    hook=self.hook, before_backwards=self.grads.arm)
         else:
             done = run_1f1b(ids, self.train_stages[0], self.link, self.hook, self.grads.arm)
-        self._execute_seconds += time.perf_counter() - start
-        self._executed += len(ids)
+        self.clock.stop(len(ids))
         return done
 
     def reduce(self, local: Totals) -> ReducedGradients:
@@ -203,9 +202,9 @@ class Trainer:
                 "shard): a bug or silent data corruption; stopping")
 
     def _measured_time(self) -> float:
-        if self._executed:
-            self.timer.update(self._execute_seconds, self._executed)
-        self._execute_seconds, self._executed = 0.0, 0
+        seconds, executed = self.clock.take()
+        if executed and seconds > 0:
+            self.timer.update(seconds, executed)
         return self.timer.to_wire()
 
     def step(self, reduced: ReducedGradients) -> dict:

@@ -67,7 +67,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self.backend_kind = backend
         self._kind = backends.kind_of(backend)
         self.watchdog = watchdog
-        self._host_waits = self._kind.host_waits  # else a stream wait: the watchdog bounds it
+        self.host_waits = self._kind.host_waits  # else a stream wait: the watchdog bounds it
         self._p2p_timeout = timedelta(seconds=timeout)
         self.before_op: Callable[[str], None] | None = None  # fault-injection hook
         self._cond = threading.Condition()
@@ -261,12 +261,12 @@ class ResilientProcessGroup(dist.ProcessGroup):
                               failure.confirmed)
         if inner is None or (self.membership.epoch() > self._epoch and self._stale()):
             raise self._fail(op, "the group's epoch is over", peer)
-        ready = None if self._host_waits else self._kind.ready_probe()
+        ready = None if self.host_waits else self._kind.ready_probe()
         try:
             work = start(inner)
         except RuntimeError as e:
             raise self._fail(op, str(e), peer) from e
-        if not self._host_waits:  # one lane per stream: collectives, and p2p per peer
+        if not self.host_waits:  # one lane per stream: collectives, and p2p per peer
             self.watchdog.track(inner, work, self.timeout,
                                 lambda reason: self._expire(inner, op, peer, reason),
                                 lane=peer, ready=ready)
@@ -285,7 +285,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 outcome.append(self._fail(op, "aborted: the group broke first", peer))
                 raise outcome[0]
             try:
-                if peer is not None and self._host_waits:
+                if peer is not None and self.host_waits:
                     work.wait(self._p2p_timeout)  # an untimed one lasts the connect timeout
                 else:
                     work.wait()
@@ -390,7 +390,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if epoch <= self._epoch:
             return
         if dead & set(self.members):
-            if not self._host_waits:  # a work whose wait() returned may be cut short: say so
+            if not self.host_waits:  # a work whose wait() returned may be cut short: say so
                 self._latched = PeerFailure(epoch, dead & set(self.members), f"{self.name}.epoch",
                                             f"epoch {epoch} declared a member dead")
             self._discard(retire=True)

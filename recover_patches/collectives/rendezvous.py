@@ -48,7 +48,9 @@ def meet(store, prefix: str, me: int, members: Sequence[int], timeout: float, *,
     store.set(f"{prefix}arrived/{me}", "1")
     if store.add(f"{prefix}count", 1) == len(members):
         store.set(f"{prefix}ready", "1")
-    deadline, pause = time.monotonic() + timeout, 0.001
+    # polled like the agreement's barriers (0.5 -> 5 ms): a timed-out TCPStore.wait() leaves
+    # the shared client's connection unusable, so no blocking wait with a deadline here
+    deadline, pause = time.monotonic() + timeout, 0.0005
     while not store.check([f"{prefix}ready"]):
         if newer_epoch():
             raise NewerEpoch()
@@ -56,7 +58,7 @@ def meet(store, prefix: str, me: int, members: Sequence[int], timeout: float, *,
             raise MembersMissing([m for m in members if not store.check([f"{prefix}arrived/{m}"])],
                                  timeout)
         time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        pause = min(pause * 2, 0.005)
     rebuild = dirty or store.check([f"{prefix}dirty"])
     shrink = rebuild and parent is not None and \
         store.add(f"{prefix}parent/{parent}", 0) == len(members)
@@ -90,6 +92,7 @@ class Regrouped:
     kept: list[str] = field(default_factory=list)
     rebuilt: list[str] = field(default_factory=list)
     shrunk: list[str] = field(default_factory=list)
+    connect_seconds: float = 0.0  # spent creating or shrinking backends (the rest: rendezvous)
 
     def add(self, name: str, outcome: str) -> None:
         {"kept": self.kept, "rebuilt": self.rebuilt, "shrunk": self.shrunk}[outcome].append(name)

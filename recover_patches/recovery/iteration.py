@@ -96,6 +96,7 @@ class RecoveryRecord:
     groups_rebuilt: list[str] = field(default_factory=list)  # this rank's, by name
     groups_kept: list[str] = field(default_factory=list)  # backend intact on every member
     groups_shrunk: list[str] = field(default_factory=list)  # NCCL: shrunk, not re-created
+    connect_seconds: float = 0.0  # of `rebuild`: creating or shrinking backends
 
 
 @dataclass
@@ -260,4 +261,4 @@ class IterationTransaction:
         return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
                               sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
                               timing, redo, regrouped.rebuilt, regrouped.kept,
-                              regrouped.shrunk)
+                              regrouped.shrunk, regrouped.connect_seconds)
