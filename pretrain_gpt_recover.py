@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.arguments_errors import UserError
     from megatron.training.datasets import build_datasets, validate_data
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.checkpointing import CheckpointError, Checkpointer
+    from megatron.training.checkpointing import CheckpointError, Checkpointer, TrainingStopped
     from recover_patches.collectives.errors import CoordinatorError, PeerFailure, SlotTaken
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:  # user errors first, before any process group exists or anything is written
@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                     os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
                 logger.info(f"{err}; this replica is broken")
                 spare = True
+    except TrainingStopped:  # --exit-interval, --exit-duration-in-mins, the exit signal
+        pass  # done: below, the job is declared complete like one that reached --train-iters
     except JobComplete as err:  # a spare never needed
         assert membership is not None
         logger.info(f"{err}: exiting")

@@ -170,7 +170,13 @@ def apply_rank_state(trainer, state: dict, args) -> None:
         cpu_tracker().set_states(state["rng_state"]["tracker"])
 
 
+class TrainingStopped(Exception):
+    """Every live rank stops after this iteration (--exit-interval, --exit-duration-in-mins, the
+    exit signal): the job is done, as if it reached --train-iters (waiting spares are released)."""
+
+
 # -- SIGTERM: agreed on by all ranks at the end of an iteration -----------------------------------
+
 class TermSignal:
     """Remembers a SIGTERM; `agreed(trainer)` is true on every rank once any rank got one."""
 
@@ -290,7 +296,7 @@ class Checkpointer:
                 logger.info(f"exiting after iteration {iteration}: {stop}"
                             + ("" if args.save else ", no --save so no checkpoint"))
             trainer.metrics.close()
-            raise SystemExit(0)
+            raise TrainingStopped(stop)
 
     def _stop_reason(self, trainer) -> str | None:
         """Why every live rank exits after this iteration (the same answer on all of them)."""
