@@ -43,10 +43,12 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def launch(nproc: int, args: list[str], metrics: Path, *, timeout: float = 240,
-           env: dict | None = None, launcher_args: list[str] | None = None) -> Run:
+           env: dict | None = None, launcher_args: list[str] | None = None,
+           script: tuple[str, ...] = (str(REPO / "pretrain_gpt_recover.py"),)) -> Run:
+    """`script`: the rank script and its leading arguments (a wrapper, then the entry point)."""
     cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(nproc),
            "--master-port", "0", *(["--no-coordinator"] if launcher_args is None else launcher_args),
-           str(REPO / "pretrain_gpt_recover.py"), *args, "--metrics-file", str(metrics)]
+           *script, *args, "--metrics-file", str(metrics)]
     # megatron-core writes NVTE_*_ATTN into os.environ when it builds a model for the attention
     # backend (in-process tests do) and asserts they agree in the next model: not inherited
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}

@@ -74,3 +74,10 @@ def test_bubble_benchmark_compares_the_same_training_in_both_schedules(tmp_path)
 def test_bubble_benchmark_refuses_a_pipeline_it_cannot_split():
     run = run_script(["--pp", "3"], timeout=50, script=BUBBLE)
     assert run.returncode == 2 and "--pp" in run.stderr and run.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_recovery_breakdown_refuses_a_layout_without_a_second_replica():
+    run = run_script(["--layout", "2,2,1"], timeout=50,
+                     script=SCRIPT.parent / "recovery_breakdown.py")
+    assert run.returncode == 2 and "--layout" in run.stderr and run.stdout == ""

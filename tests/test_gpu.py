@@ -43,12 +43,20 @@ def test_half_precision_trains_and_tracks_fp32(tmp_path, precision):
     assert max(rel(h, f) for h, f in zip(half, fp32)) <= 2e-2, (half, fp32)
 
 
+@pytest.fixture
+def recovery_env(monkeypatch):
+    """What the launcher gives every rank before any group exists ([I] 1)."""
+    from recover_patches.collectives import nccl_env
+    for key, value in nccl_env.required().items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.mark.timeout(120)
-def test_nccl_size_one_group_reduces_and_aborts():
+def test_nccl_size_one_group_reduces_and_aborts(recovery_env):
     from recover_patches.collectives import backends
 
-    store = dist.HashStore()
-    group = backends.build("nccl", store, 0, 1, build_timeout=60, op_timeout=10)
+    group = backends.build("nccl", dist.HashStore(), "one/", 0, 1, build_timeout=60,
+                           op_timeout=10)  # connected and warmed up inside the call
     t = torch.ones(4, device="cuda")
     group.allreduce([t]).wait()
     torch.cuda.synchronize()
@@ -57,9 +65,28 @@ def test_nccl_size_one_group_reduces_and_aborts():
     assert backends.join_discards(timeout=60)
 
 
+@pytest.mark.timeout(180)
+def test_a_member_missing_at_connect_fails_the_build_within_its_bound(recovery_env):
+    """[I] 3 on a real communicator: member 1 never comes; the build gives up at its deadline
+    and aborts the communicator, instead of hanging at the group's first operation."""
+    import time
+
+    from recover_patches.collectives import backends
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        backends.build("nccl", dist.HashStore(), "two/", 0, 2, build_timeout=60, op_timeout=5)
+    assert time.monotonic() - start < 5 + 1
+    # the abort may wait for the stuck init's lock: TORCH_NCCL_NONBLOCKING_TIMEOUT (60 s) bounds it
+    assert backends.join_discards(timeout=90)
+
+
 class _OneRank:
     """The membership of a job of one rank, for a layer-1 group without a coordinator."""
-    rank, store, heartbeat_timeout, heartbeat_interval = 0, None, 1.0, 0.1
+    rank, heartbeat_timeout, heartbeat_interval = 0, 1.0, 0.1
+
+    def __init__(self):
+        self.store = dist.HashStore()
 
     def epoch(self):
         return 0
@@ -84,20 +111,18 @@ class _OneRank:
 
 
 @pytest.mark.timeout(120)
-def test_a_resilient_nccl_group_leaves_the_host_free_and_its_watchdog_latches_an_overdue_op():
+def test_a_resilient_nccl_group_leaves_the_host_free_and_times_only_what_could_start(
+        recovery_env):
+    """wait() only makes the stream wait; device time queued *before* a collective does not
+    count against its deadline ([I] 5: the CUDA-event ready probe)."""
     import time
 
     from recover_patches.collectives import backends
-    from recover_patches.collectives.errors import PeerFailure
     from recover_patches.collectives.process_group import ResilientProcessGroup
 
     group = ResilientProcessGroup("gpu.one", (0,), membership=_OneRank(), timeout=10.0,
-                                  backend="nccl", verdict_timeout=0.0, connect=False)
-    group._inner = backends.build("nccl", dist.HashStore(), 0, 1, build_timeout=60, op_timeout=10)
-    group._failure, group._epoch = None, 0  # as after a build in epoch 0
+                                  backend="nccl", verdict_timeout=0.0)
     t = torch.ones(4, device="cuda")
-    group.allreduce([t]).wait()  # warm-up: communicator set-up
-    torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))  # about a second of device time queued before the collective
     start = time.perf_counter()
     group.allreduce([t]).wait()
@@ -105,17 +130,12 @@ def test_a_resilient_nccl_group_leaves_the_host_free_and_its_watchdog_latches_an
     torch.cuda.synchronize()
     assert host < 0.2, f"wait() held the host {host:.3f}s: it must only make the stream wait"
     assert t.tolist() == [1.0] * 4
-    group.raise_latched()  # nothing latched
-
-    group.timeout = 0.3  # now the queued sleep outlasts the deadline: the watchdog steps in
+    group.timeout = 0.3  # far shorter than the compute queued before the next collective
     torch.cuda._sleep(int(4e9))
     group.allreduce([t]).wait()
-    deadline = time.monotonic() + 10
-    while group._latched is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with pytest.raises(PeerFailure, match="deadline"):
-        group.raise_latched()
-    torch.cuda.synchronize()  # the aborted communicator does not leave the device hung
+    torch.cuda.synchronize()
+    time.sleep(0.2)  # a sweep or more after the collective ended
+    group.raise_latched()  # nothing latched: the collective itself took microseconds
     group.shutdown()
     assert backends.join_discards(timeout=60)
 

@@ -1,0 +1,11 @@
+# Sourced by scripts/gpu/*.sh: the machine's python3 with its CUDA torch (not the pinned CPU .venv);
+# a machine without network gets the other packages as wheels in .whl/, made where pip works:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       megatron-core==0.16.1 pytest-timeout
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/recover-site .whl/*.whl
+    export PYTHONPATH="/tmp/recover-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
