@@ -7,9 +7,9 @@ destructor waits for in-flight work up to the timeout, so it runs on a backgroun
 
 NCCL (GPU; see DESIGN §17 for what torch 2.13 does on its own): the rank's environment was set
 by `nccl_env` before any group existed. A backend is connected *inside* the rebuild's bounds:
-non-blocking init, the NCCL unique id fetched from a store client whose timeout is the rebuild's,
-the communicator created eagerly and proven by a one-element all-reduce, all on a helper thread
-the rebuild stops waiting for at its deadline. Otherwise a member that died before first use
+non-blocking init, the NCCL unique id fetched from a store client whose timeout is the operation
+timeout, the communicator created eagerly and proven by a one-element all-reduce, all on a helper
+thread the rebuild stops waiting for at that deadline. Otherwise a member that died before first use
 would surface mid-phase, as a wait of up to 30 minutes inside torch. A DP group whose member died
 is shrunk (`ncclCommShrink` with NCCL_SHRINK_ABORT) rather than re-created where the backend can.
 
@@ -94,28 +94,30 @@ def kind_of(name: str) -> Kind:
 
 def build(kind: str, store, prefix: str, rank: int, size: int, build_timeout: float,
           op_timeout: float):
-    """A connected backend under `prefix` of `store`, or RuntimeError within `build_timeout`
-    (+ a moment). gloo's construction is its own bounded rendezvous; an asynchronous backend
-    gets a store client bounded by `build_timeout` and is connected eagerly."""
+    """A connected backend under `prefix` of `store`, or RuntimeError. gloo's construction is its
+    own rendezvous, bounded by `build_timeout`. An asynchronous backend is built after its
+    members met (`rendezvous`): connecting is the only wait left, bounded like any operation by
+    `op_timeout` (--recover-timeout), store client and eager connect alike."""
     spec = kind_of(kind)
     if spec.host_waits:
         return spec.make(dist.PrefixStore(prefix, store), rank, size, build_timeout, op_timeout)
-    client = dist.PrefixStore(prefix, bounded_client(store, build_timeout))
+    client = dist.PrefixStore(prefix, bounded_client(store, op_timeout))
     backend = spec.make(client, rank, size, build_timeout, op_timeout)
-    connect_within(backend, spec.device(), build_timeout)
+    connect_within(backend, spec.device(), op_timeout)
     return backend
 
 
-def shrink(kind: str, parent, excluded: Sequence[int], build_timeout: float):
-    """A smaller communicator from `parent` without its `excluded` (group-local) ranks; the
-    parent's pending operations are aborted (NCCL_SHRINK_ABORT). RuntimeError on failure."""
+def shrink(kind: str, parent, excluded: Sequence[int], timeout: float):
+    """A smaller communicator from `parent` without its `excluded` (group-local) ranks, proven
+    within `timeout`; the parent's pending operations are aborted (NCCL_SHRINK_ABORT).
+    RuntimeError on failure."""
     spec = kind_of(kind)
     box: list = []
 
     def run() -> None:
         box.append(parent.shrink(sorted(excluded), SHRINK_ABORT, None))
-    _within(run, build_timeout, "shrink")
-    connect_within(box[0], spec.device(), build_timeout)
+    _within(run, timeout, "shrink")
+    connect_within(box[0], spec.device(), timeout)
     return box[0]
 
 

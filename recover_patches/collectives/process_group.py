@@ -209,7 +209,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             if plan.meeting.shrink and retired is not None:
                 excluded = [i for i, m in enumerate(retired.members) if m not in plan.members]
                 inner = backends.shrink(self.backend_kind, retired.backend, excluded,
-                                        self.build_timeout)
+                                        self.timeout)
             else:
                 inner = backends.build(self.backend_kind, self.membership.store,
                                        plan.prefix + "backend/",

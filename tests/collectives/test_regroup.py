@@ -104,25 +104,25 @@ def test_a_member_that_dies_before_first_use_fails_the_rebuild_within_its_bound(
     """[I] 3: the communicator is created eagerly inside the rebuild: a member gone before first
     use is a PeerFailure at the rebuild's deadline, not a hang at the group's first operation."""
     fabric.hang_connect = True
-    world, bound = FakeWorld(), 0.5
+    world, bound = FakeWorld(), 0.5  # --recover-timeout
     start = time.monotonic()
     with pytest.raises(PeerFailure, match="connect did not finish within 0.5s"):
         build_together(world, "tp.replica1.stage0", [(0, 1), (0, 1)],
-                       backend=fake_async.NAME, build_timeout=bound)
+                       backend=fake_async.NAME, timeout=bound, build_timeout=30.0)
     assert time.monotonic() - start < bound + 1.0
     assert [b.aborted.wait(1.0) for b in fabric.made] == [True, True]  # its threads let go
 
 
 def test_the_unique_id_exchange_waits_no_longer_than_the_rebuild(fabric):
-    """[I] 3: torch fetches the NCCL unique id with the store's own timeout (5 min for our
-    coordinator's): the backend is made on a store client bounded by the rebuild's timeout."""
+    """[I] 3: torch fetches the NCCL unique id with the store client's own timeout (30 s for
+    our coordinator's): the backend is made on a client bounded by the operation timeout."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10),
                           wait_for_workers=False)
     fabric.fetch_id = True  # member 1 waits for member 0's id, which never comes
     start = time.monotonic()
     with pytest.raises(Exception, match="(?i)timeout|timed out"):
-        backends.build(fake_async.NAME, store, "pg/tp/e1/", 1, 2, build_timeout=0.5,
-                       op_timeout=1.0)
+        backends.build(fake_async.NAME, store, "pg/tp/e1/", 1, 2, build_timeout=30.0,
+                       op_timeout=0.5)
     assert time.monotonic() - start < 1.5
     store.set("still", "usable")  # the shared client keeps its own timeout
     assert store.get("still") == b"usable"
