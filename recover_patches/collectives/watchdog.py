@@ -35,7 +35,10 @@ POLL_SECONDS = 0.02
 
 
 class AsyncWork(Protocol):
+    """What the watchdog reads of a torch Work (NCCL's; a test's fake)."""
     def is_completed(self) -> bool: ...
+
+    def get_future_result(self) -> Any: ...  # a Future of WorkResult; gloo raises RuntimeError
 
     def exception(self) -> Any: ...
 
