@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     make_group = (torch_group_factory if membership is None else resilient_group_factory(
         membership, args.recover_timeout, args.distributed_backend, connect=incarnation == 0))
     groups = build_groups(topology, rank, make_group, args.num_distributed_optimizer_instances
-                          if args.use_distributed_optimizer else None)
+                          if args.use_distributed_optimizer else None,
+                          channels=None if args.virtual_pipeline_model_parallel_size is None
+                          else "shared" if membership is None else "groups")
     tracker = install_rng_tracker(device, args.seed)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)

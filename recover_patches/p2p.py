@@ -6,6 +6,8 @@ before waiting on either, so neighbours that call the mirror-image pair never de
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -81,49 +83,77 @@ class StageLink:
         return None if x is None else x.requires_grad_()
 
 
-class ChunkP2P:
-    """`schedule.ChunkLink` over the replica's PP group: activations and gradients between virtual
-    stages (chunk c of rank r is virtual stage c * P + r; the last rank's chunk c feeds rank 0's
-    chunk c + 1). Receives block; sends are posted and left to complete while this rank computes,
-    which the interleaved order needs (a blocked send may hold up a receive a neighbour waits on).
-    Each (direction, receiving chunk) has its own tag, so a pair of ranks exchanging activations
-    and gradients of several chunks can never match one for another. gloo only: NCCL would run a
-    posted send and a later receive on one stream, one after the other."""
+@dataclass(frozen=True)
+class Channel:
+    """One direction of traffic between two pipeline ranks on a communicator of its own."""
+    group: object  # a ProcessGroup of the two ranks
+    peer: int  # the other end's rank in `group`
+    # gloo matches by (source, tag): channels sharing one group (no recovery, CPU only) differ
+    # by tag; a channel with a group of its own needs none
+    tag: int = 0
 
-    def __init__(self, group, rank: int, stages: int, chunks: int, shape: Sequence[int],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.group, self.rank, self.stages, self.chunks = group, rank, stages, chunks
+
+class ChunkP2P:
+    """`schedule.ChunkLink` between virtual stages (chunk c of rank r is virtual stage c * P + r;
+    the last rank's chunk c feeds rank 0's chunk c + 1), correct under NCCL's rules as well as
+    gloo's (issue [J]; `tests/test_p2p_nccl_rules.py` checks it under a model of NCCL).
+
+    NCCL ignores tags, matches a pair's messages in posting order and runs a rank's operations on
+    one communicator one after another, on one stream: over one communicator per pair of ranks, a
+    posted send would hold back the receives behind it, and an activation and a gradient of the
+    same shape could be matched one for the other. So every *channel* -- (kind, direction): this
+    rank's forward sends, forward receives, backward sends, backward receives -- has a
+    communicator of its own (`channels`), on which this rank only sends or only receives. Each
+    channel carries its messages in the order its receiver reads them (the schedule's order
+    guarantees it), so no tag is needed, and a send never holds back a receive. Receives block
+    (the compute needs them) and may be posted ahead (`post`: the schedule posts the next one
+    before computing, Megatron's overlap); sends are posted and left to complete while this rank
+    computes, until `flush` at the end of the schedule."""
+
+    def __init__(self, channels: Mapping[tuple[Kind, bool], Channel], rank: int, stages: int,
+                 chunks: int, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        """`channels[(kind, True)]`: where this rank sends `kind`; `[(kind, False)]`: where it
+        receives it from."""
+        self.channels, self.rank, self.stages, self.chunks = channels, rank, stages, chunks
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.last = stages * chunks - 1
-        # (work, tensor) until `flush` (the end of the schedule): a tensor must live until its send
-        # completes, and layer 1's works only implement wait(). At most one activation or
-        # gradient per action: the activations held for backward are more.
+        # (work, tensor) until `flush`: a tensor must live until its send completes, and layer
+        # 1's works only implement wait(). At most one activation or gradient per action.
         self._sends: list = []
+        self._posted: dict[tuple[Kind, int, int], tuple] = {}  # receives posted ahead
 
-    def _tag(self, backward: bool, receiving_virtual_stage: int) -> int:
-        return 2 * (receiving_virtual_stage // self.stages) + int(backward)
+    def _has_input(self, kind: Kind, chunk: int) -> bool:
+        v = chunk * self.stages + self.rank
+        return v != (self.last if kind is Kind.BACKWARD else 0)
+
+    def post(self, kind: Kind, chunk: int, index: int) -> None:
+        """Post the receive of (kind, chunk, index) now; `recv` of the same waits for it."""
+        if not self._has_input(kind, chunk) or (kind, chunk, index) in self._posted:
+            return
+        channel = self.channels[(kind, False)]
+        received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        work = dist.irecv(received, group=channel.group, group_src=channel.peer,
+                          tag=channel.tag)
+        assert work is not None  # None only for a rank outside the group
+        self._posted[(kind, chunk, index)] = (work, received)
 
     def recv(self, kind: Kind, chunk: int, index: int) -> torch.Tensor | None:
-        v = chunk * self.stages + self.rank
-        backward = kind is Kind.BACKWARD
-        if (v == self.last) if backward else (v == 0):
+        if not self._has_input(kind, chunk):
             return None
-        src = (self.rank + (1 if backward else -1)) % self.stages
-        received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        work = dist.irecv(received, group=self.group, group_src=src, tag=self._tag(backward, v))
-        assert work is not None  # None only for a rank outside the group
+        self.post(kind, chunk, index)
+        work, received = self._posted.pop((kind, chunk, index))
         work.wait()
-        return received if backward else received.requires_grad_()
+        return received if kind is Kind.BACKWARD else received.requires_grad_()
 
     def send(self, kind: Kind, chunk: int, index: int, tensor: torch.Tensor | None) -> None:
         v = chunk * self.stages + self.rank
-        backward = kind is Kind.BACKWARD
-        if tensor is None or ((v == 0) if backward else (v == self.last)):
+        if tensor is None or v == (0 if kind is Kind.BACKWARD else self.last):
             return
-        to = v - 1 if backward else v + 1
+        channel = self.channels[(kind, True)]
         outgoing = tensor.detach().contiguous()
-        work = dist.isend(outgoing, group=self.group, group_dst=to % self.stages,
-                          tag=self._tag(backward, to))
+        work = dist.isend(outgoing, group=channel.group, group_dst=channel.peer,
+                          tag=channel.tag)
         self._sends.append((work, outgoing))
 
     def flush(self) -> None:
@@ -132,4 +162,5 @@ class ChunkP2P:
             work.wait()
 
     def discard(self) -> None:
-        self._sends = []
+        """After a failure: the posted operations belong to broken groups."""
+        self._sends, self._posted = [], {}

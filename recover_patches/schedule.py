@@ -121,10 +121,13 @@ def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
 # -- running an order ---------------------------------------------------------------------------
 class ChunkLink(Protocol):
     """Activations and gradients between virtual stages. `recv` blocks and returns None where the
-    action has no input (virtual stage 0's forward, the last one's backward); `send` must not
-    block the receives after it (see the module docstring) and drops what has no receiver;
-    `flush` waits for every send; `discard` forgets the sends posted so far (after a failure:
-    they belong to a broken group, and a later schedule must not wait on them)."""
+    action has no input (virtual stage 0's forward, the last one's backward); `post` starts that
+    receive ahead of `recv` (a no-op where there is nothing to receive); `send` must not block
+    the receives after it (see the module docstring) and drops what has no receiver; `flush`
+    waits for every send; `discard` forgets the operations posted so far (after a failure: they
+    belong to a broken group, and a later schedule must not wait on them)."""
+
+    def post(self, kind: Kind, chunk: int, index: int) -> None: ...
 
     def recv(self, kind: Kind, chunk: int, index: int) -> torch.Tensor | None: ...
 
@@ -153,10 +156,12 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
     if ids:
         before_backwards(len(ids))
     try:
-        for a in order:
+        for i, a in enumerate(order):
             g, stage = ids[a.index], chunks[a.chunk]
             hook("p2p", g)
             received = link.recv(a.kind, a.chunk, a.index)
+            if i + 1 < len(order):  # Megatron's overlap: the next input arrives during this compute
+                link.post(order[i + 1].kind, order[i + 1].chunk, order[i + 1].index)
             if a.kind is Kind.FORWARD:
                 hook("forward", g)
                 y = stage.forward(g, received)

@@ -270,7 +270,7 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 # --- user errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flag", [
-    "--overlap-p2p-communication-warmup-flush", "--expert-model-parallel-size 2", "--num-experts 8",
+    "--expert-model-parallel-size 2", "--num-experts 8",
     "--fp8-format hybrid", "--use-flash-attn",
     "--context-parallel-size 2", "--optimizer sgd", "--cross-entropy-loss-fusion"])
 def test_unsupported_megatron_flag(flag):
@@ -552,7 +552,9 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
     (PP2 + ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], 2, "cpu",
      "--microbatch-group-size-per-virtual-pipeline-stage", "there is none"),
     (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 2, "cuda",
-     "--num-layers-per-virtual-pipeline-stage", "CPU (gloo) only"),
+     "--num-layers-per-virtual-pipeline-stage", "needs ReCoVer's launcher"),
+    (PP2 + ["--overlap-p2p-communication-warmup-flush"], 2, "cpu",
+     "--overlap-p2p-communication-warmup-flush", "model chunks"),
     (PP2 + ["--num-layers-per-virtual-pipeline-stage", "1",
             "--decoder-first-pipeline-num-layers", "2"], 2, "cpu",
      "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"),

@@ -124,6 +124,9 @@ class QueueLink:
         peer = v + step
         return peer if 0 <= peer <= self.last else None
 
+    def post(self, kind, chunk, index):
+        pass  # a queue's receive needs no posting
+
     def recv(self, kind, chunk, index):
         source = self._peer(kind, chunk, towards_input=True)
         if source is None:
@@ -216,6 +219,9 @@ class FailingLink:
 
     def __init__(self):
         self.receives, self.sent, self.discarded, self.flushed = 0, [], False, False
+
+    def post(self, kind, chunk, index):
+        pass
 
     def recv(self, kind, chunk, index):
         self.receives += 1

@@ -11,8 +11,10 @@ would assert on is one line naming the flag.
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron.training.arguments_errors import ArgumentError
+from megatron.training.arguments_recover import COORDINATOR_ENV
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
@@ -31,6 +33,11 @@ def add_pipeline_split_args(g: argparse._ArgumentGroup) -> None:
                    help="Megatron: blocking p2p in the interleaved schedule. ReCoVer's interleaved "
                         "schedule always posts its sends asynchronously, so with model chunks this "
                         "is refused; without them it changes nothing, as in Megatron.")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
+                   dest="overlap_p2p_comm_warmup_flush",
+                   help="Megatron: overlap p2p with compute in the interleaved schedule's warm-up "
+                        "and flush too. ReCoVer's interleaved schedule does in every phase (the "
+                        "next receive is posted before each compute, sends never block).")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="Layers on the first pipeline stage (the rest split evenly).")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
@@ -80,6 +87,11 @@ def validate_pipeline_split(args: argparse.Namespace) -> None:
         chunks = accounted // pp // per_layer
     vp = chunks if chunks is not None and chunks > 1 else None
     args.virtual_pipeline_model_parallel_size = vp
+    if args.overlap_p2p_comm_warmup_flush and (vp is None or not args.overlap_p2p_comm):
+        raise ArgumentError("--overlap-p2p-communication-warmup-flush", "--overlap-p2p-"
+                            "communication-warmup-flush overlaps the interleaved schedule's p2p "
+                            "(Megatron's rule: with model chunks and p2p overlap)",
+                            f"add {_VP_FLAGS} and drop --no-overlap-p2p-communication, or drop it")
     if vp is not None:
         _validate_interleaved(args, pp, vp, accounted, uneven)
     else:
@@ -140,10 +152,13 @@ def _validate_interleaved(args, pp: int, vp: int, accounted: int, uneven: bool) 
 
 
 def validate_pipeline_backend(args: argparse.Namespace) -> None:
-    """After the device flags: the interleaved schedule's p2p needs sends that never hold back a
-    later receive. gloo's do (tested on CPU); NCCL runs a rank's p2p kernels in order on one
-    stream, and nothing else has run on a GPU, so VP > 1 is CPU-only for now."""
-    if args.virtual_pipeline_model_parallel_size is not None and args.device == "cuda":
-        raise ArgumentError(_VP_FLAGS.split(" / ")[0], "the interleaved schedule runs on CPU (gloo) "
-                            "only in this version: on NCCL a posted send would hold back the "
-                            "receives behind it", "run it on CPU, or drop the flag (1F1B)")
+    """After the device flags: on NCCL the interleaved schedule needs its p2p channels as groups
+    of their own (p2p.ChunkP2P: NCCL ignores tags and runs a group's operations on one stream).
+    ReCoVer's groups can be that; torch's own groups, used without the coordinator, are named by
+    their ranks, so two groups of the same two ranks cannot exist."""
+    if args.virtual_pipeline_model_parallel_size is not None and args.device == "cuda" and \
+            not (args.coordinator_addr or os.environ.get(COORDINATOR_ENV)):
+        raise ArgumentError(_VP_FLAGS.split(" / ")[0], "the interleaved schedule on a GPU needs "
+                            "ReCoVer's launcher (its p2p channels are groups of their own, which "
+                            "torch's groups cannot name apart)", "start it with `python -m "
+                            "recover_patches.launch` (the coordinator on), or drop the flag (1F1B)")

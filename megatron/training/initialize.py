@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -18,6 +18,8 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from recover_patches.collectives.rendezvous import Regrouped
+from recover_patches.interleaved import Kind
+from recover_patches.p2p import Channel
 from recover_patches.topology import Coord, Topology
 
 GroupFactory = Callable[[str, Sequence[int]], dist.ProcessGroup]
@@ -61,6 +63,9 @@ class ParallelGroups:
     per_instance: int = 0  # replicas per instance (instance of replica r: r // per_instance)
     # the DP ranks at this rank's place in every instance: its gradient range summed across them
     position: dist.ProcessGroup | None = None
+    # model chunks (the interleaved schedule): a communicator per p2p channel, see p2p.ChunkP2P;
+    # (kind, this rank sends) -> its channel, in creation order
+    channels: dict[tuple[Kind, bool], Channel] = field(default_factory=dict)
 
     @property
     def is_first_stage(self) -> bool:
@@ -73,8 +78,8 @@ class ParallelGroups:
     def all_groups(self) -> list[dist.ProcessGroup]:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
         groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group,
-                  self.instance, self.position]
-        return [g for g in groups if g is not None]
+                  self.instance, self.position, *(c.group for c in self.channels.values())]
+        return list({id(g): g for g in groups if g is not None}.values())  # shared channels: once
 
     def raise_latched(self) -> None:
         """Before the commit vote: a rank votes only for a reduction that really ended. On NCCL,
@@ -151,10 +156,36 @@ class ParallelGroups:
         return pgs
 
 
+def p2p_channels(topology: Topology, c: Coord, make_group: GroupFactory,
+                 shared: dist.ProcessGroup | None = None) -> dict[tuple[Kind, bool], Channel]:
+    """This rank's four p2p channels (forward and backward, sending and receiving), each a group
+    of its two ranks, created in one order on every rank ((kind, sending stage): no rendezvous
+    waits on a rank that waits on it). `shared`: the PP group for all four, told apart by tag --
+    torch's own groups (no coordinator) name a group by its ranks, so two groups of the same two
+    ranks would collide; gloo keeps that correct, NCCL would not (refused on a GPU)."""
+    stages, by_stage = topology.pp, topology.pp_ranks(c.tp, c.replica)
+    s = c.pp
+    after, before = (s + 1) % stages, (s - 1) % stages  # wrapping: chunk c's last -> c+1's first
+    mine = {(Kind.FORWARD, True): (s, after), (Kind.FORWARD, False): (before, s),
+            (Kind.BACKWARD, True): (s, before), (Kind.BACKWARD, False): (after, s)}
+    channels = {}
+    for (kind, sends), (src, dst) in sorted(mine.items(), key=lambda e: (e[0][0].value, e[1][0])):
+        peer = dst if sends else src
+        if shared is not None:
+            channels[(kind, sends)] = Channel(shared, peer, tag=int(kind is Kind.BACKWARD))
+            continue
+        members = sorted({by_stage[src], by_stage[dst]})
+        group = make_group(f"p2p.replica{c.replica}.tp{c.tp}.{kind.value}{src}to{dst}", members)
+        channels[(kind, sends)] = Channel(group, members.index(by_stage[peer]))
+    return channels
+
+
 def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
-                 optimizer_instances: int | None = None) -> ParallelGroups:
+                 optimizer_instances: int | None = None, channels: str | None = None
+                 ) -> ParallelGroups:
     """optimizer_instances K (--use-distributed-optimizer): also the group of this rank's instance,
-    DP / K consecutive replicas."""
+    DP / K consecutive replicas. channels (model chunks): "groups" for the p2p channel groups of
+    `p2p_channels`, "shared" for channels over the PP group (torch's own groups)."""
     c = topology.coord(rank)
     tp = make_group(f"tp.replica{c.replica}.stage{c.pp}", topology.tp_ranks(c.replica, c.pp))
     pp = make_group(f"pp.replica{c.replica}.tp{c.tp}", topology.pp_ranks(c.tp, c.replica))
@@ -175,7 +206,9 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
         position = make_group(f"distopt.tp{c.tp}.stage{c.pp}.place{place}",
                               topology.dp_ranks(c.tp, c.pp, range(place, topology.dp, size)))
     return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
-                          size, position)
+                          size, position, p2p_channels(topology, c, make_group,
+                                                       pp if channels == "shared" else None)
+                          if channels and topology.pp > 1 else {})
 
 
 def env_rank_world() -> tuple[int, int]:

@@ -570,7 +570,7 @@ def link_for(args, groups: ParallelGroups, device) -> StageLink | ChunkP2P:
     hidden], in the training dtype; between virtual stages with model chunks."""
     seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     if args.virtual_pipeline_model_parallel_size is not None:
-        return ChunkP2P(groups.pp, groups.coord.pp, groups.topology.pp,
+        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp,
                         args.virtual_pipeline_model_parallel_size,
                         (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
                         device=device)
