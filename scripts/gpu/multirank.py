@@ -14,7 +14,8 @@ NCCL communicator inits ("Init COMPLETE" with NCCL_DEBUG=INFO, all ranks) of eac
 kill run's inits minus the free run's are what its recovery created. --survive-minutes M adds
 one kill run at (2,1,2) that trains on for M minutes after the failure: torch's heartbeat
 monitor, left on, would end a survivor about 8 minutes after an NCCL error.
---quick: only (2,1,2), free and kill. Results: OUT/summary.json and one line per run on stdout;
+Then VP = 2 (issue [J]): (1,2,2) free and kill, (1,4,1) free, against one process of the same
+8-layer model. --quick: only (2,1,2), free and kill. Results: OUT/summary.json and one line per run on stdout;
 exit status 1 if any check failed.
 """
 from __future__ import annotations
@@ -94,17 +95,26 @@ def summarize(run: dict, problems: list[str]) -> dict:
     return run
 
 
-def plan(quick: bool) -> list[tuple[str, tuple, list[str]]]:
+VP2 = (("--num-layers", "8"), ("--num-virtual-stages-per-pipeline-rank", "2"))  # model, schedule
+
+
+def plan(quick: bool) -> list[tuple[str, tuple, list[str], tuple, tuple]]:
+    """(name, layout, faults, model flags, schedule flags); runs of one model share a reference."""
     runs = []
     for layout in ([(2, 1, 2)] if quick else LAYOUTS):
         tag = "x".join(map(str, layout))
-        runs.append((f"{tag}-free", layout, []))
+        runs.append((f"{tag}-free", layout, [], (), ()))
         if layout[2] >= 2:
             runs.append((f"{tag}-kill", layout,
-                         [f"kill:rank={victim(layout)},iter={FAIL_AT},phase=backward"]))
+                         [f"kill:rank={victim(layout)},iter={FAIL_AT},phase=backward"], (), ()))
             if not quick:
                 runs.append((f"{tag}-hang", layout,
-                              [f"hang:rank={victim(layout)},iter={FAIL_AT},phase=dp_reduce"]))
+                             [f"hang:rank={victim(layout)},iter={FAIL_AT},phase=dp_reduce"], (), ()))
+    if not quick:  # issue [J]: the interleaved schedule (VP = 2) over its p2p channels
+        runs.append(("1x2x2-vp2-free", (1, 2, 2), [], *VP2))
+        runs.append(("1x2x2-vp2-kill", (1, 2, 2),
+                     [f"kill:rank={victim((1, 2, 2))},iter={FAIL_AT},phase=backward"], *VP2))
+        runs.append(("1x4x1-vp2-free", (1, 4, 1), [], *VP2))
     return runs
 
 
@@ -114,13 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--survive-minutes", type=float, default=0.0)
     a = p.parse_args(argv)
-    ref = launch(a.out, "one-process", (1, 1, 1), ITERS, [], timeout=300)
-    reference = [r["lm_loss"] for r in ref["records"]]
-    results = [summarize(ref, check(ref, reference, ITERS) if len(reference) == ITERS
-                         else ["the one-process reference failed"])]
-    for name, layout, faults in plan(a.quick):
-        run = launch(a.out, name, layout, ITERS, faults, timeout=420)
-        results.append(summarize(run, check(run, reference, ITERS)))
+    references: dict[tuple, list[float]] = {}
+    results = []
+    for name, layout, faults, model, schedule in plan(a.quick):
+        if model not in references:  # one process, the same model and global batch
+            tag = "".join(f"-{v}" for v in model[1::2])  # "-8": the 8-layer model
+            ref = launch(a.out, f"one-process{tag}", (1, 1, 1), ITERS, [], timeout=300,
+                         extra=model)
+            references[model] = [r["lm_loss"] for r in ref["records"]]
+            results.append(summarize(ref, [] if len(references[model]) == ITERS
+                                     else ["the one-process reference failed"]))
+        run = launch(a.out, name, layout, ITERS, faults, timeout=420, extra=(*model, *schedule))
+        results.append(summarize(run, check(run, references[model], ITERS)))
     if a.survive_minutes > 0:
         run = launch(a.out, "2x1x2-survive", (2, 1, 2), 100_000,  # ends by the duration
                      [f"kill:rank={victim((2, 1, 2))},iter={FAIL_AT},phase=backward"],
