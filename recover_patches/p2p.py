@@ -1,8 +1,10 @@
 """Point-to-point activation/gradient exchange between neighbouring pipeline stages.
 
-Every transfer goes through the replica's PP process group (`group_dst`/`group_src` addressing, so
-the group object may be a wrapper that is rebuilt in place). Paired transfers post both operations
-before waiting on either, so neighbours that call the mirror-image pair never deadlock.
+1F1B (`StageLink`): every transfer goes through the replica's PP process group (`group_dst` /
+`group_src` addressing, so the group object may be a wrapper that is rebuilt in place); paired
+transfers post both operations before waiting on either, even stages sending first, so neighbours
+that call the mirror-image pair never deadlock, under NCCL's rules too. The interleaved schedule
+(`ChunkP2P`): one communicator per channel, see there.
 """
 from __future__ import annotations
 
