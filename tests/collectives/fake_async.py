@@ -10,6 +10,7 @@ is recorded in `Fabric.made`, every shrink in `Fabric.shrunk`.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -74,6 +75,10 @@ class Fabric:
     shrinkable: bool = False  # supports_shrinking (NCCL >= 2.27)
     complete: bool = True  # works complete (and publish SUCCESS) as they are issued
     fetch_id: bool = False  # members > 0 fetch the unique id from the store, as NCCL's do
+    connect_seconds: float = 0.0  # how long an eager connect takes (NCCL: 1-10 s across nodes)
+    connecting: int = 0  # eager connects running now, and the most that ever ran at once
+    most_connecting: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class FakeBackend:
@@ -97,6 +102,13 @@ class FakeBackend:
     def eager_connect_single_device(self, device) -> None:
         if self.fabric.hang_connect:
             self.aborted.wait()  # as NCCL's waitReady: stuck until the communicator is aborted
+        fabric = self.fabric
+        with fabric.lock:
+            fabric.connecting += 1
+            fabric.most_connecting = max(fabric.most_connecting, fabric.connecting)
+        time.sleep(fabric.connect_seconds)
+        with fabric.lock:
+            fabric.connecting -= 1
         self.connected = True
 
     def allreduce(self, tensors, opts=None) -> FakeWork:

@@ -126,3 +126,32 @@ def test_the_unique_id_exchange_waits_no_longer_than_the_rebuild(fabric):
     assert time.monotonic() - start < 1.5
     store.set("still", "usable")  # the shared client keeps its own timeout
     assert store.get("still") == b"usable"
+
+
+def test_a_regroup_connects_its_rebuilt_communicators_concurrently(fabric):
+    """[I] 4: NCCL takes seconds per communicator; the groups a recovery rebuilds connect at
+    once, not one after another (the fake counts how many eager connects overlap)."""
+    from megatron.training.initialize import build_groups
+    from recover_patches.collectives.process_group import ResilientProcessGroup
+    from recover_patches.topology import Topology
+
+    world, topology = FakeWorld(), Topology(tp=2, pp=1, dp=2)
+
+    def groups_of(rank: int):
+        def make(name, ranks):
+            return ResilientProcessGroup(name, ranks, membership=world.member(rank), timeout=5.0,
+                                         backend=fake_async.NAME, build_timeout=5.0,
+                                         verdict_timeout=0.0)
+        return build_groups(topology, rank, make)
+    everyone = together([lambda r=r: groups_of(r) for r in range(4)])
+    try:
+        fabric.connect_seconds, fabric.most_connecting = 0.05, 0
+        for groups in everyone:  # every rank left mid-execute: every group is rebuilt
+            groups.abandon("execute")
+        reports = together([lambda g=g: g.regroup([0, 1], 0, "recover/1") for g in everyone])
+        assert len(reports[0].rebuilt) == len(everyone[0].all_groups()) == 5
+        assert fabric.most_connecting > 4, fabric.most_connecting  # > one per rank at a time
+    finally:
+        for groups in everyone:
+            for g in groups.all_groups():
+                g.shutdown()
