@@ -194,6 +194,27 @@ def test_a_failure_latched_after_the_reduction_returned_aborts_the_commit():
     assert out.totals.microbatches == 8 and out.ids == IDS
 
 
+def test_a_failure_in_the_step_is_seen_in_step_and_casts_no_late_vote():
+    """The commit was decided before the step: a collective failing inside it (e.g. a peer of
+    the distributed optimizer's all-gather died) must not vote on that decided key again."""
+    job = FakeJob(me=0, script={})
+    votes: list[bool] = []
+    job.commit_vote = lambda key, members, reduced_ok, news=False: (
+        votes.append(reduced_ok) or Decision.COMMIT)
+    steps = []
+
+    def step(reduced):
+        steps.append(reduced)
+        if len(steps) == 1:
+            job.script[job.round] = ("", {2})  # the epoch that follows declares replica 2 dead
+            raise PeerFailure(0, {2}, "distopt.position.allgather")
+        return {"loss": reduced.totals.loss_sum}
+    tx = job.transaction()
+    tx.step = step
+    out = tx.run(6, IDS)
+    assert out.recoveries[0].phase == "step" and False not in votes, (out.recoveries, votes)
+
+
 def test_a_replica_with_incomplete_weights_computes_its_quota_after_recovery():
     # replica 1 died in the distributed optimizer's all-gather after iteration 5's step: replica
     # 0's weights miss its slice, so it computes nothing until the rebuild has re-sharded

@@ -193,7 +193,9 @@ class IterationTransaction:
                 failure = err
                 if self.on_failure is not None:
                     self.on_failure(err, phase)
-                if phase != "commit":  # tell the others no commit is possible this round
+                # before the vote, tell the others no commit is possible this round; from the
+                # step on, the vote is over (it was a commit)
+                if phase not in ("commit", "step"):
                     self.agreement.commit_vote(f"{iteration}/after{self._attempts}", m.members(),
                                                False)
             if round_ > 0:  # recovery rounds are atomic: undo this one's partial work
