@@ -138,10 +138,21 @@ class ChunkLink(Protocol):
     def discard(self) -> None: ...
 
 
+def _posting_ahead(order: Sequence, warmup_flush: bool) -> range:
+    """The positions after which the next action's receive is posted before the compute:
+    Megatron overlaps p2p in the steady phase (from the first backward to the last forward),
+    and in the warm-up and the flush too with --overlap-p2p-communication-warmup-flush."""
+    if warmup_flush:
+        return range(len(order) - 1)
+    first_backward = next((i for i, a in enumerate(order) if a.kind is Kind.BACKWARD), len(order))
+    last_forward = max((i for i, a in enumerate(order) if a.kind is Kind.FORWARD), default=-1)
+    return range(first_backward, min(last_forward + 1, len(order) - 1))
+
+
 def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *, rank: int,
                     stages: int, group: int, hook: PhaseHook = _no_hook,
-                    before_backwards: Callable[[int], None] = lambda backwards: None
-                    ) -> ScheduleResult:
+                    before_backwards: Callable[[int], None] = lambda backwards: None,
+                    overlap_warmup_flush: bool = False) -> ScheduleResult:
     """This rank's part of the interleaved schedule over `ids`: `chunks[c]` is its model chunk c
     (virtual stage c * stages + rank). A microbatch counts as done here when its chunk-0 backward
     ends; its loss is taken on the last virtual stage. `before_backwards(n)` runs before the
@@ -150,6 +161,7 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
     other chunks still run (--overlap-grad-reduce)."""
     order = interleaved_orders(len(ids), stages, len(chunks),
                                best_group(len(ids), stages, len(chunks), group))[rank]
+    ahead = _posting_ahead(order, overlap_warmup_flush)
     last = stages * len(chunks) - 1
     in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     result = ScheduleResult()
@@ -160,7 +172,7 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
             g, stage = ids[a.index], chunks[a.chunk]
             hook("p2p", g)
             received = link.recv(a.kind, a.chunk, a.index)
-            if i + 1 < len(order):  # Megatron's overlap: the next input arrives during this compute
+            if i in ahead:  # Megatron's overlap: the next input arrives during this compute
                 link.post(order[i + 1].kind, order[i + 1].chunk, order[i + 1].index)
             if a.kind is Kind.FORWARD:
                 hook("forward", g)

@@ -40,8 +40,6 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
     "overlap_p2p_comm": "--no-overlap-p2p-communication is refused with model chunks (the "
                         "interleaved schedule's sends are always asynchronous); without them it "
                         "means nothing in Megatron-LM either",
-    "overlap_p2p_comm_warmup_flush": "the interleaved schedule overlaps its p2p in warm-up and "
-                                     "flush always (p2p.ChunkP2P); checked like Megatron's rule",
 }
 
 

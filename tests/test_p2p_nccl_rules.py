@@ -56,12 +56,15 @@ class Recorder:
         return 1
 
 
-def interleaved_logs(n: int, stages: int, chunks: int, group: int) -> list[list[tuple]]:
+def interleaved_logs(n: int, stages: int, chunks: int, group: int,
+                     warmup_flush: bool = True) -> list[list[tuple]]:
+    """`warmup_flush`: --overlap-p2p-communication-warmup-flush (receives posted ahead in every
+    phase; without it, in the steady phase only)."""
     logs = []
     for rank in range(stages):
         recorder = Recorder()
         run_interleaved(list(range(n)), [recorder] * chunks, recorder, rank=rank, stages=stages,
-                        group=group)
+                        group=group, overlap_warmup_flush=warmup_flush)
         logs.append(recorder.log)
     return logs
 
@@ -125,10 +128,11 @@ def shapes() -> list[tuple[int, int, int, int]]:
     return sorted(found)
 
 
-def test_the_interleaved_schedule_over_channels_meets_nccls_rules():
+@pytest.mark.parametrize("warmup_flush", [True, False])
+def test_the_interleaved_schedule_over_channels_meets_nccls_rules(warmup_flush):
     cases = shapes()
-    problems = {case: check(chunk_programs(interleaved_logs(*case), case[1], case[2], channels))
-                for case in cases}
+    problems = {case: check(chunk_programs(interleaved_logs(*case, warmup_flush), case[1],
+                                           case[2], channels)) for case in cases}
     assert {case: p for case, p in problems.items() if p} == {}
     assert len(cases) > 150  # every shape above, none deadlocked, none swapped
     print(f"\n{len(cases)} interleaved cases under NCCL's rules over channels: "
@@ -265,3 +269,15 @@ def test_a_dead_neighbour_is_a_peer_failure_of_the_channel():
     finally:
         fake_async.uninstall()
         assert backends.join_discards(5.0)
+
+
+def test_receives_are_posted_ahead_in_warm_up_and_flush_only_with_the_flag():
+    """--overlap-p2p-communication-warmup-flush with Megatron's meaning: without it, the next
+    receive is posted ahead only from the first backward to the last forward."""
+    def posted(warmup_flush: bool) -> list[int]:
+        log = interleaved_logs(8, 4, 2, 4, warmup_flush)[0]
+        actions = [i for i, e in enumerate(log) if e[0] == "recv"]
+        return [sum(1 for e in log[:at] if e[0] == "post") for at in actions]
+    steady_only, everywhere = posted(False), posted(True)
+    assert steady_only[1] == 0 and everywhere[1] == 1  # the warm-up's second receive
+    assert steady_only[-1] < everywhere[-1]  # fewer posted ahead overall

@@ -35,9 +35,9 @@ def add_pipeline_split_args(g: argparse._ArgumentGroup) -> None:
                         "is refused; without them it changes nothing, as in Megatron.")
     g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
                    dest="overlap_p2p_comm_warmup_flush",
-                   help="Megatron: overlap p2p with compute in the interleaved schedule's warm-up "
-                        "and flush too. ReCoVer's interleaved schedule does in every phase (the "
-                        "next receive is posted before each compute, sends never block).")
+                   help="Overlap p2p with compute in the interleaved schedule's warm-up and "
+                        "flush too, not only in its steady phase (the next receive is posted "
+                        "before the compute; sends never block).")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="Layers on the first pipeline stage (the rest split evenly).")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,

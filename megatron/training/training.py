@@ -157,7 +157,8 @@ class Trainer:
             done = run_interleaved(ids, self.train_stages, self.link, rank=self.groups.coord.pp,
                                    stages=self.groups.topology.pp,
                                    group=self.args.microbatch_group_size_per_vp_stage,
-                                   hook=self.hook, before_backwards=self.grads.arm)
+                                   hook=self.hook, before_backwards=self.grads.arm,
+                                   overlap_warmup_flush=self.args.overlap_p2p_comm_warmup_flush)
         else:
             done = run_1f1b(ids, self.train_stages[0], self.link, self.hook, self.grads.arm)
         self.clock.stop(len(ids))
