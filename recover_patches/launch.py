@@ -272,6 +272,23 @@ def fork_rank(script: str, script_args: list[str], env: dict[str, str], warm: bo
     return pid
 
 
+def coordinator_for(args: argparse.Namespace):
+    """Start or join the membership coordinator (none with --no-coordinator); it and what every
+    rank's environment gets from it: its address and token, and torch's NCCL settings for
+    in-job recovery (set before any group exists). Raises CoordinatorError."""
+    if args.no_coordinator:
+        return None, {}
+    from recover_patches.collectives import nccl_env
+    from recover_patches.collectives.launcher_link import start_or_join_coordinator
+    token = args.job_token or os.environ.get("RECOVER_JOB_TOKEN") or secrets.token_hex(16)
+    coordinator = start_or_join_coordinator(args, token)
+    extra_env = {**coordinator.env(), **nccl_env.required()}
+    if coordinator.pid is not None:
+        logger.info(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
+        extra_env["RECOVER_COORDINATOR_PID"] = str(coordinator.pid)  # the `coordinator` fault
+    return coordinator, extra_env
+
+
 def main(argv: list[str] | None = None) -> int:
     configure(stream="stderr")
     args = build_parser().parse_args(argv)
@@ -284,23 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() leaves forks usable
     warm = preload(args.preload)
 
-    coordinator = None
-    extra_env: dict[str, str] = {}
-    if not args.no_coordinator:
-        from recover_patches.collectives.errors import CoordinatorError
-        from recover_patches.collectives.launcher_link import start_or_join_coordinator
-        token = args.job_token or os.environ.get("RECOVER_JOB_TOKEN") or secrets.token_hex(16)
-        try:
-            coordinator = start_or_join_coordinator(args, token)
-        except CoordinatorError as e:
-            logger.error(str(e))
-            return 2
-        extra_env = coordinator.env()
-        from recover_patches.collectives import nccl_env  # in every rank before any group exists
-        extra_env.update(nccl_env.required())
-        if coordinator.pid is not None:
-            logger.info(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")
-            extra_env["RECOVER_COORDINATOR_PID"] = str(coordinator.pid)  # the `coordinator` fault
+    from recover_patches.collectives.errors import CoordinatorError  # (cheap: no torch)
+    try:
+        coordinator, extra_env = coordinator_for(args)
+    except CoordinatorError as e:
+        logger.error(str(e))
+        return 2
     if args.master_port == 0:  # after the coordinator bound its own port 0: never the same one
         args.master_port = free_port(args.master_addr)
     # Block termination signals while forking: a child must not run the launcher's handler in
@@ -333,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
 
+    return supervise(args, ranks, respawn, coordinator, stop_signals)
+
+
+def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
+              stop_signals: set) -> int:
+    """Watch the ranks until they end (forwarding SIGTERM/SIGINT, replacing dead ones), tell the
+    coordinator, and turn their exits into the launcher's status."""
     link = None
     if coordinator is not None:
         try:
