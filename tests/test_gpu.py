@@ -81,35 +81,6 @@ def test_a_member_missing_at_connect_fails_the_build_within_its_bound(recovery_e
     assert backends.join_discards(timeout=90)
 
 
-class _OneRank:
-    """The membership of a job of one rank, for a layer-1 group without a coordinator."""
-    rank, heartbeat_timeout, heartbeat_interval = 0, 1.0, 0.1
-
-    def __init__(self):
-        self.store = dist.HashStore()
-
-    def epoch(self):
-        return 0
-
-    def view(self):
-        return 0, frozenset()
-
-    def dead_ranks(self):
-        return frozenset()
-
-    def mark(self, where, iteration=None, microbatch=None):
-        pass
-
-    def add_listener(self, _listener):
-        pass
-
-    def remove_listener(self, _listener):
-        pass
-
-    def report_failure(self, _suspects, _where):
-        pass
-
-
 @pytest.mark.timeout(120)
 def test_a_resilient_nccl_group_leaves_the_host_free_and_times_only_what_could_start(
         recovery_env):
@@ -119,8 +90,9 @@ def test_a_resilient_nccl_group_leaves_the_host_free_and_times_only_what_could_s
 
     from recover_patches.collectives import backends
     from recover_patches.collectives.process_group import ResilientProcessGroup
+    from tests.collectives.fake_world import FakeWorld
 
-    group = ResilientProcessGroup("gpu.one", (0,), membership=_OneRank(), timeout=10.0,
+    group = ResilientProcessGroup("gpu.one", (0,), membership=FakeWorld().member(0), timeout=10.0,
                                   backend="nccl", verdict_timeout=0.0)
     t = torch.ones(4, device="cuda")
     torch.cuda._sleep(int(2e9))  # about a second of device time queued before the collective
