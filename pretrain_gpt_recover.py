@@ -141,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.model import build_model, memory_note
     from megatron.training.distributed_optimizer import ShardedAdamW
     from megatron.training.optimizer import build_optimizer, build_scheduler
-    from megatron.training.training import (Trainer, WeightMismatch, build_grad_buffer,
+    from megatron.training.replica_step import WeightMismatch
+    from megatron.training.training import (Trainer, build_grad_buffer,
                                             build_stages, link_for, replica_vote)
     from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
     from megatron.training.state_transfer import receive_state, send_state
     from recover_patches.recovery.grow import GrowBack, JobComplete, JobStopped
     from recover_patches.recovery.iteration import ReplicaLost, TooFewReplicas
-    from recover_patches.rng import install_rng_tracker
+    from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
 
     torch.set_num_threads(1)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         assert membership is not None and trainer.agreement is not None
         trainer.grow = GrowBack(
             live=trainer.live, agreement=trainer.agreement, membership=membership,
-            abandon=groups.abandon, rebuild=trainer.rebuild,
+            abandon=groups.abandon, rebuild=trainer.replica.rebuild,
             send_state=lambda replica: send_state(trainer, replica),
             receive_state=lambda replica: receive_state(trainer, replica), hook=trainer.hook)
     if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `scripts.*`
 
 
 def read(path: Path) -> dict[int, dict]:
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
               f"joined (state from replica {join['donor']}, survivors paused "
               f"{join['seconds']['pause'] * 1000:.0f} ms)")
 
-    from recover_patches.plot import pyplot
+    from scripts.plot import pyplot
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([i for i in sorted(ref)], [ref[i]["lm_loss"] for i in sorted(ref)],

@@ -12,11 +12,11 @@ from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.model import build_model
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.training.training import build_stages
-from recover_patches.p2p import StageLink
+from recover_patches.pipeline.p2p import StageLink
 from recover_patches.recovery.grad_buffer import GradBuffer
 from recover_patches.recovery.reduce import Totals, check_commit
-from recover_patches.rng import install_rng_tracker
-from recover_patches.schedule import run_1f1b
+from recover_patches.pipeline.rng import install_rng_tracker
+from recover_patches.pipeline.schedule import run_1f1b
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT
 

@@ -23,7 +23,7 @@ from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.model import build_model
 from megatron.training.optimizer import build_optimizer, build_scheduler
 from megatron.training.training import TrainState
-from recover_patches.rng import install_rng_tracker
+from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT
 

@@ -24,7 +24,7 @@ from megatron.training.checkpointing import (
     rank_dir_name, read_latest, writer_rank)
 from megatron.training.optimizer import MainParamsAdamW
 from megatron.training.training import TrainState
-from recover_patches.rng import install_rng_tracker
+from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
 from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
 

@@ -119,8 +119,8 @@ def test_short_benchmark_accounts_consistently(tmp_path):
 
 
 # -- the simulator calibrated from the measured costs ---------------------------------------------
-from recover_patches.sim import SCENARIOS, SimConfigError  # noqa: E402
-from recover_patches.sim.calibration import MeasuredCosts, calibrate  # noqa: E402
+from scripts.sim import SCENARIOS, SimConfigError  # noqa: E402
+from scripts.sim.calibration import MeasuredCosts, calibrate  # noqa: E402
 
 MEASURED = {"iteration_seconds": 0.2, "recovery_seconds": 0.1, "checkpoint_save_seconds": 0.05,
             "restart_seconds": 10.0}

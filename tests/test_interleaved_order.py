@@ -9,7 +9,7 @@ from collections import deque
 import pytest
 import torch
 
-from recover_patches.interleaved import (Action, Kind, backward_sequence, best_group,
+from recover_patches.pipeline.interleaved import (Action, Kind, backward_sequence, best_group,
                                          forward_sequence, makespan,
                                          interleaved_orders, warmup)
 
@@ -184,7 +184,7 @@ def test_run_interleaved_over_a_link_gives_the_sequential_gradients(stages, chun
     import queue
     import threading
 
-    from recover_patches.schedule import run_interleaved
+    from recover_patches.pipeline.schedule import run_interleaved
 
     ids = [10 + 3 * i for i in range(n)]
     last = stages * chunks - 1
@@ -243,7 +243,7 @@ def test_a_failed_schedule_discards_its_posted_sends():
     """A rank that survives a failure in its schedule runs the next one on a rebuilt group: it
     must not wait there for sends posted into the broken one (negative control: without
     discarding, the link would still hold them)."""
-    from recover_patches.schedule import run_interleaved
+    from recover_patches.pipeline.schedule import run_interleaved
     link = FailingLink()
     with pytest.raises(ConnectionError):
         run_interleaved([1, 2, 3, 4], [ToyStage(1, 3), ToyStage(3, 3)], link, rank=1, stages=2,

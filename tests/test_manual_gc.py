@@ -24,7 +24,7 @@ class Loop:
 
     def run(self, iteration: int, ids: list[int]):
         self.events.append(("iteration", iteration, gc.isenabled()))
-        return SimpleNamespace(sync=None)
+        return SimpleNamespace(sync=None, step={"skipped_step": False})
 
     def microbatch_ids(self) -> list[int]:
         return [0]

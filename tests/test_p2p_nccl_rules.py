@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from recover_patches.interleaved import Kind, best_group
-from recover_patches.p2p import StageLink
-from recover_patches.schedule import run_1f1b, run_interleaved
+from recover_patches.pipeline.interleaved import Kind, best_group
+from recover_patches.pipeline.p2p import StageLink
+from recover_patches.pipeline.schedule import run_1f1b, run_interleaved
 from tests.nccl_p2p_model import Op, Program, check
 
 
@@ -246,7 +246,7 @@ def test_a_dead_neighbour_is_a_peer_failure_of_the_channel():
     from recover_patches.collectives import backends
     from recover_patches.collectives.errors import PeerFailure
     from recover_patches.collectives.watchdog import Watchdog
-    from recover_patches.p2p import Channel, ChunkP2P
+    from recover_patches.pipeline.p2p import Channel, ChunkP2P
     from tests.collectives import fake_async
     from tests.collectives.fake_world import FakeWorld, build_together
 

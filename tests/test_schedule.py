@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from recover_patches.schedule import run_1f1b, run_forward_only
+from recover_patches.pipeline.schedule import run_1f1b, run_forward_only
 
 
 class QueueLink:

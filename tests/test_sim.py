@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recover_patches.sim import (
+from scripts.sim import (
     SCENARIOS,
     STRATEGIES,
     SimConfig,

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recover_patches.loss import masked_loss_sum, vocab_parallel_cross_entropy
+from recover_patches.pipeline.loss import masked_loss_sum, vocab_parallel_cross_entropy
 from recover_patches.recovery.reduce import CommitError, Totals, check_commit
-from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
+from recover_patches.pipeline.sampler import MicrobatchSampler, first_microbatch_id
 from recover_patches.topology import Topology
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from recover_patches.collectives.rendezvous import Regrouped
+from recover_patches.collectives import Regrouped
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.agreement import Decision
 from recover_patches.recovery.iteration import (IterationTransaction, LiveReplicas, ReplicaLost,
                                                 TooFewReplicas)
 from recover_patches.recovery.grad_buffer import ReducedGradients
 from recover_patches.recovery.reduce import CommitError, Totals
-from recover_patches.schedule import ScheduleResult
+from recover_patches.pipeline.schedule import ScheduleResult
 from recover_patches.workload.policy import even_plan
 
 IDS = list(range(40, 48))  # M = 8
@@ -95,14 +95,20 @@ class FakeJob:
     def reset(self):
         self.resets += 1
 
+    def replica_any(self, flag):
+        return flag or self.peer_torn
+
+    def check_reduced(self):
+        pass
+
+    def snapshot(self):
+        return len(self.executed)
+
+    def restore(self, state):
+        self.restored.append(state)
+
     def transaction(self, drop=False) -> IterationTransaction:
-        return IterationTransaction(live=self.live, plan=self.plan, execute=self.execute,
-                                    reduce=self.reduce, step=self.step, agreement=self,
-                                    abandon=self.abandon, rebuild=self.rebuild,
-                                    refresh=self.refresh, reset=self.reset,
-                                    replica_any=lambda flag: flag or self.peer_torn,
-                                    snapshot=lambda: len(self.executed),
-                                    restore=self.restored.append, drop_lost=drop)
+        return IterationTransaction(live=self.live, replica=self, agreement=self, drop_lost=drop)
 
 
 def test_failure_free_iteration_commits_its_share():
@@ -187,7 +193,7 @@ def test_a_failure_latched_after_the_reduction_returned_aborts_the_commit():
         if job.round == 0:
             raise PeerFailure(0, {2}, "dp.allreduce", "no completion within the deadline")
     tx = job.transaction()
-    tx.check_reduced = check_reduced
+    job.check_reduced = check_reduced
     out = tx.run(6, IDS)
     assert votes[0] is False  # this rank told the others no commit is possible
     assert out.recoveries[0].phase == "reduce" and out.recoveries[0].lost_replicas == [2]
@@ -210,7 +216,7 @@ def test_a_failure_in_the_step_is_seen_in_step_and_casts_no_late_vote():
             raise PeerFailure(0, {2}, "distopt.position.allgather")
         return {"loss": reduced.totals.loss_sum}
     tx = job.transaction()
-    tx.step = step
+    job.step = step
     out = tx.run(6, IDS)
     assert out.recoveries[0].phase == "step" and False not in votes, (out.recoveries, votes)
 

@@ -163,7 +163,7 @@ def test_timer_ewma_and_wire_format():
 
 # -- the interleaved schedule's finish-time model (VP > 1) -----------------------------------------
 def test_finish_factor_is_1f1b_for_one_chunk_and_the_simulated_schedule_for_more():
-    from recover_patches.interleaved import makespan
+    from recover_patches.pipeline.interleaved import makespan
     from recover_patches.workload.policy import finish_factor
     assert [finish_factor(q, 4) for q in range(6)] == [0.0, 4.0, 5.0, 6.0, 7.0, 8.0]
     factors = [finish_factor(q, 4, chunks=2) for q in range(14)]
@@ -179,7 +179,7 @@ def test_finish_factor_is_1f1b_for_one_chunk_and_the_simulated_schedule_for_more
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_the_closed_form_from_pp_on_is_what_the_schedule_simulation_gives(stages, chunks):
     """finish_factor stops simulating at q = P: the schedule the executor runs must finish then."""
-    from recover_patches.interleaved import best_group, makespan
+    from recover_patches.pipeline.interleaved import best_group, makespan
     from recover_patches.workload.policy import finish_factor
     for group in (stages, stages + 1, 2 * stages):
         for q in range(1, 4 * stages + 3):

@@ -99,7 +99,7 @@ def write_atomically(path: Path, data: bytes) -> None:
 # -- what one rank's file holds ------------------------------------------------------------------
 def cpu_tracker():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    return get_cuda_rng_tracker()  # recover_patches.rng installs its device tracker in its place
+    return get_cuda_rng_tracker()  # recover_patches.pipeline.rng installs its device tracker in its place
 
 
 def rng_state() -> dict:
@@ -145,7 +145,7 @@ def from_stock_megatron(state: dict) -> dict:
 
 def apply_rank_state(trainer, state: dict, args) -> None:
     """Weights always; optimizer, schedule, RNG and progress unless --finetune / --no-load-*.
-    Dropout is reseeded per microbatch (recover_patches.rng), so exact resume needs the iteration
+    Dropout is reseeded per microbatch (recover_patches.pipeline.rng), so exact resume needs the iteration
     and consumed samples; the RNG streams are restored for anything else drawing from them."""
     for key, chunk in zip(checkpoint_keys(trainer.model), model_chunks(trainer.model)):
         chunk.load_state_dict(state[key], strict=True)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from recover_patches.collectives.rendezvous import Regrouped
-from recover_patches.interleaved import Kind
-from recover_patches.p2p import Channel
+from recover_patches.pipeline.interleaved import Kind
+from recover_patches.pipeline.p2p import Channel
 from recover_patches.topology import Coord, Topology
 
 GroupFactory = Callable[[str, Sequence[int]], dist.ProcessGroup]

@@ -32,7 +32,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
-from recover_patches.rng import derive_seed
+from recover_patches.pipeline.rng import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ def live_state(trainer) -> dict:
         "iteration": trainer.state.iteration,
         "consumed_samples": trainer.state.consumed_samples,
         "skipped_iterations": trainer.state.skipped_iterations,
-        "timings": {int(r): t for r, t in trainer.timings.items()},
+        "timings": {int(r): t for r, t in trainer.replica.timings.items()},
         "rng_state": {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()},
     }
 
@@ -44,7 +44,7 @@ def apply_live_state(trainer, state: dict) -> None:
     trainer.state.iteration = state["iteration"]
     trainer.state.consumed_samples = state["consumed_samples"]
     trainer.state.skipped_iterations = state["skipped_iterations"]
-    trainer.timings = dict(state["timings"])
+    trainer.replica.adopt_timings(state["timings"])
     torch.set_rng_state(state["rng_state"]["torch_cpu"])
     cpu_tracker().set_states(state["rng_state"]["tracker"])
     trainer.grads.zero()  # whatever a spare had accumulated when its replica broke

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,41 +22,23 @@ from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.model import model_chunks
-from megatron.training.execute_clock import ExecuteClock
-from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
-                                         flat_layout_for, global_grad_norm,
-                                         sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from megatron.training.optimizer import LossScaler, Optimizer, flat_layout_for
+from megatron.training.replica_step import GPTReplicaStep, StepConfig
 from recover_patches.collectives.errors import PeerFailure
-from recover_patches.collectives.rendezvous import Regrouped
 from recover_patches.faults import FaultInjector
-from recover_patches.p2p import ChunkP2P, StageLink
+from recover_patches.pipeline.p2p import ChunkP2P, StageLink
 from recover_patches.recovery.agreement import ReplicaLink, StoreAgreement
-from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
+from recover_patches.recovery.grad_buffer import GradBuffer
 from recover_patches.recovery.grow import GrowBack, JoinRecord
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
 from recover_patches.recovery.reduce import Totals
-from recover_patches.sampler import MicrobatchSampler, first_microbatch_id
-from recover_patches.schedule import (run_1f1b, run_forward_only, run_forward_only_interleaved,
-                                      run_interleaved)
-from recover_patches.stage import GPTStage
-from recover_patches.workload.policy import even_plan, stable_plan
+from recover_patches.pipeline.sampler import MicrobatchSampler, first_microbatch_id
+from recover_patches.pipeline.schedule import run_forward_only, run_forward_only_interleaved
+from recover_patches.pipeline.stage import GPTStage
+from recover_patches.workload.policy import even_plan
 from recover_patches.log import PLAIN
-from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
 
 logger = logging.getLogger(__name__)
-
-
-class WeightMismatch(RuntimeError):
-    """Replicas that applied the same gradients hold different weights: never a failure, a bug."""
-
-
-def weight_fingerprint(params: list[torch.Tensor]) -> int:
-    """64 bits of blake2b over the weights' exact bytes (host copies, as Megatron's own check
-    hashes them: an interval check, not a per-iteration cost). Never 0, which means "not sent"."""
-    digest = hashlib.blake2b(digest_size=8)
-    for p in params:
-        digest.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return int.from_bytes(digest.digest(), "little") | 1
 
 
 @dataclass
@@ -93,7 +73,6 @@ class Trainer:
 
     def __post_init__(self):
         topo, c = self.groups.topology, self.groups.coord
-        self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
         self.device = self.grads.device
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
                                  replica_ranks=topo.replica_ranks,
@@ -101,28 +80,14 @@ class Trainer:
                                  # with their replica
                                  min_replicas=topo.dp if self.one_optimizer_copy
                                  else self.args.recover_min_replicas, replicas=topo.dp)
-        self.timer = MicrobatchTimer(pipeline_depth=topo.pp, chunks=self.chunks,
-                                     group=self.args.microbatch_group_size_per_vp_stage or 0)
-        self.timings: dict[int, float | None] = {}
-        self.clock = ExecuteClock(self.device)  # compute time for layer 3's balance
+        self.replica = GPTReplicaStep(
+            StepConfig.from_args(self.args, recovering=self.agreement is not None), self.groups,
+            self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.link,
+            self.live, iteration=lambda: self.state.iteration, hook=self.hook)
         self._was_logging = False
         self._store_ops_seen = 0  # the agreement's count at the last record
         self._skipped_at_last_line = 0
-        self.faults.actions.update(inf=self.grads.poison, corrupt=self.corrupt_a_weight)
-        # the distributed optimizer's all-gather failed after a commit: this replica's weights
-        # miss slices that other instances hold (replica-agreed at the end of the step)
-        self.weights_stale = False
-        if isinstance(self.optimizer, ShardedAdamW):
-            self.optimizer.before_gather = lambda: self.hook("param_gather")
-            if self.args.overlap_param_gather:
-                self.optimizer.overlap = True
-                self.optimizer.wait_in_forward(self.model)
-        self.grads.scatter = self.scatter_while(self.live.live_replicas)
-
-    @property
-    def chunks(self) -> int:
-        """Model chunks per rank (layer 3's finish-time model depends on it)."""
-        return self.args.virtual_pipeline_model_parallel_size or 1
+        self.faults.actions.update(inf=self.grads.poison, corrupt=self.replica.corrupt_a_weight)
 
     @property
     def one_optimizer_copy(self) -> bool:
@@ -137,141 +102,6 @@ class Trainer:
     @property
     def is_logging_rank(self) -> bool:
         return self.groups.rank == min(self.live.members())
-
-    # -- the parts of the transaction --------------------------------------------------------
-    def plan(self, ids, replicas):
-        if self.args.recover_policy == "drop":
-            # the replica-dropping baseline: each replica keeps its failure-free share, the
-            # shares of dead replicas are simply not computed
-            return even_plan(ids, range(self.groups.topology.dp))
-        if self.args.recover_balance == "even":
-            return even_plan(ids, replicas)
-        return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10,
-                           chunks=self.chunks,
-                           group=self.args.microbatch_group_size_per_vp_stage or 0)
-
-    def execute(self, ids: list[int]):
-        self.model.train()
-        self.clock.start()
-        if isinstance(self.link, ChunkP2P):
-            done = run_interleaved(ids, self.train_stages, self.link, rank=self.groups.coord.pp,
-                                   stages=self.groups.topology.pp,
-                                   group=self.args.microbatch_group_size_per_vp_stage,
-                                   hook=self.hook, before_backwards=self.grads.arm,
-                                   overlap_warmup_flush=self.args.overlap_p2p_comm_warmup_flush)
-        else:
-            done = run_1f1b(ids, self.train_stages[0], self.link, self.hook, self.grads.arm)
-        self.clock.stop(len(ids))
-        return done
-
-    def reduce(self, local: Totals) -> ReducedGradients:
-        self.hook("dp_reduce")
-        # each replica's microbatch time rides in the last bucket, one slot per replica, and so
-        # does the weights' fingerprint when a check is due
-        fingerprint = 0
-        if self._weight_check_due():
-            self.weights_ready()
-            fingerprint = weight_fingerprint(self.params)
-        return self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
-                                 fingerprint)
-
-    def corrupt_a_weight(self) -> None:
-        """Fault injection (`corrupt`): one weight of this rank changes, as a bit flip would."""
-        with torch.no_grad():
-            model, main = self.optimizer.model_params[0], self.optimizer.main_params[0]
-            for weight in [model] if main is model else [model, main]:
-                weight.view(-1)[0] += 1.0
-
-    def _weight_check_due(self) -> bool:
-        """--check-weight-hash-across-dp-replicas-interval N: the weights after iteration k (a
-        multiple of N) are compared in iteration k + 1's reduction."""
-        interval = self.args.check_weight_hash_across_dp_replicas_interval
-        return bool(interval) and self.state.iteration > 0 and self.state.iteration % interval == 0
-
-    def check_weights_agree(self, reduced: ReducedGradients) -> None:
-        """Each DP group compares its shard; the replica group agrees on the verdict (one small
-        collective every N iterations), so every rank stops, not only the mismatched shard's."""
-        hashes = {r: reduced.replica_weight_hashes[r] for r in self.live.live_replicas}
-        mismatch = torch.tensor([int(len(set(hashes.values())) > 1)], device=self.device)
-        if self.groups.replica.size() > 1:
-            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.groups.replica)
-        if mismatch.item():
-            raise WeightMismatch(
-                f"after iteration {self.state.iteration} the data-parallel replicas hold "
-                f"different weights (fingerprints by replica: "
-                + ", ".join(f"{r}: {h:016x}" for r, h in hashes.items()) + " on this rank's "
-                "shard): a bug or silent data corruption; stopping")
-
-    def _measured_time(self) -> float:
-        seconds, executed = self.clock.take()
-        if executed and seconds > 0:
-            self.timer.update(seconds, executed)
-        return self.timer.to_wire()
-
-    def step(self, reduced: ReducedGradients) -> dict:
-        """Megatron's order: finalise the reduced grads (tied embeddings, sequence-parallel norms),
-        unscale, norm (the overflow check), clip, step -- or skip the step on an fp16 overflow."""
-        checked = self._weight_check_due()
-        if checked:
-            self.check_weights_agree(reduced)
-        grads = [self.grads.reduced_grad(p) for p in self.params]
-        sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
-        sync_sequence_parallel_grads(self.params, grads, self.groups.tp)
-        tokens = max(reduced.totals.tokens, 1)
-        scaler = self.optimizer.scaler
-        scale = 1.0 if scaler is None else scaler.scale
-        self.grads.reduced_grads.div_(tokens * scale)  # the global token mean: DESIGN §7
-        tp_rank, extra = self.groups.coord.tp, {}
-        if reduced.scattered:  # only this rank's ranges hold reduced gradients
-            assert isinstance(self.optimizer, ShardedAdamW)
-            grad_norm = self.optimizer.grad_norm(grads, self.groups.replica, tp_rank)
-            if self.args.log_num_zeros_in_grad:  # before clipping, as Megatron counts them
-                extra["num_zeros"] = self.optimizer.count_zeros(grads, self.groups.replica, tp_rank)
-        else:
-            grad_norm = global_grad_norm(self.params, grads, self.groups.replica, tp_rank)
-            if self.args.log_num_zeros_in_grad:
-                extra["num_zeros"] = count_zeros(self.params, grads, self.groups.replica, tp_rank)
-        overflow = not math.isfinite(grad_norm)
-        loss_scale = scale
-        if scaler is not None:
-            scaler.update(overflow)
-        skipped = overflow and scaler is not None  # same norm on every rank: same decision
-        if skipped:
-            self.state.skipped_iterations += 1
-        else:
-            factor = clip_factor(grad_norm, self.args.clip_grad)
-            if factor != 1.0:
-                self.grads.reduced_grads.mul_(factor)
-            self.hook("optimizer")
-            try:
-                self.optimizer.step(grads)
-                if self.args.log_params_norm:
-                    self.weights_ready()
-            except PeerFailure as err:  # only the distributed optimizer's weight all-gathers
-                if self.agreement is None:
-                    raise
-                # committed and stepped: every slice's new state lives in some instance, and
-                # the next iteration's recovery re-shards it (`rebuild`) before computing
-                logger.warning(f"weights incomplete until the next recovery: {err}")
-                self.weights_stale = True
-            self.scheduler.step(increment=reduced.totals.microbatches * self.args.micro_batch_size)
-        if self.args.log_params_norm:  # the fp32 main params, after the step
-            extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
-                                                    self.groups.replica, self.groups.coord.tp)
-        self.grads.zero()
-        loss_and_times = torch.tensor([reduced.totals.loss_sum, float(self.weights_stale),
-                                       *reduced.replica_times], dtype=torch.float64,
-                                      device=self.device)
-        if self.groups.replica.size() > 1:  # loss lives on the last stage; times: slowest stage
-            dist.all_reduce(loss_and_times, op=dist.ReduceOp.MAX, group=self.groups.replica)
-        values = loss_and_times.tolist()
-        self.weights_stale = bool(values[1])  # all of the replica's ranks recover together
-        self.timings = timings_from_wire(dict(enumerate(values[2:])))
-        return {"lm_loss": values[0] / tokens, "grad_norm": grad_norm,
-                "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": loss_scale,
-                "skipped_iterations": self.state.skipped_iterations, **extra,
-                **({"weights_checked_after": self.state.iteration} if checked else {}),
-                **({"reduce_scattered": True} if reduced.scattered else {})}
 
     # -- job-wide synchronisation for checkpoints, resilient when recovery is on -------------
     def barrier(self, key: str) -> None:
@@ -290,60 +120,13 @@ class Trainer:
         return self.agreement.any_flag(key, self.live.members(), self.live.epoch, flag)
 
     def weights_ready(self) -> None:
-        """Before reading the weights outside a forward (save, evaluate, a join, a check): the
-        overlapped all-gathers of --overlap-param-gather land first (PeerFailure if one failed)."""
-        if isinstance(self.optimizer, ShardedAdamW):
-            self.optimizer.finish_gather()
-
-    def refresh(self) -> None:
-        if self.weights_stale:
-            raise PeerFailure(self.live.epoch, (), "distopt.param_gather",
-                              "the last step's weight all-gather failed in this replica")
-
-    def replica_any(self, flag: bool) -> bool:
-        """True on every rank of this replica if any of them passes True."""
-        group = self.groups.replica
-        if group.size() == 1:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        return bool(value.item())
-
-    def scatter_while(self, live_replicas: list[int]) -> Scatter | None:
-        """The distributed optimizer reduce-scatters the gradients while every replica is live
-        (the instances then split every bucket alike); otherwise it takes them all-reduced."""
-        g = self.groups
-        if not isinstance(self.optimizer, ShardedAdamW) or len(live_replicas) < g.topology.dp:
-            return None
-        assert g.instance is not None
-        return Scatter(g.instance, g.position, g.coord.replica % g.per_instance, g.per_instance)
-
-    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
-        """Groups for the agreed live replicas (only what broke is rebuilt); the distributed
-        optimizer's shards follow."""
-        regrouped = self.groups.regroup(live_replicas, epoch, key)
-        self.grads.scatter = self.scatter_while(live_replicas)
-        if isinstance(self.optimizer, ShardedAdamW):
-            start = time.perf_counter()
-            received = self.optimizer.reshard(live_replicas, self.groups.per_instance,
-                                              self.groups.dp)
-            self.weights_stale = False
-            if received:
-                logger.info(f"distributed optimizer: {self.optimizer.held_numel} parameters' "
-                            f"state held for live replicas {live_replicas}, "
-                            f"{received / 2**20:.2f} MiB received, "
-                            f"{(time.perf_counter() - start) * 1000:.0f} ms")
-        return regrouped
+        self.replica.weights_ready()
 
     def transaction(self) -> IterationTransaction:
-        return IterationTransaction(
-            live=self.live, plan=self.plan, execute=self.execute, reduce=self.reduce,
-            step=self.step, agreement=self.agreement, abandon=self.groups.abandon,
-            check_reduced=self.groups.raise_latched, refresh=self.refresh,
-            replica_any=self.replica_any, reset=self.grads.zero,
-            rebuild=self.rebuild, snapshot=self.grads.snapshot, restore=self.grads.restore,
-            drop_lost=self.args.recover_policy == "drop",
-            on_failure=self.log_failure, hook=self.hook)
+        return IterationTransaction(live=self.live, replica=self.replica,
+                                    agreement=self.agreement,
+                                    drop_lost=self.args.recover_policy == "drop",
+                                    on_failure=self.log_failure, hook=self.hook)
 
     # -- the loop --------------------------------------------------------------------------
     def microbatch_ids(self) -> list[int]:
@@ -367,6 +150,7 @@ class Trainer:
             ids = self.microbatch_ids()
             outcome = transaction.run(self.state.iteration + 1, ids)
             self.state.iteration += 1
+            self.state.skipped_iterations += outcome.step.pop("skipped_step")
             self.state.consumed_samples += len(ids) * args.micro_batch_size
             self.record(outcome, time.perf_counter() - start)
             if self.grow is not None and self.grow.due(outcome.sync):
@@ -408,6 +192,7 @@ class Trainer:
             "phase_seconds": outcome.seconds,
             "recoveries": [vars(r) for r in outcome.recoveries],
             **outcome.step,
+            "skipped_iterations": self.state.skipped_iterations,
         }
         if args.log_throughput:  # per live GPU: the job's GPUs shrink when replicas die
             gpus = len(self.live.live_replicas) * self.groups.topology.tp * self.groups.topology.pp

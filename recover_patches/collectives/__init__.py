@@ -8,6 +8,7 @@ _EXPORTS = {
     "PeerFailure": "errors", "CoordinatorError": "errors", "CoordinatorConfigError": "errors",
     "CoordinatorUnreachable": "errors", "JobTokenRefused": "errors", "MembershipTimeout": "errors",
     "MembershipClient": "membership", "ResilientProcessGroup": "process_group",
+    "Regrouped": "rendezvous",
 }
 __all__ = sorted(_EXPORTS)
 

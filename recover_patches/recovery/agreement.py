@@ -38,7 +38,7 @@ from typing import Callable, Iterable, TypeVar
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol
-from recover_patches.collectives.errors import PeerFailure
+from recover_patches.collectives import PeerFailure
 
 
 

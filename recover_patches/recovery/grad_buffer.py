@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from recover_patches.collectives.errors import PeerFailure
+from recover_patches.collectives import PeerFailure
 from recover_patches.recovery.reduce import Totals
 
 LIMB_BITS, LIMBS = 8, 7

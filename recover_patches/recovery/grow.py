@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
+from recover_patches.collectives import MembershipTimeout, PeerFailure
 from recover_patches.recovery.agreement import Decision, StoreAgreement
-from recover_patches.recovery.iteration import LiveReplicas, ReplicaLost, TooFewReplicas
+from recover_patches.recovery.iteration import LiveReplicas
 
 
 class JobComplete(Exception):
@@ -104,15 +104,7 @@ class GrowBack:
                                                                 m.epoch)
                 else:  # the agreed epoch already lets a replica re-form
                     epoch, dead = m.epoch, m.dead
-                dropped = sorted(m.broken(dead))
-                m.live_replicas = [r for r in m.live_replicas if r not in dropped]
-                m.epoch, m.dead = epoch, dead
-                if len(m.live_replicas) < max(1, m.min_replicas):
-                    raise TooFewReplicas(f"{len(m.live_replicas)} complete replica(s) left, "
-                                         f"{max(1, m.min_replicas)} required")
-                if m.replica in dropped:
-                    mine = sorted(dead & set(m.replica_ranks(m.replica)))
-                    raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
+                dropped = m.adopt_epoch(epoch, dead)
                 joining = [] if epoch in self.failed else m.joinable()
                 plan = self.agreement.announce_join(epoch, {
                     "iteration": iteration, "live": sorted(m.live_replicas + joining),
@@ -128,7 +120,7 @@ class GrowBack:
                     joined, abandoned = [], joined
                 else:
                     abandoned = []
-                    m.live_replicas = list(plan["live"])
+                    m.adopt_join(plan["live"])
             except PeerFailure:  # a newer epoch (or a hung peer: the agreement says which)
                 self.abandon()
                 agree = True
@@ -203,7 +195,7 @@ class GrowBack:
                 self.abandon()
                 self._after_abort(epoch, slots)
                 continue
-            m.live_replicas, m.epoch, m.dead = list(plan["live"]), epoch, dead
+            m.adopt_join(plan["live"], epoch, dead)
             return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],
                               plan["donor"], 1, bytes_received=received,
                               seconds={"pause": time.perf_counter() - start})

@@ -16,7 +16,8 @@ On PeerFailure in 2-4 every survivor enters recovery: agree on the new membershi
 broken replicas, rebuild the DP groups among the survivors, re-plan *only the ids the broken
 replicas owned*, compute them on top of the gradients already accumulated, and reduce again.
 Nothing is rolled back, no survivor recomputes its own microbatches, and a failure during recovery
-simply starts the next round. Every piece is passed in, so this file shows the whole order.
+simply starts the next round. What a replica does in each phase is one object, a `ReplicaStep`
+(its implementation: `megatron/training/replica_step.py`), so this file shows the whole order.
 """
 from __future__ import annotations
 
@@ -24,17 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from recover_patches.collectives.errors import PeerFailure
-from recover_patches.collectives.rendezvous import Regrouped
+from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.recovery.agreement import Decision
 from recover_patches.recovery.grad_buffer import ReducedGradients
 from recover_patches.recovery.reduce import Totals, check_commit
-from recover_patches.schedule import ScheduleResult
-
-Planner = Callable[[Sequence[int], Sequence[int]], Mapping[int, list[int]]]
-Executor = Callable[[list[int]], ScheduleResult]
-Reducer = Callable[[Totals], ReducedGradients]
-Stepper = Callable[[ReducedGradients], dict]
 
 
 class ReplicaLost(Exception):
@@ -43,6 +37,55 @@ class ReplicaLost(Exception):
 
 class TooFewReplicas(Exception):
     """Fewer complete replicas remain than required: the job stops (checkpoint-restart)."""
+
+
+class Executed(Protocol):
+    """What a replica's schedule computed on this rank (the pipeline engine's result)."""
+    ids: list[int]
+    tokens: int
+    loss_sum: Any  # a float, or a device tensor read once by the reduction
+
+
+class ReplicaStep(Protocol):
+    """This rank's part of one replica, phase by phase, as the transaction drives it. Each
+    method either does its work or raises PeerFailure; none changes the membership."""
+
+    def plan(self, ids: Sequence[int], replicas: Sequence[int]) -> Mapping[int, list[int]]:
+        """1: layer 3's placement of `ids` over `replicas` (the same on every rank)."""
+
+    def refresh(self) -> None:
+        """Before computing: PeerFailure if this replica's weights are incomplete (the same
+        answer on all its ranks); a rebuild makes them whole again."""
+
+    def execute(self, ids: list[int]) -> Executed:
+        """2: the pipeline schedule over `ids`; gradients accumulate on top of what is there."""
+
+    def reduce(self, local: Totals) -> ReducedGradients:
+        """3: the out-of-place data-parallel reduction, the commit bookkeeping riding in it."""
+
+    def check_reduced(self) -> None:
+        """Raise a failure of an operation whose wait() returned before it ended (NCCL's waits
+        do not block the host; layer 1's watchdog latches what went wrong)."""
+
+    def step(self, reduced: ReducedGradients) -> dict:
+        """5: finalise, clip, optimizer and LR step; returns what the iteration reports."""
+
+    def abandon(self, phase: str) -> None:
+        """Drop the backends peers may be blocked on (which: by the phase the failure came in)."""
+
+    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
+        """Groups (and whatever follows them) for the agreed live replicas."""
+
+    def replica_any(self, flag: bool) -> bool:
+        """True on every rank of this replica if any of them passes True."""
+
+    def reset(self) -> None:
+        """Zero the local gradients: round 0 is computed again."""
+
+    def snapshot(self) -> Any:
+        """The local gradients, to undo an aborted recovery round."""
+
+    def restore(self, state: Any) -> None: ...
 
 
 class Agreement(Protocol):
@@ -74,6 +117,31 @@ class LiveReplicas:
     def broken(self, dead: frozenset[int]) -> set[int]:
         return {r for r in self.live_replicas if dead & set(self.replica_ranks(r))}
 
+    def adopt_epoch(self, epoch: int, dead: frozenset[int]) -> list[int]:
+        """Take an agreed epoch: drop the live replicas it broke and return them. Raises
+        TooFewReplicas or ReplicaLost (this rank's replica broke), alike on every survivor."""
+        lost = sorted(self.broken(dead))
+        self.live_replicas = [r for r in self.live_replicas if r not in lost]
+        self.epoch, self.dead = epoch, dead
+        required = max(1, self.min_replicas)
+        if len(self.live_replicas) < required:
+            raise TooFewReplicas(f"{len(self.live_replicas)} complete replica(s) left, "
+                                 f"{required} required")
+        if self.replica in lost:
+            mine = sorted(dead & set(self.replica_ranks(self.replica)))
+            raise ReplicaLost(f"replica {self.replica} lost rank(s) {mine}")
+        return lost
+
+    def adopt_join(self, live: Sequence[int], epoch: int | None = None,
+                   dead: frozenset[int] | None = None) -> None:
+        """Take a join that committed: `live` replicas from now on (a spare also takes the
+        join's epoch and its dead ranks)."""
+        self.live_replicas = list(live)
+        if epoch is not None:
+            self.epoch = epoch
+        if dead is not None:
+            self.dead = dead
+
     def joinable(self) -> list[int]:
         """Replicas not live whose every rank the agreed epoch counts as a member again."""
         return [r for r in range(self.replicas) if r not in self.live_replicas
@@ -85,7 +153,7 @@ class RecoveryRecord:
     """One recovery, for logs and metrics."""
     round: int  # agreement attempts made so far in the iteration
     failure: str  # the PeerFailure (group.op, suspects) that started it
-    phase: str  # where this rank saw it: refresh / execute / reduce / commit
+    phase: str  # where this rank saw it: refresh / execute / reduce / commit / step
     epoch: int
     dead: list[int]
     lost_replicas: list[int]
@@ -114,26 +182,8 @@ class IterationOutcome:
 @dataclass
 class IterationTransaction:
     live: LiveReplicas
-    plan: Planner
-    execute: Executor
-    reduce: Reducer
-    step: Stepper
+    replica: ReplicaStep
     agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
-    # drop the backends peers may be blocked on (which: by the phase the failure came in)
-    abandon: Callable[[str], None] = lambda phase: None
-    # before computing: PeerFailure if this replica's weights are incomplete (the same answer on
-    # all its ranks); a rebuild makes them whole again
-    refresh: Callable[[], None] = lambda: None
-    # True on every rank of this replica if any of them passes True (over the replica's ranks)
-    replica_any: Callable[[bool], bool] = lambda flag: flag
-    reset: Callable[[], None] = lambda: None  # zero the local gradients: round 0 is computed again
-    # before the vote: raise a failure of an operation whose wait() returned before it ended
-    # (NCCL's waits do not block the host; layer 1's watchdog latches what went wrong)
-    check_reduced: Callable[[], None] = lambda: None
-    # (live, epoch, agreed key) -> which groups were kept / rebuilt / shrunk
-    rebuild: Callable[[list[int], int, str], Regrouped] | None = None
-    snapshot: Callable[[], Any] = lambda: None  # local gradients, to undo an aborted round
-    restore: Callable[[Any], None] = lambda state: None
     drop_lost: bool = False  # the replica-dropping baseline: skip lost ids instead of recomputing
     on_failure: Callable[[PeerFailure, str], None] | None = None  # per-rank report, at once
     hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "recovery"
@@ -142,7 +192,7 @@ class IterationTransaction:
     def run(self, iteration: int, ids: Sequence[int]) -> IterationOutcome:
         ids, m = list(ids), self.live
         seconds: dict[str, float] = {"execute": 0.0, "reduce": 0.0, "commit": 0.0}
-        first_plan = {r: list(q) for r, q in self.plan(ids, m.live_replicas).items()}
+        first_plan = {r: list(q) for r, q in self.replica.plan(ids, m.live_replicas).items()}
         owner = {g: r for r, q in first_plan.items() for g in q}  # round-0 owners, never changed
         replanned: dict[int, list[int]] = {}  # the current recovery round's plan of lost ids
         todo, kept = first_plan.get(m.replica, []), Totals.of_ids([])
@@ -156,16 +206,16 @@ class IterationTransaction:
         for round_ in range(self.max_attempts):
             phase, clock = "refresh", time.perf_counter()
             try:
-                self.refresh()
+                self.replica.refresh()
                 phase = "execute"
-                done = self.execute(todo)  # 2: accumulates on top of `kept`
+                done = self.replica.execute(todo)  # 2: accumulates on top of `kept`
                 local = kept + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
                 seconds["execute"] += time.perf_counter() - clock
                 if recoveries:
                     recoveries[-1].seconds["recompute"] = time.perf_counter() - clock
                 phase, clock = "reduce", time.perf_counter()
-                reduced = self.reduce(local)  # 3: out of place
-                self.check_reduced()
+                reduced = self.replica.reduce(local)  # 3: out of place
+                self.replica.check_reduced()
                 seconds["reduce"] += time.perf_counter() - clock
                 phase, clock = "commit", time.perf_counter()
                 decision = Decision.COMMIT if self.agreement is None else self.agreement.commit_vote(
@@ -178,7 +228,7 @@ class IterationTransaction:
                     committed = [g for g in ids if final[g] is not None]
                     check_commit(reduced.totals, committed)
                     phase, clock = "step", time.perf_counter()
-                    report = self.step(reduced)  # 5
+                    report = self.replica.step(reduced)  # 5
                     seconds["step"] = time.perf_counter() - clock
                     assignment = {r: [g for g in committed if final[g] == r] for r in m.live_replicas}
                     return IterationOutcome(iteration, committed, assignment, reduced.totals,
@@ -199,7 +249,7 @@ class IterationTransaction:
                     self.agreement.commit_vote(f"{iteration}/after{self._attempts}", m.members(),
                                                False)
             if round_ > 0:  # recovery rounds are atomic: undo this one's partial work
-                self.restore(saved)
+                self.replica.restore(saved)
             elif phase not in ("refresh", "execute"):  # round 0 finished on every stage
                 kept = local
             # round 0 stopped short of its end on some rank of a live replica (its weights were
@@ -208,10 +258,10 @@ class IterationTransaction:
             record = self._recover(iteration, failure, phase, ids, owner,
                                    torn=phase in ("refresh", "execute") if round_ == 0 else None)
             if record.redo:
-                self.reset()
+                self.replica.reset()
                 kept, owed = Totals.of_ids([]), first_plan.get(m.replica, [])
             replanned = record.replanned
-            saved = self.snapshot()
+            saved = self.replica.snapshot()
             todo = owed + replanned.get(m.replica, [])
             recoveries.append(record)
         raise RuntimeError(f"iteration {iteration}: no commit after {self.max_attempts} rounds")
@@ -222,8 +272,8 @@ class IterationTransaction:
         failure on the way (a newer epoch) just starts the next attempt. `torn` (round 0 only):
         this rank's round 0 stopped short; after the rebuild the replica's ranks agree on it."""
         m, clock = self.live, time.perf_counter()
-        assert self.agreement is not None and self.rebuild is not None  # recovery is on
-        self.abandon(phase)
+        assert self.agreement is not None  # recovery is on
+        self.replica.abandon(phase)
         timing = {"detection": 0.0, "rebuild": 0.0}
         regrouped = Regrouped()
         seen_dead: set[int] = set()  # over all attempts: a grow epoch may clear a dead rank again
@@ -236,30 +286,22 @@ class IterationTransaction:
                 seen_dead |= dead
                 timing["detection"] += time.perf_counter() - clock
                 clock = time.perf_counter()
-                lost_replicas = sorted(m.broken(dead))
-                m.live_replicas = [r for r in m.live_replicas if r not in lost_replicas]
-                m.epoch, m.dead = epoch, dead
-                if len(m.live_replicas) < max(1, m.min_replicas):  # all survivors say so
-                    raise TooFewReplicas(f"{len(m.live_replicas)} complete replica(s) left, "
-                                         f"{max(1, m.min_replicas)} required")
-                if m.replica in lost_replicas:
-                    mine = sorted(dead & set(m.replica_ranks(m.replica)))
-                    raise ReplicaLost(f"replica {m.replica} lost rank(s) {mine}")
+                m.adopt_epoch(epoch, dead)  # all survivors drop the same replicas
                 self.hook("recovery")
                 self.agreement.barrier(key, m.members(), epoch)
-                regrouped = self.rebuild(m.live_replicas, epoch, f"recover/{key}")
-                redo = torn is not None and self.replica_any(torn)
+                regrouped = self.replica.rebuild(m.live_replicas, epoch, f"recover/{key}")
+                redo = torn is not None and self.replica.replica_any(torn)
                 timing["rebuild"] += time.perf_counter() - clock
                 break
             except PeerFailure as err:  # someone else died during recovery: next attempt
                 failure = err
-                self.abandon("recovery")
+                self.replica.abandon("recovery")
                 clock = time.perf_counter()
         else:
             raise RuntimeError(f"iteration {iteration}: recovery did not converge")
         lost = [g for g in ids if owner[g] not in m.live_replicas]
         replanned = {} if self.drop_lost or not lost else {
-            r: list(q) for r, q in self.plan(lost, m.live_replicas).items()}
+            r: list(q) for r, q in self.replica.plan(lost, m.live_replicas).items()}
         return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
                               sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
                               timing, redo, regrouped.rebuilt, regrouped.kept,

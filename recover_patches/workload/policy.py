@@ -9,7 +9,7 @@ after (q + P - 1) * t; a replica with q = 0 does nothing and finishes at 0. The 
 largest finish time over the replicas.
 
 Interleaved pipeline (V > 1 model chunks per rank, groups of G microbatches): the finish time is
-the interleaved schedule's own, simulated with unit costs by `recover_patches.interleaved.makespan`
+the interleaved schedule's own, simulated with unit costs by `recover_patches.pipeline.interleaved.makespan`
 for the group size the schedule picks (`best_group`): one microbatch is 3 * V units of one rank's
 work, so f(q) = makespan(q) / (3 V) * t, made non-decreasing by a running maximum (the simulation
 need not be). From q = P on the simulation gives exactly q + (P - 1) / V (Megatron's bubble over
@@ -30,7 +30,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 
-from recover_patches.interleaved import best_group, makespan
+from recover_patches.pipeline.interleaved import best_group, makespan
 
 
 class PlanInputError(ValueError):

@@ -31,7 +31,7 @@ from megatron.training.initialize import build_groups, torch_group_factory  # no
 from megatron.training.model import build_model  # noqa: E402
 from megatron.training.optimizer import build_optimizer, build_scheduler  # noqa: E402
 from megatron.training.training import TrainState  # noqa: E402
-from recover_patches.rng import install_rng_tracker  # noqa: E402
+from recover_patches.pipeline.rng import install_rng_tracker  # noqa: E402
 from recover_patches.topology import Topology  # noqa: E402
 
 SIZES = {  # name -> model flags (vocab 32000 for "100m": 12 x 768 layers, ~110M parameters)

@@ -5,7 +5,9 @@ import os
 import statistics
 import tempfile
 from dataclasses import dataclass
+import sys
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `scripts.*`
 
 from etp_accounting import check_trajectory, committed_curve, committed_records, processed_tokens
 from etp_job import ArmRun
@@ -88,7 +90,7 @@ def table(summaries: dict[str, ArmSummary], budget: float) -> str:
 
 
 def plot(runs: dict[str, ArmRun], summaries: dict[str, ArmSummary], out: Path, title: str) -> None:
-    from recover_patches.plot import pyplot
+    from scripts.plot import pyplot
     plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(8, 4.5))

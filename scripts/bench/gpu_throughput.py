@@ -15,7 +15,9 @@ import os
 import statistics
 import time
 from functools import partial
+import sys
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `scripts.*`
 
 import torch
 import torch.distributed as dist
@@ -45,7 +47,7 @@ def build(args_list):
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
     from megatron.training.training import Trainer, build_grad_buffer, build_stages, link_for
     from recover_patches.faults import FaultInjector
-    from recover_patches.rng import install_rng_tracker
+    from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
 
     args = parse_and_validate(args_list, world_size=1, device="cuda")
@@ -73,7 +75,7 @@ def megatron_arm(args, groups, vocab, train_ds):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
     from megatron.training.model import build_model
-    from recover_patches.sampler import MicrobatchSampler
+    from recover_patches.pipeline.sampler import MicrobatchSampler
 
     # build() installed ReCoVer's device-aware buffer; megatron-core insists on making its own.
     parallel_state._GLOBAL_MEMORY_BUFFER = None
@@ -187,7 +189,7 @@ def profile(arms, m: int, first: int) -> None:
 
 
 def plot(times: dict[str, list[float]], path: Path, device: str) -> None:
-    from recover_patches.plot import pyplot
+    from scripts.plot import pyplot
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from recover_patches.interleaved import best_group, makespan  # noqa: E402
+from recover_patches.pipeline.interleaved import best_group, makespan  # noqa: E402
 
 LAYERS = 8
 

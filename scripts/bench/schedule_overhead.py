@@ -119,8 +119,8 @@ def build_arms(bench: argparse.Namespace):
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
     from megatron.training.training import Trainer, build_grad_buffer, build_stages, link_for
     from recover_patches.faults import FaultInjector
-    from recover_patches.rng import install_rng_tracker
-    from recover_patches.sampler import MicrobatchSampler
+    from recover_patches.pipeline.rng import install_rng_tracker
+    from recover_patches.pipeline.sampler import MicrobatchSampler
     from recover_patches.topology import Topology
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -7,7 +7,7 @@
 Prints ETTR and tokens per GPU-hour per strategy, with the closed-form C/R ETTR and the Young/Daly
 interval to check against; writes a PNG of committed tokens over time (temp file + rename).
 --calibration replaces the scenario's assumed recovery/save/restart costs by the ones measured by
-scripts/bench/effective_throughput.py (see recover_patches/sim/calibration.py for how they scale).
+scripts/bench/effective_throughput.py (see scripts/sim/calibration.py for how they scale).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `scripts.*`
 
-from recover_patches.sim import (
+from scripts.sim import (
     SCENARIOS,
     SimConfigError,
     SimResult,
@@ -26,7 +27,7 @@ from recover_patches.sim import (
     checkpoint_restart_ettr_exponential,
     simulate_all,
 )
-from recover_patches.sim.calibration import MODES, MeasuredCosts, calibrate
+from scripts.sim.calibration import MODES, MeasuredCosts, calibrate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,7 +73,7 @@ def report(name: str, description: str, results: dict[str, SimResult]) -> str:
 
 
 def plot(results: dict[str, SimResult], title: str, out: Path) -> None:
-    from recover_patches.plot import pyplot
+    from scripts.plot import pyplot
     plt = pyplot()
 
     styles = {"recover": "-", "drop": "--", "checkpoint_restart": "-"}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recover_patches.sim.config import SimConfig
+from scripts.sim.config import SimConfig
 
 
 class TimelineRecorder:

@@ -22,9 +22,9 @@ orders are Megatron's.
 
 "Non-blocking sends" is the executor's obligation: gloo's isend progresses on its own threads, but
 NCCL runs a rank's p2p kernels on one communicator in order on one stream, so a send there would
-hold back the receives behind it; `recover_patches.p2p.ChunkP2P` gives every channel a
+hold back the receives behind it; `recover_patches.pipeline.p2p.ChunkP2P` gives every channel a
 communicator of its own (checked under a model of NCCL's rules: tests/test_p2p_nccl_rules.py).
-`recover_patches.schedule.run_interleaved` runs an order; `makespan` is the same simulation's
+`recover_patches.pipeline.schedule.run_interleaved` runs an order; `makespan` is the same simulation's
 finish time, layer 3's cost model; `best_group` picks, per list length, the group size whose order
 finishes first (the fallback for lengths that leave a short last group). Pure Python (no torch):
 layer 3 imports it.

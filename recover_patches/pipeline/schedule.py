@@ -2,8 +2,8 @@
 
 The list may be empty or shorter than the pipeline (a replica's quota after re-planning can be
 anything), with one model chunk per rank (`run_1f1b`) or several (`run_interleaved`, the order from
-`recover_patches.interleaved`); gradients accumulate into `.grad` and stay local -- reduction is the caller's business.
-What one forward/backward *means* lives in `recover_patches.stage`; this module only orders them.
+`recover_patches.pipeline.interleaved`); gradients accumulate into `.grad` and stay local -- reduction is the caller's business.
+What one forward/backward *means* lives in `recover_patches.pipeline.stage`; this module only orders them.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from recover_patches.interleaved import Kind, best_group, interleaved_orders
-from recover_patches.p2p import StageLink
+from recover_patches.pipeline.interleaved import Kind, best_group, interleaved_orders
+from recover_patches.pipeline.p2p import StageLink
 
 PhaseHook = Callable[[str, int | None], None]  # (phase, microbatch id): fault injection
 

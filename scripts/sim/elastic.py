@@ -26,10 +26,10 @@ from __future__ import annotations
 import heapq
 import math
 
-from recover_patches.sim.config import SimConfig
-from recover_patches.sim.failures import FailureTrace
-from recover_patches.sim.pool import GpuPool
-from recover_patches.sim.result import SimResult, TimelineRecorder
+from scripts.sim.config import SimConfig
+from scripts.sim.failures import FailureTrace
+from scripts.sim.pool import GpuPool
+from scripts.sim.result import SimResult, TimelineRecorder
 
 
 def simulate_elastic(config: SimConfig, trace: FailureTrace, shrink_batch: bool) -> SimResult:

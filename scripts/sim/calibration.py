@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from recover_patches.sim.config import SimConfig, SimConfigError
+from scripts.sim.config import SimConfig, SimConfigError
 
 MODES = ("per_iteration", "absolute")
 

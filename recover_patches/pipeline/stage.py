@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from recover_patches.loss import masked_loss_sum, vocab_parallel_cross_entropy
-from recover_patches.rng import DeviceRNGStatesTracker, seed_microbatch
+from recover_patches.pipeline.loss import masked_loss_sum, vocab_parallel_cross_entropy
+from recover_patches.pipeline.rng import DeviceRNGStatesTracker, seed_microbatch
 
 
 class GPTStage:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recover_patches.sim.config import SimConfig
+from scripts.sim.config import SimConfig
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 
-from recover_patches.sim.config import SimConfig
-from recover_patches.sim.failures import FailureTrace
-from recover_patches.sim.pool import GpuPool
-from recover_patches.sim.result import SimResult, TimelineRecorder
+from scripts.sim.config import SimConfig
+from scripts.sim.failures import FailureTrace
+from scripts.sim.pool import GpuPool
+from scripts.sim.result import SimResult, TimelineRecorder
 
 RUNNING, SAVING, RESTARTING, WAITING, DEAD = "running", "saving", "restarting", "waiting", "dead"
 _ACTIVE = (RUNNING, SAVING, RESTARTING)

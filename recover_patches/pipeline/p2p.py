@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from recover_patches.interleaved import Kind
+from recover_patches.pipeline.interleaved import Kind
 
 
 class StageLink:

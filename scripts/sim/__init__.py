@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
-from recover_patches.sim.checkpoint_restart import simulate_checkpoint_restart
-from recover_patches.sim.closed_form import (
+from scripts.sim.checkpoint_restart import simulate_checkpoint_restart
+from scripts.sim.closed_form import (
     checkpoint_restart_ettr,
     checkpoint_restart_ettr_exponential,
     young_daly_interval,
 )
-from recover_patches.sim.config import SimConfig, SimConfigError
-from recover_patches.sim.elastic import simulate_elastic
-from recover_patches.sim.failures import FailureTrace, make_trace
-from recover_patches.sim.result import SimResult
-from recover_patches.sim.scenarios import SCENARIOS, Scenario
+from scripts.sim.config import SimConfig, SimConfigError
+from scripts.sim.elastic import simulate_elastic
+from scripts.sim.failures import FailureTrace, make_trace
+from scripts.sim.result import SimResult
+from scripts.sim.scenarios import SCENARIOS, Scenario
 
 STRATEGIES = ("recover", "drop", "checkpoint_restart")
 

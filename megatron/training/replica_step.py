@@ -1,0 +1,325 @@
+"""This rank's part of one replica in an iteration: the `ReplicaStep` the transaction in
+`recover_patches/recovery/iteration.py` drives, phase by phase. It owns what a step touches -- the
+gradient buffer, the optimizer, the pipeline link, the compute clock and layer 3's timings --
+while the Trainer (`training.py`) keeps the loop, the records and evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron.training.distributed_optimizer import ShardedAdamW
+from megatron.training.execute_clock import ExecuteClock
+from megatron.training.initialize import ParallelGroups
+from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros, global_grad_norm,
+                                         sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from recover_patches.collectives import PeerFailure, Regrouped
+from recover_patches.pipeline.p2p import ChunkP2P, StageLink
+from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
+from recover_patches.recovery.iteration import LiveReplicas
+from recover_patches.recovery.reduce import Totals
+from recover_patches.pipeline.schedule import ScheduleResult, run_1f1b, run_interleaved
+from recover_patches.pipeline.stage import GPTStage
+from recover_patches.workload.policy import even_plan, stable_plan
+from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
+
+logger = logging.getLogger(__name__)
+
+Hook = Callable[..., None]  # (phase, microbatch=None): progress mark and fault injection
+
+
+class WeightMismatch(RuntimeError):
+    """Replicas that applied the same gradients hold different weights: never a failure, a bug."""
+
+
+def weight_fingerprint(params: list[torch.Tensor]) -> int:
+    """64 bits of blake2b over the weights' exact bytes (host copies, as Megatron's own check
+    hashes them: an interval check, not a per-iteration cost). Never 0, which means "not sent"."""
+    digest = hashlib.blake2b(digest_size=8)
+    for p in params:
+        digest.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") | 1
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What a replica's step reads of the flags, fixed after validation."""
+    drop_lost: bool  # --recover-policy drop: each replica keeps its failure-free share
+    even_balance: bool  # --recover-balance even
+    chunks: int  # model chunks per rank (virtual pipeline)
+    vp_group: int | None  # --microbatch-group-size-per-virtual-pipeline-stage
+    overlap_warmup_flush: bool
+    weight_check_interval: int
+    clip_grad: float
+    log_num_zeros: bool
+    log_params_norm: bool
+    micro_batch_size: int
+    overlap_param_gather: bool
+    recovering: bool  # recovery on: a failed weight all-gather after the step is recovered
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, recovering: bool) -> StepConfig:
+        return cls(drop_lost=args.recover_policy == "drop",
+                   even_balance=args.recover_balance == "even",
+                   chunks=args.virtual_pipeline_model_parallel_size or 1,
+                   vp_group=args.microbatch_group_size_per_vp_stage,
+                   overlap_warmup_flush=bool(args.overlap_p2p_comm_warmup_flush),
+                   weight_check_interval=args.check_weight_hash_across_dp_replicas_interval or 0,
+                   clip_grad=args.clip_grad, log_num_zeros=bool(args.log_num_zeros_in_grad),
+                   log_params_norm=bool(args.log_params_norm),
+                   micro_batch_size=args.micro_batch_size,
+                   overlap_param_gather=bool(args.overlap_param_gather), recovering=recovering)
+
+
+@dataclass
+class GPTReplicaStep:
+    config: StepConfig
+    groups: ParallelGroups
+    model: torch.nn.Module
+    optimizer: Optimizer
+    scheduler: OptimizerParamScheduler
+    grads: GradBuffer
+    stages: list[GPTStage]  # one per model chunk
+    link: StageLink | ChunkP2P
+    live: LiveReplicas  # read here; changed only by the transaction and the join
+    iteration: Callable[[], int]  # iterations completed so far
+    hook: Hook
+    timer: MicrobatchTimer = field(init=False)
+    # layer 3's per-replica seconds per microbatch, as published in the last commit
+    timings: dict[int, float | None] = field(default_factory=dict)
+    # the distributed optimizer's all-gather failed after a commit: this replica's weights
+    # miss slices that other instances hold (replica-agreed at the end of the step)
+    weights_stale: bool = False
+
+    def __post_init__(self):
+        self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
+        self.device = self.grads.device
+        self.timer = MicrobatchTimer(pipeline_depth=self.groups.topology.pp,
+                                     chunks=self.config.chunks, group=self.config.vp_group or 0)
+        self.clock = ExecuteClock(self.device)  # compute time for layer 3's balance
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.before_gather = lambda: self.hook("param_gather")
+            if self.config.overlap_param_gather:
+                self.optimizer.overlap = True
+                self.optimizer.wait_in_forward(self.model)
+        self.grads.scatter = self.scatter_while(self.live.live_replicas)
+
+    # -- the phases, in the transaction's order ----------------------------------------------
+    def plan(self, ids, replicas):
+        if self.config.drop_lost:
+            # the replica-dropping baseline: each replica keeps its failure-free share, the
+            # shares of dead replicas are simply not computed
+            return even_plan(ids, range(self.groups.topology.dp))
+        if self.config.even_balance:
+            return even_plan(ids, replicas)
+        return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10,
+                           chunks=self.config.chunks, group=self.config.vp_group or 0)
+
+    def refresh(self) -> None:
+        if self.weights_stale:
+            raise PeerFailure(self.live.epoch, (), "distopt.param_gather",
+                              "the last step's weight all-gather failed in this replica")
+
+    def execute(self, ids: list[int]) -> ScheduleResult:
+        self.model.train()
+        self.clock.start()
+        if isinstance(self.link, ChunkP2P):
+            done = run_interleaved(ids, self.stages, self.link, rank=self.groups.coord.pp,
+                                   stages=self.groups.topology.pp, group=self.config.vp_group,
+                                   hook=self.hook, before_backwards=self.grads.arm,
+                                   overlap_warmup_flush=self.config.overlap_warmup_flush)
+        else:
+            done = run_1f1b(ids, self.stages[0], self.link, self.hook, self.grads.arm)
+        self.clock.stop(len(ids))
+        return done
+
+    def reduce(self, local: Totals) -> ReducedGradients:
+        self.hook("dp_reduce")
+        # each replica's microbatch time rides in the last bucket, one slot per replica, and so
+        # does the weights' fingerprint when a check is due
+        fingerprint = 0
+        if self.weight_check_due():
+            self.weights_ready()
+            fingerprint = weight_fingerprint(self.params)
+        return self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
+                                 fingerprint)
+
+    def check_reduced(self) -> None:
+        self.groups.raise_latched()
+
+    def step(self, reduced: ReducedGradients) -> dict:
+        """Megatron's order: finalise the reduced grads (tied embeddings, sequence-parallel norms),
+        unscale, norm (the overflow check), clip, step -- or skip the step on an fp16 overflow.
+        The report's `skipped_step` says which (the Trainer counts them)."""
+        checked = self.weight_check_due()
+        if checked:
+            self.check_weights_agree(reduced)
+        grads = [self.grads.reduced_grad(p) for p in self.params]
+        sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
+        sync_sequence_parallel_grads(self.params, grads, self.groups.tp)
+        tokens = max(reduced.totals.tokens, 1)
+        scaler = self.optimizer.scaler
+        scale = 1.0 if scaler is None else scaler.scale
+        self.grads.reduced_grads.div_(tokens * scale)  # the global token mean: DESIGN §7
+        grad_norm, extra = self._norm_and_zeros(reduced, grads)
+        overflow = not math.isfinite(grad_norm)
+        if scaler is not None:
+            scaler.update(overflow)
+        skipped = overflow and scaler is not None  # same norm on every rank: same decision
+        if not skipped:
+            factor = clip_factor(grad_norm, self.config.clip_grad)
+            if factor != 1.0:
+                self.grads.reduced_grads.mul_(factor)
+            self._optimizer_step(grads, reduced.totals.microbatches)
+        if self.config.log_params_norm:  # the fp32 main params, after the step
+            extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
+                                                    self.groups.replica, self.groups.coord.tp)
+        self.grads.zero()
+        loss = self._share_loss_and_times(reduced)
+        return {"lm_loss": loss / tokens, "grad_norm": grad_norm,
+                "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": scale,
+                "skipped_step": skipped, **extra,
+                **({"weights_checked_after": self.iteration()} if checked else {}),
+                **({"reduce_scattered": True} if reduced.scattered else {})}
+
+    def _norm_and_zeros(self, reduced: ReducedGradients, grads: list) -> tuple[float, dict]:
+        tp_rank, extra = self.groups.coord.tp, {}
+        if reduced.scattered:  # only this rank's ranges hold reduced gradients
+            assert isinstance(self.optimizer, ShardedAdamW)
+            grad_norm = self.optimizer.grad_norm(grads, self.groups.replica, tp_rank)
+            if self.config.log_num_zeros:  # before clipping, as Megatron counts them
+                extra["num_zeros"] = self.optimizer.count_zeros(grads, self.groups.replica, tp_rank)
+        else:
+            grad_norm = global_grad_norm(self.params, grads, self.groups.replica, tp_rank)
+            if self.config.log_num_zeros:
+                extra["num_zeros"] = count_zeros(self.params, grads, self.groups.replica, tp_rank)
+        return grad_norm, extra
+
+    def _optimizer_step(self, grads: list, microbatches: int) -> None:
+        self.hook("optimizer")
+        try:
+            self.optimizer.step(grads)
+            if self.config.log_params_norm:
+                self.weights_ready()
+        except PeerFailure as err:  # only the distributed optimizer's weight all-gathers
+            if not self.config.recovering:
+                raise
+            # committed and stepped: every slice's new state lives in some instance, and
+            # the next iteration's recovery re-shards it (`rebuild`) before computing
+            logger.warning(f"weights incomplete until the next recovery: {err}")
+            self.weights_stale = True
+        self.scheduler.step(increment=microbatches * self.config.micro_batch_size)
+
+    def _share_loss_and_times(self, reduced: ReducedGradients) -> float:
+        """The loss lives on the last stage, the times are the slowest stage's: the replica's
+        ranks take the largest of each. Returns the loss sum; keeps the timings."""
+        loss_and_times = torch.tensor([reduced.totals.loss_sum, float(self.weights_stale),
+                                       *reduced.replica_times], dtype=torch.float64,
+                                      device=self.device)
+        if self.groups.replica.size() > 1:
+            dist.all_reduce(loss_and_times, op=dist.ReduceOp.MAX, group=self.groups.replica)
+        values = loss_and_times.tolist()
+        self.weights_stale = bool(values[1])  # all of the replica's ranks recover together
+        self.timings = timings_from_wire(dict(enumerate(values[2:])))
+        return values[0]
+
+    # -- recovery ------------------------------------------------------------------------------
+    def abandon(self, phase: str = "execute") -> None:
+        self.groups.abandon(phase)
+
+    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
+        """Groups for the agreed live replicas (only what broke is rebuilt); the distributed
+        optimizer's shards follow."""
+        regrouped = self.groups.regroup(live_replicas, epoch, key)
+        self.grads.scatter = self.scatter_while(live_replicas)
+        if isinstance(self.optimizer, ShardedAdamW):
+            start = time.perf_counter()
+            received = self.optimizer.reshard(live_replicas, self.groups.per_instance,
+                                              self.groups.dp)
+            self.weights_stale = False
+            if received:
+                logger.info(f"distributed optimizer: {self.optimizer.held_numel} parameters' "
+                            f"state held for live replicas {live_replicas}, "
+                            f"{received / 2**20:.2f} MiB received, "
+                            f"{(time.perf_counter() - start) * 1000:.0f} ms")
+        return regrouped
+
+    def replica_any(self, flag: bool) -> bool:
+        """True on every rank of this replica if any of them passes True."""
+        group = self.groups.replica
+        if group.size() == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return bool(value.item())
+
+    def reset(self) -> None:
+        self.grads.zero()
+
+    def snapshot(self) -> Any:
+        return self.grads.snapshot()
+
+    def restore(self, state: Any) -> None:
+        self.grads.restore(state)
+
+    # -- around the phases ---------------------------------------------------------------------
+    def scatter_while(self, live_replicas: list[int]) -> Scatter | None:
+        """The distributed optimizer reduce-scatters the gradients while every replica is live
+        (the instances then split every bucket alike); otherwise it takes them all-reduced."""
+        g = self.groups
+        if not isinstance(self.optimizer, ShardedAdamW) or len(live_replicas) < g.topology.dp:
+            return None
+        assert g.instance is not None
+        return Scatter(g.instance, g.position, g.coord.replica % g.per_instance, g.per_instance)
+
+    def weights_ready(self) -> None:
+        """Before reading the weights outside a forward (save, evaluate, a join, a check): the
+        overlapped all-gathers of --overlap-param-gather land first (PeerFailure if one failed)."""
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.finish_gather()
+
+    def adopt_timings(self, timings: dict[int, float | None]) -> None:
+        """A joining replica takes the donor's published timings (its plans must match)."""
+        self.timings = dict(timings)
+
+    def corrupt_a_weight(self) -> None:
+        """Fault injection (`corrupt`): one weight of this rank changes, as a bit flip would."""
+        with torch.no_grad():
+            model, main = self.optimizer.model_params[0], self.optimizer.main_params[0]
+            for weight in [model] if main is model else [model, main]:
+                weight.view(-1)[0] += 1.0
+
+    def weight_check_due(self) -> bool:
+        """--check-weight-hash-across-dp-replicas-interval N: the weights after iteration k (a
+        multiple of N) are compared in iteration k + 1's reduction."""
+        interval, done = self.config.weight_check_interval, self.iteration()
+        return bool(interval) and done > 0 and done % interval == 0
+
+    def check_weights_agree(self, reduced: ReducedGradients) -> None:
+        """Each DP group compares its shard; the replica group agrees on the verdict (one small
+        collective every N iterations), so every rank stops, not only the mismatched shard's."""
+        hashes = {r: reduced.replica_weight_hashes[r] for r in self.live.live_replicas}
+        mismatch = torch.tensor([int(len(set(hashes.values())) > 1)], device=self.device)
+        if self.groups.replica.size() > 1:
+            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.groups.replica)
+        if mismatch.item():
+            raise WeightMismatch(
+                f"after iteration {self.iteration()} the data-parallel replicas hold "
+                f"different weights (fingerprints by replica: "
+                + ", ".join(f"{r}: {h:016x}" for r, h in hashes.items()) + " on this rank's "
+                "shard): a bug or silent data corruption; stopping")
+
+    def _measured_time(self) -> float:
+        seconds, executed = self.clock.take()
+        if executed and seconds > 0:
+            self.timer.update(seconds, executed)
+        return self.timer.to_wire()
