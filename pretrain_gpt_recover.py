@@ -68,7 +68,30 @@ def _wait_as_standby(standby: str) -> int | None:
     return None
 
 
+class _Exit(Exception):
+    """Start-up ends here with this exit status (a user error was already printed)."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Parse and check everything a user can get wrong, join the membership, build the trainer,
+    train; the exit status says how it ended."""
+    try:
+        args, rank, world = _parse(argv)
+        tokenizer, faults, checkpointer = _check_inputs(args, rank, world)
+        incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # > 0: a replacement
+        membership = _join_membership(args, incarnation)
+    except _Exit as done:
+        return done.status
+    trainer = _build_trainer(args, membership, incarnation, tokenizer, faults, checkpointer)
+    return _train(trainer, membership, incarnation)
+
+
+def _parse(argv: list[str] | None) -> tuple:
+    """The flags (exit 2 on a bad one); a standby process first waits here for its slot."""
     import torch
 
     from megatron.training.arguments import parse_and_validate
@@ -85,69 +108,115 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RECOVER_JOB_TOKEN"] = args.job_token
     if standby_id() is not None:
         if not args.recover:
-            return _user_error("RECOVER_STANDBY: a standby process takes over a dead rank in the "
-                               "running job, which needs --recover on. Fix: drop --recover off or "
-                               "start no standby nodes")
+            raise _Exit(_user_error(
+                "RECOVER_STANDBY: a standby process takes over a dead rank in the running job, "
+                "which needs --recover on. Fix: drop --recover off or start no standby nodes"))
         if (ended := _wait_as_standby(str(standby_id()))) is not None:
-            return ended
+            raise _Exit(ended)
     rank, world = env_rank_world()
     args.rank = rank
+    return args, rank, world
 
+
+def _check_inputs(args, rank: int, world: int) -> tuple:
+    """User errors first, before any process group exists or anything is written: the tokenizer,
+    the data, the fault specs, --load. One line and exit 2 each."""
     from megatron.training.arguments_errors import UserError
-    from megatron.training.datasets import build_datasets, validate_data
-    from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.checkpointing import CheckpointError, Checkpointer, TrainingStopped
-    from recover_patches.collectives.errors import CoordinatorError, PeerFailure, SlotTaken
+    from megatron.training.checkpointing import Checkpointer
+    from megatron.training.datasets import validate_data
+    from megatron.training.tokenizer import build_tokenizer
     from recover_patches.faults import FaultInjector, FaultSpecError
-    try:  # user errors first, before any process group exists or anything is written
+    try:
         tokenizer = build_tokenizer(args)
         validate_data(args)
         faults = FaultInjector.from_specs(args.inject_fault, rank)
         checkpointer = Checkpointer(args, rank, world)  # validates --load before anything runs
     except UserError as err:  # data, tokenizer, checkpoint: one line, exit 2
-        return _user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")
+        raise _Exit(_user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")) from None
     except FaultSpecError as err:
-        return _user_error(str(err))
+        raise _Exit(_user_error(str(err))) from None
+    return tokenizer, faults, checkpointer
 
-    incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # > 0: a replacement process
+
+def _join_membership(args, incarnation: int):
+    """The coordinator's membership client (None: no coordinator, recovery off). torch's NCCL
+    settings go into the environment first: torch reads them when a group is made."""
+    from recover_patches.collectives.errors import CoordinatorError, SlotTaken
     if incarnation and not (args.recover and (args.coordinator_addr
                                                or os.environ.get("RECOVER_COORDINATOR"))):
-        return _user_error("RECOVER_INCARNATION: a replacement process needs in-job recovery "
-                           "(--recover on) and the coordinator. Fix: start it with "
-                           "`python -m recover_patches.launch --max-replacements K`")
-    membership = None
-    if os.environ.get("RECOVER_COORDINATOR"):
-        from recover_patches.collectives import nccl_env
-        from recover_patches.collectives.membership import MembershipClient
-        refused = nccl_env.conflicts(os.environ)  # a rank started without our launcher
-        if refused:
-            return _user_error(refused[0])
-        nccl_env.apply(os.environ)  # before any process group exists: torch reads it then
-        try:
-            membership = MembershipClient.from_env(timeout=args.recover_timeout)
-        except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
-            logger.info(f"{err}: leaving")
-            return 0
-        except CoordinatorError as err:
-            return _user_error(f"--coordinator-addr / RECOVER_COORDINATOR: {err}")
-        _report_epochs(membership)
-    elif args.recover:
-        logger.info("no coordinator (RECOVER_COORDINATOR unset, e.g. under torchrun): in-job "
-                    "recovery is off; start with `python -m recover_patches.launch` to enable it")
+        raise _Exit(_user_error(
+            "RECOVER_INCARNATION: a replacement process needs in-job recovery (--recover on) and "
+            "the coordinator. Fix: start it with `python -m recover_patches.launch "
+            "--max-replacements K`"))
+    if not os.environ.get("RECOVER_COORDINATOR"):
+        if args.recover:
+            logger.info("no coordinator (RECOVER_COORDINATOR unset, e.g. under torchrun): in-job "
+                        "recovery is off; start with `python -m recover_patches.launch` to enable "
+                        "it")
+        return None
+    from recover_patches.collectives import nccl_env
+    from recover_patches.collectives.membership import MembershipClient
+    refused = nccl_env.conflicts(os.environ)  # a rank started without our launcher
+    if refused:
+        raise _Exit(_user_error(refused[0]))
+    nccl_env.apply(os.environ)  # before any process group exists: torch reads it then
+    try:
+        membership = MembershipClient.from_env(timeout=args.recover_timeout)
+    except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
+        logger.info(f"{err}: leaving")
+        raise _Exit(0) from None
+    except CoordinatorError as err:
+        raise _Exit(_user_error(f"--coordinator-addr / RECOVER_COORDINATOR: {err}")) from None
+    _report_epochs(membership)
+    return membership
+
+
+def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkpointer):
+    """Groups, model, optimizer, buffers and the trainer around them; with recovery on, the
+    commit agreement and growing back."""
+    from megatron.training.datasets import build_datasets
+    from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
+    from megatron.training.optimizer_setup import build_scheduler
+    from megatron.training.replica_step import build_stages, link_for, replica_vote
+    from megatron.training.training import Trainer
+    from recover_patches.recovery.agreement import StoreAgreement
+
+    device, groups, tracker, model, optimizer, grads = _build_model_parts(
+        args, membership, incarnation, tokenizer)
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    recovering = membership is not None and args.recover
+    trainer = Trainer(
+        args=args, groups=groups, model=model, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, args), grads=grads,
+        train_stages=build_stages(args, groups, model, train_ds, tracker, optimizer.scaler),
+        valid_stages=None if valid_ds is None else build_stages(args, groups, model, valid_ds,
+                                                                tracker),
+        link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
+        metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
+                              WandbConfig.from_args(args)),
+        agreement=StoreAgreement(membership, timeout=args.recover_timeout,
+                                 verdict_wait=membership.timeouts.verdict_wait,
+                                 replica=replica_vote(groups, device)) if recovering else None,
+        log_failure=lambda err, phase: logger.info(f"peer failure in {phase}: {err}"),
+        **({} if membership is None else {"mark": membership.mark}))
+    if recovering:
+        trainer.grow_back_with(membership)
+    if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):
+        groups.tp.before_op = lambda op: trainer.hook("tp_allreduce")
+    return trainer
+
+
+def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
+    """(device, groups, RNG tracker, model, optimizer, gradient buffer), with the start-up
+    notes."""
+    import torch
 
     from megatron.training.initialize import (build_groups, init_default_group,
                                               resilient_group_factory, torch_group_factory)
-    from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
-    from megatron.training.model import build_model, memory_note
-    from megatron.training.distributed_optimizer import ShardedAdamW
-    from megatron.training.optimizer import build_optimizer, build_scheduler
-    from megatron.training.replica_step import WeightMismatch
-    from megatron.training.training import (Trainer, build_grad_buffer,
-                                            build_stages, link_for, replica_vote)
-    from recover_patches.recovery.agreement import RecoveryStalled, StoreAgreement
-    from megatron.training.state_transfer import receive_state, send_state
-    from recover_patches.recovery.grow import GrowBack, JobComplete, JobStopped
-    from recover_patches.recovery.iteration import ReplicaLost, TooFewReplicas
+    from megatron.training.model import build_model
+    from megatron.training.optimizer_setup import build_optimizer
+    from megatron.training.tokenizer import padded_vocab_size
+    from megatron.training.replica_step import build_grad_buffer
     from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
 
@@ -178,58 +247,40 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args, groups.pg_collection(), groups.coord.pp, groups.coord.tp, vocab,
                         device)
     optimizer = build_optimizer(model, args, groups)
-    scheduler = build_scheduler(optimizer, args)
     grads = build_grad_buffer(args, groups, optimizer)
     if rank == 0:
-        memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
-            topology.dp // args.num_distributed_optimizer_instances
-            if args.use_distributed_optimizer else 1))
-        if args.virtual_pipeline_model_parallel_size is not None:
-            logger.info(f"interleaved schedule: {args.virtual_pipeline_model_parallel_size} model "
-                        f"chunks per pipeline rank, microbatches in groups of "
-                        f"{args.microbatch_group_size_per_vp_stage} (any quota length runs)")
-        if args.device == "cuda" and args.gradient_accumulation_fusion:
-            logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
-                        "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
-    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
-    recovering = membership is not None and args.recover
-    trainer = Trainer(
-        args=args, groups=groups, model=model, optimizer=optimizer, scheduler=scheduler,
-        grads=grads,
-        train_stages=build_stages(args, groups, model, train_ds, tracker, optimizer.scaler),
-        valid_stages=None if valid_ds is None else build_stages(args, groups, model, valid_ds,
-                                                                tracker),
-        link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
-        metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
-                              WandbConfig.from_args(args)),
-        agreement=StoreAgreement(membership, timeout=args.recover_timeout,
-                                 verdict_wait=membership.timeouts.verdict_wait,
-                                 replica=replica_vote(groups, device)) if recovering else None,
-        log_failure=lambda err, phase: logger.info(f"peer failure in {phase}: {err}"),
-        **({} if membership is None else {"mark": membership.mark}))
-    if recovering:
-        assert membership is not None and trainer.agreement is not None
-        trainer.grow = GrowBack(
-            live=trainer.live, agreement=trainer.agreement, membership=membership,
-            abandon=groups.abandon, rebuild=trainer.replica.rebuild,
-            send_state=lambda replica: send_state(trainer, replica),
-            receive_state=lambda replica: receive_state(trainer, replica), hook=trainer.hook)
-    if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):
-        groups.tp.before_op = lambda op: trainer.hook("tp_allreduce")
-    restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
+        _startup_notes(args, model, grads, topology)
+    return device, groups, tracker, model, optimizer, grads
+
+
+def _startup_notes(args, model, grads, topology) -> None:
+    from megatron.training.model import memory_note
+    memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
+        topology.dp // args.num_distributed_optimizer_instances
+        if args.use_distributed_optimizer else 1))
+    if args.virtual_pipeline_model_parallel_size is not None:
+        logger.info(f"interleaved schedule: {args.virtual_pipeline_model_parallel_size} model "
+                    f"chunks per pipeline rank, microbatches in groups of "
+                    f"{args.microbatch_group_size_per_vp_stage} (any quota length runs)")
+    if args.device == "cuda" and args.gradient_accumulation_fusion:
+        logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
+                    "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
+
+
+def _train(trainer, membership, incarnation: int) -> int:
+    """Train (a replacement first waits as a spare); a broken replica's ranks leave or wait as
+    spares; anything that ends the job early is one line and its exit status."""
+    import torch
+
+    from megatron.training.checkpointing import TrainingStopped
+    from recover_patches.recovery.iteration import ReplicaLost
+    args = trainer.args
     spare, load = incarnation > 0, True
     try:
         while True:
             try:
                 if spare:
-                    assert trainer.grow is not None
-                    if isinstance(optimizer, ShardedAdamW):
-                        optimizer.forget()  # out of date when the replica re-forms
-                    if checkpointer is not None:
-                        checkpointer.drop_pending()  # its writing replica broke with it
-                    logger.info("waiting as a spare until this rank's replica is re-formed")
-                    trainer.record_join(trainer.grow.wait_as_spare())
-                    trainer.finish_iteration()  # with the others: the join iteration's save/eval
+                    _wait_as_spare(trainer)
                     load = False  # the state came from a live replica
                 trainer.train(load)
                 break
@@ -243,38 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                 spare = True
     except TrainingStopped:  # --exit-interval, --exit-duration-in-mins, the exit signal
         pass  # done: below, the job is declared complete like one that reached --train-iters
-    except JobComplete as err:  # a spare never needed
-        assert membership is not None
-        logger.info(f"{err}: exiting")
-        membership.close(leave=True)
-        os._exit(0)
-    except JobStopped as err:
-        assert membership is not None
-        logger.info(f"stopping: the job stopped while this rank waited as a spare ({err})")
-        membership.close(leave=True)
-        os._exit(EXIT_RESTART)
-    except CheckpointError as err:  # found only when reading the files (e.g. a damaged archive)
-        return _user_error(str(err))
-    except WeightMismatch as err:  # every rank raises it together (the replica group agrees)
-        logger.info(f"stopping: {err}. Restart with --load {restart_from}")
-        if membership is not None:
-            membership.close(leave=True)
-        os._exit(EXIT_RESTART)
-    except (TooFewReplicas, RecoveryStalled) as err:  # likewise
-        assert membership is not None
-        if trainer.one_optimizer_copy:
-            err = f"{err} (--use-distributed-optimizer with --num-distributed-optimizer-instances " \
-                  "1 keeps one copy of the optimizer state: K >= 2 survives a lost replica)"
-        logger.info(f"stopping: {err}. Restart with --load {restart_from}")
-        membership.close(leave=True)
-        os._exit(EXIT_RESTART)
-    except PeerFailure as err:
-        where = ("outside the recoverable training iteration, e.g. in evaluation" if recovering
-                 else "in-job recovery is off")
-        logger.info(f"stopping: {err} ({where}). Restart with --load {restart_from}")
-        if membership is not None:
-            membership.close(leave=True)
-        os._exit(EXIT_RESTART)
+    except Exception as err:  # noqa: BLE001 -- `_stopping` re-raises what it does not know
+        return _stopping(err, trainer, membership)
     finally:
         trainer.metrics.close()
     if membership is not None:
@@ -283,6 +304,54 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _wait_as_spare(trainer) -> None:
+    assert trainer.grow is not None
+    trainer.optimizer.forget()  # sharded state is out of date when the replica re-forms
+    if trainer.checkpointer is not None:
+        trainer.checkpointer.drop_pending()  # its writing replica broke with it
+    logger.info("waiting as a spare until this rank's replica is re-formed")
+    trainer.record_join(trainer.grow.wait_as_spare())
+    trainer.finish_iteration()  # with the others: the join iteration's save/eval
+
+
+def _stopping(err: Exception, trainer, membership) -> int:
+    """How the job ends early: one line and the exit status (the process exits at once where
+    peers may still hold sockets to it). Anything else is a crash and is raised again."""
+    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.replica_step import WeightMismatch
+    from recover_patches.collectives.errors import PeerFailure
+    from recover_patches.recovery.agreement import RecoveryStalled
+    from recover_patches.recovery.grow import JobComplete, JobStopped
+    from recover_patches.recovery.iteration import TooFewReplicas
+    args = trainer.args
+    restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
+    if isinstance(err, CheckpointError):  # found only when reading the files (a damaged archive)
+        return _user_error(str(err))
+    if isinstance(err, JobComplete):  # a spare never needed
+        status, line = 0, f"{err}: exiting"
+    elif isinstance(err, JobStopped):
+        status = EXIT_RESTART
+        line = f"stopping: the job stopped while this rank waited as a spare ({err})"
+    elif isinstance(err, WeightMismatch):  # every rank raises it together
+        status, line = EXIT_RESTART, f"stopping: {err}. Restart with --load {restart_from}"
+    elif isinstance(err, (TooFewReplicas, RecoveryStalled)):  # likewise
+        if trainer.one_optimizer_copy:
+            err = f"{err} (--use-distributed-optimizer with --num-distributed-optimizer-instances " \
+                  "1 keeps one copy of the optimizer state: K >= 2 survives a lost replica)"
+        status, line = EXIT_RESTART, f"stopping: {err}. Restart with --load {restart_from}"
+    elif isinstance(err, PeerFailure):
+        where = ("outside the recoverable training iteration, e.g. in evaluation"
+                 if trainer.agreement is not None else "in-job recovery is off")
+        status = EXIT_RESTART
+        line = f"stopping: {err} ({where}). Restart with --load {restart_from}"
+    else:
+        raise err
+    logger.info(line)
+    if membership is not None:
+        membership.close(leave=True)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,10 @@ class FaultInjector:
         self._kill, self._exit, self._sleep = kill, exit, sleep
         self.actions: dict[str, Callable[[], None]] = {}  # inf / corrupt: set by the trainer
 
+    def set_actions(self, **actions: Callable[[], None]) -> None:
+        """What `inf` and `corrupt` faults do (the trainer knows its buffers and weights)."""
+        self.actions.update(actions)
+
     @classmethod
     def from_specs(cls, specs: list[str] | None, rank: int, **actions) -> "FaultInjector":
         """Faults from the flag values plus env RECOVER_INJECT_FAULT. Raises FaultSpecError."""

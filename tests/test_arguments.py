@@ -508,7 +508,7 @@ def test_a_changed_schedule_on_resume_follows_megatrons_flags():
     --override-opt_param-scheduler (this run's wins); the step count always comes back."""
     import torch
 
-    from megatron.training.optimizer import build_scheduler
+    from megatron.training.optimizer_setup import build_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 

@@ -11,7 +11,7 @@ from megatron.training.datasets import build_datasets
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.model import build_model
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.training import build_stages
+from megatron.training.replica_step import build_stages
 from recover_patches.pipeline.p2p import StageLink
 from recover_patches.recovery.grad_buffer import GradBuffer
 from recover_patches.recovery.reduce import Totals, check_commit

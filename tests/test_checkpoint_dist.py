@@ -21,8 +21,9 @@ from megatron.training.checkpointing import (LATEST_FILE, CheckpointError, Check
                                              find_resume_point, read_latest)
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.model import build_model
-from megatron.training.optimizer import build_optimizer, build_scheduler
+from megatron.training.optimizer_setup import build_optimizer, build_scheduler
 from megatron.training.training import TrainState
+from recover_patches.recovery.iteration import LiveReplicas
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT
@@ -57,7 +58,7 @@ class GPTTrainer:
         self.optimizer = build_optimizer(self.model, args, self.groups)
         self.scheduler = build_scheduler(self.optimizer, args)
         self.state, self.faults, self.metrics = TrainState(), Faults(), Metrics()
-        self.live_replicas = [0]
+        self.live = LiveReplicas.solo()
 
     def barrier(self, key: str) -> None:
         dist.barrier()

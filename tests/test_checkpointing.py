@@ -24,6 +24,7 @@ from megatron.training.checkpointing import (
     rank_dir_name, read_latest, writer_rank)
 from megatron.training.optimizer import MainParamsAdamW
 from megatron.training.training import TrainState
+from recover_patches.recovery.iteration import LiveReplicas
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
 from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
@@ -83,7 +84,7 @@ class TinyTrainer:
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
             lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10, wd_incr_style="constant")
-        self.groups, self.live_replicas = Groups(), [0]
+        self.groups, self.live = Groups(), LiveReplicas.solo()
         self.state, self.faults, self.metrics = TrainState(), faults or Faults(), Metrics()
         self.tracker = install_rng_tracker()
         self.tracker.add("model-parallel-rng", 7)

@@ -119,3 +119,36 @@ def test_the_contract_sees_what_it_forbids():
     # the reader finds imports inside functions too
     assert "recover_patches.collectives.coordinator" in imports_of(
         REPO / PACKAGE / "collectives" / "launcher_link.py")
+
+
+# Runtime files over the 400-line limit, with why they stand (the list only shrinks).
+LONG_FILES = {
+    # one class whose ranges, gathers, norms and state dicts share its private layout; split it
+    # along those seams next
+    "megatron/training/distributed_optimizer.py",
+}
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def runtime_files() -> list[Path]:
+    return [*sorted((REPO / PACKAGE).rglob("*.py")),
+            *sorted((REPO / "megatron" / "training").rglob("*.py")),
+            REPO / "pretrain_gpt_recover.py"]
+
+
+def test_runtime_files_and_functions_stay_readable():
+    """Files under 400 lines, functions under 60 (the project's style), so a reader can hold one."""
+    long_files, long_functions = set(), []
+    for path in runtime_files():
+        source = path.read_text()
+        name = str(path.relative_to(REPO))
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            long_files.add(name)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}:{node.lineno} {node.name} ({length} lines)")
+    assert not long_functions, long_functions
+    assert long_files - LONG_FILES == set(), sorted(long_files - LONG_FILES)
+    assert LONG_FILES - long_files == set(), f"now short, delete from LONG_FILES: {LONG_FILES - long_files}"

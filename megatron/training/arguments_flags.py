@@ -69,6 +69,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="Deterministic kernels only (torch.use_deterministic_algorithms).")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="Accepted: ReCoVer always divides by the global token count of the batch.")
+    _add_kernel_and_recompute_args(g)
+
+
+def _add_kernel_and_recompute_args(g) -> None:
+    """The model group's fused-kernel and activation-recompute flags."""
     for name, what in (("rope-fusion", "the fused rope kernel"),
                        ("masked-softmax-fusion", "the fused masked softmax"),
                        ("bias-gelu-fusion", "the fused bias + gelu"),

@@ -112,7 +112,7 @@ def optimizer_template(params: list[torch.Tensor], param_groups: list[dict],
 
 
 def rng_sharded(trainer, rng: dict) -> ShardedObject:
-    """ReCoVer's RNG state (`checkpointing.rng_state()`) under Megatron's key names, one object
+    """ReCoVer's RNG state (`checkpoint_state.rng_state()`) under Megatron's key names, one object
     per (pp, tp) position."""
     topo, coord = trainer.groups.topology, trainer.groups.coord
     megatron = {"torch_rng_state": rng["torch_cpu"], "rng_tracker_states": rng["tracker"]}
@@ -161,7 +161,7 @@ def load_template(trainer, with_optimizer: bool, moments: bool, rng: dict | None
 
 
 def as_rank_state(loaded: dict) -> dict:
-    """A loaded torch_dist checkpoint in the shape `checkpointing.apply_rank_state` takes (the
+    """A loaded torch_dist checkpoint in the shape `checkpoint_state.apply_rank_state` takes (the
     torch format's). Consumed samples: ReCoVer's own record, else Megatron's args."""
     recover = loaded.get("recover") or {}
     saved_args = loaded.get("args")

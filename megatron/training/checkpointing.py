@@ -55,7 +55,8 @@ from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_F
                                                  CheckpointError, CkptFormat, ResumePoint,
                                                  find_resume_point, iter_dir_name, rank_dir_name,
                                                  read_latest)
-from megatron.training.model import checkpoint_keys, model_chunks
+from megatron.training.checkpoint_state import (apply_rank_state, from_stock_megatron, rank_state,
+                                                rng_state)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
 
@@ -72,9 +73,8 @@ def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) 
 
 
 def live_replicas_of(trainer) -> list[int]:
-    """The replicas alive now (the Trainer keeps them in `live`, older versions in `live_replicas`)."""
-    live = getattr(trainer, "live", None)
-    return list(live.live_replicas if live is not None else trainer.live_replicas)
+    """The replicas alive now."""
+    return list(trainer.live.live_replicas)
 
 
 def fsync_dir(path: Path) -> None:
@@ -94,80 +94,6 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-# -- what one rank's file holds ------------------------------------------------------------------
-def cpu_tracker():
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    return get_cuda_rng_tracker()  # recover_patches.pipeline.rng installs its device tracker in its place
-
-
-def rng_state() -> dict:
-    return {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()}
-
-
-def rank_state(trainer, args, optimizer_state: dict | None = None) -> dict:
-    """The torch format's file: Megatron's keys (args, checkpoint_version, iteration, model,
-    optimizer, opt_param_scheduler, rng_state) plus ReCoVer's records."""
-    topo, coord = trainer.groups.topology, trainer.groups.coord
-    state = {
-        "args": ckd.with_megatron_args(args, trainer.state.iteration,
-                                       trainer.state.consumed_samples),
-        "checkpoint_version": ckd.CHECKPOINT_VERSION,
-        "format": FORMAT, "iteration": trainer.state.iteration,
-        "consumed_samples": trainer.state.consumed_samples,
-        "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
-        "coord": {"rank": trainer.groups.rank, "tp": coord.tp, "pp": coord.pp, "replica": coord.replica},
-        **{key: chunk.state_dict() for key, chunk in zip(checkpoint_keys(trainer.model),
-                                                          model_chunks(trainer.model))},
-    }
-    if not args.no_save_optim:
-        state["optimizer"] = (trainer.optimizer.state_dict() if optimizer_state is None
-                              else optimizer_state)
-        state["opt_param_scheduler"] = trainer.scheduler.state_dict()
-    if not args.no_save_rng:
-        state["rng_state"] = rng_state()
-    return state
-
-
-def from_stock_megatron(state: dict) -> dict:
-    """A stock Megatron-LM torch file in `apply_rank_state`'s shape: its consumed samples are in
-    its args, its fp32 main weights a list per param group, its RNG not ours (not restored)."""
-    state = dict(state)
-    state.setdefault("consumed_samples", getattr(state.get("args"), "consumed_train_samples", 0))
-    optimizer = state.get("optimizer")
-    if isinstance(optimizer, dict) and optimizer.get("fp32_from_fp16_params") and \
-            isinstance(optimizer["fp32_from_fp16_params"][0], list):
-        optimizer["fp32_from_fp16_params"] = [t for g in optimizer["fp32_from_fp16_params"] for t in g]
-    state.pop("rng_state", None)
-    return state
-
-
-def apply_rank_state(trainer, state: dict, args) -> None:
-    """Weights always; optimizer, schedule, RNG and progress unless --finetune / --no-load-*.
-    Dropout is reseeded per microbatch (recover_patches.pipeline.rng), so exact resume needs the iteration
-    and consumed samples; the RNG streams are restored for anything else drawing from them."""
-    for key, chunk in zip(checkpoint_keys(trainer.model), model_chunks(trainer.model)):
-        chunk.load_state_dict(state[key], strict=True)
-    if args.finetune or args.no_load_optim:
-        trainer.optimizer.reload_model_params()  # bf16/fp16: main params follow
-    if args.finetune:
-        return
-    trainer.state.iteration = state["iteration"]
-    trainer.state.consumed_samples = state["consumed_samples"]
-    if not args.no_load_optim:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        try:
-            trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
-        except AssertionError as err:  # megatron-core refuses a changed LR schedule this way
-            raise CheckpointError(
-                "--load", f"the LR schedule flags differ from the checkpoint's ({err})",
-                "pass the checkpoint's --lr/--min-lr/decay/warmup/--train-iters values, or "
-                "--use-checkpoint-opt_param-scheduler to take its schedule, or "
-                "--override-opt_param-scheduler to keep yours") from None
-    if not args.no_load_rng and "rng_state" in state:  # absent: see load_rank_state
-        torch.set_rng_state(state["rng_state"]["torch_cpu"])
-        cpu_tracker().set_states(state["rng_state"]["tracker"])
 
 
 class TrainingStopped(Exception):

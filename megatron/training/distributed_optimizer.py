@@ -29,22 +29,25 @@ of the instance must call it), `load_state_dict()` takes its ranges, so any K lo
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.training.optimizer import LossScaler, is_counted
+from megatron.training.optimizer_moves import held_ranges, keep_own, move_pieces
 from megatron.training.optimizer_shards import (ShardLost, bucket_ranges, instance_positions,
                                                 plan_transfers)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.grad_buffer import FlatLayout
 from recover_patches.recovery.iteration import TooFewReplicas
 
+logger = logging.getLogger(__name__)
+
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-# Elements per point-to-point message (64 MiB of fp32): each must finish within --recover-timeout.
-_CHUNK = 1 << 24
 
 
 class ShardedAdamW:
@@ -61,8 +64,8 @@ class ShardedAdamW:
         self._groups_params = [list(g["params"]) for g in groups]
         self._groups_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
-        self.before_gather: Callable[[], None] = lambda: None  # fault injection point
-        self.overlap = False  # --overlap-param-gather: step() only starts the all-gather
+        self._before_gather: Callable[[], None] = lambda: None  # fault injection point
+        self._overlap = False  # --overlap-param-gather: step() only starts the all-gather
         self._pending: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}  # by bucket
         self._gather_failure: PeerFailure | None = None
         # the bucket of each parameter, and the parameters of each bucket
@@ -163,9 +166,9 @@ class ShardedAdamW:
         self.inner.step()
         for fragment in self.fragments:
             fragment.grad = None
-        self.before_gather()
+        self._before_gather()
         self._start_gather()
-        if not self.overlap:
+        if not self._overlap:
             self.finish_gather()
 
     def gather_weights(self) -> None:
@@ -204,6 +207,16 @@ class ShardedAdamW:
         """The buckets' weights in place (all: before anything but a forward reads them)."""
         for b in range(len(self.layout.buckets)) if buckets is None else buckets:
             self.finish_bucket(b)
+
+    def shards_gradients(self) -> bool:
+        return True
+
+    def watch_gathers(self, before: Callable[[], None], overlap_with: torch.nn.Module | None
+                      ) -> None:
+        self._before_gather = before
+        if overlap_with is not None:
+            self._overlap = True
+            self.wait_in_forward(overlap_with)
 
     def wait_in_forward(self, model: torch.nn.Module) -> None:
         """--overlap-param-gather: a module's forward first waits for its parameters' buckets,
@@ -369,13 +382,15 @@ class ShardedAdamW:
         point to point from the lowest rank holding them; a rank's old ranges stay until the
         whole new ones arrived. TooFewReplicas if some piece died with every rank that held it.
         Returns the bytes this rank received."""
+        start = time.perf_counter()
         self._pending.clear()  # the weights are gathered afresh at the end
         self._gather_failure = None
         live = sorted(live_replicas)
         me, size = (0, 1) if dp_group is None else (dp_group.rank(), dp_group.size())
         positions = instance_positions(live, per_instance)
         wanted = [bucket_ranges(self.layout.buckets, j, n) for j, n in positions]
-        held, step = self._held_ranges(dp_group, size)
+        held, step = held_ranges(self.ranges, max((int(s["step"]) for s in self.inner.state.values()),
+                                                  default=0), self._device, dp_group, size)
         try:
             plans = [plan_transfers([h[b] for h in held], [w[b] for w in wanted])
                      for b in range(len(self.layout.buckets))]
@@ -392,44 +407,17 @@ class ShardedAdamW:
         if any(lo < hi for lo, hi in held[me]):  # valid: main params, then moments
             mine = [self._flat(lambda f: f)] + [
                 self._flat(lambda f, n=n: inner.state[f][n]) for n in _MOMENTS if started]
-            for b, ((lo, hi), (c, d)) in enumerate(zip(ranges, old)):
-                a, z = max(lo, c), min(hi, d)
-                for new, kept in zip(fresh, mine):
-                    if a < z:
-                        new[bases[b] + a - lo:bases[b] + z - lo].copy_(
-                            kept[self._base[b] + a - c:self._base[b] + z - c])
-        for b, transfers in enumerate(plans):
-            for t in transfers:
-                if me == t.src:
-                    at = self._base[b] + t.lo - old[b][0]
-                    for kept in mine:
-                        for piece in kept[at:at + t.hi - t.lo].split(_CHUNK):
-                            dist.send(piece, group=dp_group, group_dst=t.dst)
-                elif me == t.dst:
-                    at = bases[b] + t.lo - ranges[b][0]
-                    for new in fresh:
-                        for piece in new[at:at + t.hi - t.lo].split(_CHUNK):
-                            dist.recv(piece, group=dp_group, group_src=t.src)
+            keep_own(fresh, mine, ranges, bases, old, self._base)
+        received = 4 * len(fresh) * move_pieces(plans, me, mine, fresh, ranges, bases, old,
+                                                self._base, dp_group)
         self.shards = positions[me][1]
         self._place(ranges, fresh[0], (fresh[1], fresh[2]) if started else None, step)
         self.gather_weights()
-        return 4 * len(fresh) * sum(t.hi - t.lo for transfers in plans for t in transfers
-                                    if t.dst == me)
-
-    def _held_ranges(self, dp_group, size: int) -> tuple[list[list[tuple[int, int]]], int]:
-        """Every group rank's ranges and Adam step; a rank behind the newest step (a spare's old
-        state) counts as holding nothing."""
-        step = max((int(s["step"]) for s in self.inner.state.values()), default=0)
-        mine = torch.tensor([x for r in self.ranges for x in r] + [step], dtype=torch.int64,
-                            device=self._device)
-        every = mine
-        if size > 1:
-            every = torch.empty(size * mine.numel(), dtype=torch.int64, device=self._device)
-            dist.all_gather_single(every, mine, group=dp_group)
-        rows = every.view(size, mine.numel()).tolist()
-        newest = max(row[-1] for row in rows)
-        return [[(row[2 * b], row[2 * b + 1]) if row[-1] == newest else (0, 0)
-                 for b in range(len(self.ranges))] for row in rows], newest
+        if received:
+            logger.info(f"distributed optimizer: {self.held_numel} parameters' state held for "
+                        f"live replicas {live}, {received / 2**20:.2f} MiB received, "
+                        f"{(time.perf_counter() - start) * 1000:.0f} ms")
+        return received
 
     def forget(self) -> None:
         """This rank's replica broke: whatever it held is out of date by the time it rejoins."""

@@ -8,17 +8,60 @@ allocate on CUDA; these small equivalents keep Megatron's semantics and run anyw
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import OptimizerConfig, _get_param_groups
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from recover_patches.recovery.grad_buffer import FlatLayout, flat_layout
+from recover_patches.recovery.grad_buffer import FlatLayout
 
-if TYPE_CHECKING:
-    from megatron.training.distributed_optimizer import ShardedAdamW
+
+class Optimizer(Protocol):
+    """What the step, checkpoints, joins and recovery ask of an optimizer. Both implement it:
+    `MainParamsAdamW` (every replica holds all of it; the sharding methods are no-ops) and
+    `ShardedAdamW` (--use-distributed-optimizer)."""
+    scaler: LossScaler | None
+    model_params: list[torch.Tensor]  # the order gradients come in
+    main_params: list[torch.Tensor]  # fp32 (the model's own in fp32 training)
+    layout: FlatLayout | None  # the gradient buffer's layout (None: one made from the flags)
+
+    @property
+    def param_groups(self) -> list[dict]: ...
+
+    def step(self, grads: Sequence[torch.Tensor]) -> None: ...
+
+    def shards_gradients(self) -> bool:
+        """Takes the gradients reduce-scattered into its ranges while every replica is live."""
+
+    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
+        """The global norm of `grads` (with sharded gradients: of this rank's ranges, summed)."""
+
+    def count_zeros(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float: ...
+
+    def watch_gathers(self, before: Callable[[], None], overlap_with: torch.nn.Module | None
+                      ) -> None:
+        """`before` runs before each weight all-gather; with a model, the gathers overlap with
+        its next forward (--overlap-param-gather)."""
+
+    def finish_gather(self) -> None:
+        """The weights in place before anything but a forward reads them (PeerFailure if a
+        gather failed)."""
+
+    def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:
+        """Take this rank's part for the live replicas; the bytes received."""
+
+    def forget(self) -> None:
+        """This rank's replica broke: what it holds of sharded state is out of date."""
+
+    def reload_model_params(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def replicated_state_dict(self) -> dict: ...
+
+    def load_replicated_state_dict(self, state: dict) -> None: ...
 
 
 class MainParamsAdamW:
@@ -28,8 +71,10 @@ class MainParamsAdamW:
     views of the reduced fp32 buffer: nothing is copied."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, scaler: "LossScaler | None" = None):
+                 weight_decay: float, scaler: "LossScaler | None" = None,
+                 layout: FlatLayout | None = None):
         self.scaler = scaler  # fp16 only; checkpointed with the optimizer, as in Megatron
+        self.layout = layout
         self.model_params: list[torch.Tensor] = []
         self.main_params: list[torch.Tensor] = []
         main_groups = []
@@ -60,6 +105,28 @@ class MainParamsAdamW:
         if self.copies:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.main_params)
+
+    def shards_gradients(self) -> bool:
+        return False
+
+    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
+        return global_grad_norm(self.model_params, grads, replica_group, tp_rank)
+
+    def count_zeros(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
+        return count_zeros(self.model_params, grads, replica_group, tp_rank)
+
+    def watch_gathers(self, before: Callable[[], None], overlap_with: torch.nn.Module | None
+                      ) -> None:
+        pass  # nothing is gathered: every replica steps all of it
+
+    def finish_gather(self) -> None:
+        pass
+
+    def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:
+        return 0
+
+    def forget(self) -> None:
+        pass
 
     def reload_model_params(self) -> None:
         """The model's weights were replaced (a checkpoint loaded without its optimizer state):
@@ -132,81 +199,6 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self._clean, self._left = (float(state["scale"]), int(state["growth_tracker"]),
                                                int(state["hysteresis_tracker"]))
-
-
-# What the trainer steps: sharded over an instance's replicas with --use-distributed-optimizer.
-Optimizer = Union[MainParamsAdamW, "ShardedAdamW"]
-
-
-def build_loss_scaler(args) -> LossScaler | None:
-    if not args.fp16:
-        return None  # bf16 and fp32 need no scaling
-    if args.loss_scale is not None:
-        return LossScaler(args.loss_scale, dynamic=False)
-    return LossScaler(args.initial_loss_scale, dynamic=True, min_scale=args.min_loss_scale,
-                      window=args.loss_scale_window, hysteresis=args.hysteresis)
-
-
-def build_optimizer(model: torch.nn.Module, args, groups=None) -> "Optimizer":
-    """Weight decay is skipped for biases and 1-D parameters (megatron-core's standard groups).
-    Note: `_get_param_groups` agrees on group keys with an all_gather_object on the default group,
-    so every rank must call this at start-up (bootstrap, before any failure can matter)."""
-    config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
-                             weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             clip_grad=args.clip_grad)
-    param_groups = _get_param_groups([model], config, None)
-    hyper = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                 weight_decay=args.weight_decay, scaler=build_loss_scaler(args))
-    if not args.use_distributed_optimizer:
-        return MainParamsAdamW(param_groups, **hyper)
-    from megatron.training.distributed_optimizer import ShardedAdamW
-    size = groups.topology.dp // args.num_distributed_optimizer_instances
-    layout = flat_layout_for(args, groups, [p for g in param_groups for p in g["params"]])
-    return ShardedAdamW(param_groups, layout=layout, shard=groups.coord.replica % size,
-                        shards=size, instance_group=groups.instance, **hyper)
-
-
-def flat_layout_for(args, groups, params: Sequence[torch.Tensor]) -> FlatLayout:
-    """The gradient buffer's layout (the distributed optimizer shards the same one). Megatron's
-    bucket rule: one bucket unless overlapping; then --ddp-bucket-size, default max(40M, 1M x DP)
-    parameters. With the distributed optimizer each bucket is padded to a multiple of the instance
-    size, and the tied embedding gets a bucket of its own: both pipeline ends then shard it alike,
-    so its gradients can be summed range by range."""
-    bucket = args.ddp_bucket_size
-    if bucket is None and args.overlap_grad_reduce:
-        bucket = max(40_000_000, 1_000_000 * groups.topology.dp)
-    if not args.use_distributed_optimizer:
-        return flat_layout(params, bucket)
-    return flat_layout(params, bucket, pad_to=groups.per_instance,
-                       alone=lambda p: getattr(p, "tied_embedding_copy", False))
-
-
-def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
-    """Megatron steps the scheduler in samples: one iteration advances it by the global batch.
-    On a resume megatron-core's scheduler checks the schedule against the checkpoint's: equal
-    values or an AssertionError, unless --use-checkpoint-opt_param-scheduler (take the
-    checkpoint's) or --override-opt_param-scheduler (take these)."""
-    gbs = args.global_batch_size
-    if args.train_iters:
-        decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
-        wd_incr_steps = args.train_iters * gbs
-        warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
-                        else args.lr_warmup_iters * gbs)
-    else:
-        decay_steps = args.lr_decay_samples or args.train_samples
-        wd_incr_steps = args.train_samples
-        warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
-                        else args.lr_warmup_samples)
-    start_wd = args.weight_decay if args.start_weight_decay is None else args.start_weight_decay
-    end_wd = args.weight_decay if args.end_weight_decay is None else args.end_weight_decay
-    return OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=int(warmup_steps), lr_decay_steps=int(decay_steps),
-        lr_decay_style=args.lr_decay_style, start_wd=start_wd, end_wd=end_wd,
-        wd_incr_steps=int(wd_incr_steps), wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
 def sync_tied_embedding_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],

@@ -9,7 +9,6 @@ import argparse
 import hashlib
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,13 +16,17 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
-from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros, global_grad_norm,
+from megatron.training.model import model_chunks
+from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
+                                         global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
+from megatron.training.optimizer_setup import flat_layout_for
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
+from recover_patches.pipeline.sampler import MicrobatchSampler
+from recover_patches.recovery.agreement import ReplicaLink
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
 from recover_patches.recovery.iteration import LiveReplicas
 from recover_patches.recovery.reduce import Totals
@@ -106,12 +109,9 @@ class GPTReplicaStep:
         self.timer = MicrobatchTimer(pipeline_depth=self.groups.topology.pp,
                                      chunks=self.config.chunks, group=self.config.vp_group or 0)
         self.clock = ExecuteClock(self.device)  # compute time for layer 3's balance
-        if isinstance(self.optimizer, ShardedAdamW):
-            self.optimizer.before_gather = lambda: self.hook("param_gather")
-            if self.config.overlap_param_gather:
-                self.optimizer.overlap = True
-                self.optimizer.wait_in_forward(self.model)
-        self.grads.scatter = self.scatter_while(self.live.live_replicas)
+        self.optimizer.watch_gathers(lambda: self.hook("param_gather"),
+                                     self.model if self.config.overlap_param_gather else None)
+        self.grads.scatter_into(self.scatter_while(self.live.live_replicas))
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
@@ -169,7 +169,7 @@ class GPTReplicaStep:
         tokens = max(reduced.totals.tokens, 1)
         scaler = self.optimizer.scaler
         scale = 1.0 if scaler is None else scaler.scale
-        self.grads.reduced_grads.div_(tokens * scale)  # the global token mean: DESIGN §7
+        self.grads.divide_gradients(tokens * scale)  # the global token mean: DESIGN §7
         grad_norm, extra = self._norm_and_zeros(reduced, grads)
         overflow = not math.isfinite(grad_norm)
         if scaler is not None:
@@ -178,7 +178,7 @@ class GPTReplicaStep:
         if not skipped:
             factor = clip_factor(grad_norm, self.config.clip_grad)
             if factor != 1.0:
-                self.grads.reduced_grads.mul_(factor)
+                self.grads.scale_gradients(factor)
             self._optimizer_step(grads, reduced.totals.microbatches)
         if self.config.log_params_norm:  # the fp32 main params, after the step
             extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
@@ -193,8 +193,7 @@ class GPTReplicaStep:
 
     def _norm_and_zeros(self, reduced: ReducedGradients, grads: list) -> tuple[float, dict]:
         tp_rank, extra = self.groups.coord.tp, {}
-        if reduced.scattered:  # only this rank's ranges hold reduced gradients
-            assert isinstance(self.optimizer, ShardedAdamW)
+        if reduced.scattered:  # only this rank's ranges hold reduced gradients: the optimizer's
             grad_norm = self.optimizer.grad_norm(grads, self.groups.replica, tp_rank)
             if self.config.log_num_zeros:  # before clipping, as Megatron counts them
                 extra["num_zeros"] = self.optimizer.count_zeros(grads, self.groups.replica, tp_rank)
@@ -240,17 +239,9 @@ class GPTReplicaStep:
         """Groups for the agreed live replicas (only what broke is rebuilt); the distributed
         optimizer's shards follow."""
         regrouped = self.groups.regroup(live_replicas, epoch, key)
-        self.grads.scatter = self.scatter_while(live_replicas)
-        if isinstance(self.optimizer, ShardedAdamW):
-            start = time.perf_counter()
-            received = self.optimizer.reshard(live_replicas, self.groups.per_instance,
-                                              self.groups.dp)
-            self.weights_stale = False
-            if received:
-                logger.info(f"distributed optimizer: {self.optimizer.held_numel} parameters' "
-                            f"state held for live replicas {live_replicas}, "
-                            f"{received / 2**20:.2f} MiB received, "
-                            f"{(time.perf_counter() - start) * 1000:.0f} ms")
+        self.grads.scatter_into(self.scatter_while(live_replicas))
+        self.optimizer.reshard(live_replicas, self.groups.per_instance, self.groups.dp)
+        self.weights_stale = False  # the reshard gathered every slice afresh
         return regrouped
 
     def replica_any(self, flag: bool) -> bool:
@@ -276,7 +267,7 @@ class GPTReplicaStep:
         """The distributed optimizer reduce-scatters the gradients while every replica is live
         (the instances then split every bucket alike); otherwise it takes them all-reduced."""
         g = self.groups
-        if not isinstance(self.optimizer, ShardedAdamW) or len(live_replicas) < g.topology.dp:
+        if not self.optimizer.shards_gradients() or len(live_replicas) < g.topology.dp:
             return None
         assert g.instance is not None
         return Scatter(g.instance, g.position, g.coord.replica % g.per_instance, g.per_instance)
@@ -284,8 +275,7 @@ class GPTReplicaStep:
     def weights_ready(self) -> None:
         """Before reading the weights outside a forward (save, evaluate, a join, a check): the
         overlapped all-gathers of --overlap-param-gather land first (PeerFailure if one failed)."""
-        if isinstance(self.optimizer, ShardedAdamW):
-            self.optimizer.finish_gather()
+        self.optimizer.finish_gather()
 
     def adopt_timings(self, timings: dict[int, float | None]) -> None:
         """A joining replica takes the donor's published timings (its plans must match)."""
@@ -323,3 +313,64 @@ class GPTReplicaStep:
         if executed and seconds > 0:
             self.timer.update(seconds, executed)
         return self.timer.to_wire()
+
+
+# -- building a replica's parts ----------------------------------------------------------------
+def build_stages(args, groups: ParallelGroups, model, dataset, tracker,
+                 scaler: LossScaler | None = None) -> list[GPTStage]:
+    """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
+    dropout seeds: with one chunk, the pipeline stage)."""
+    sampler = MicrobatchSampler(dataset, args.micro_batch_size,
+                                with_mask=args.reset_attention_mask)
+    chunks = model_chunks(model)
+    pp, last = groups.topology.pp, groups.topology.pp * len(chunks) - 1
+    stages = []
+    for c, chunk in enumerate(chunks):
+        virtual = c * pp + groups.coord.pp
+        stages.append(GPTStage(chunk, sampler, tp_group=groups.tp, tracker=tracker,
+                               seed=args.seed, pp_stage=virtual, tp_rank=groups.coord.tp,
+                               is_first=virtual == 0, is_last=virtual == last,
+                               device=next(chunk.parameters()).device,
+                               loss_scale=None if scaler is None else (lambda: scaler.scale)))
+    return stages
+
+
+def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> GradBuffer:
+    layout = optimizer.layout if optimizer.layout is not None else flat_layout_for(
+        args, groups, optimizer.model_params)
+    return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
+                      device=optimizer.model_params[0].device, layout=layout,
+                      overlap=args.overlap_grad_reduce)
+
+
+def link_for(args, groups: ParallelGroups, device) -> StageLink | ChunkP2P:
+    """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
+    hidden], in the training dtype; between virtual stages with model chunks."""
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp,
+                        args.virtual_pipeline_model_parallel_size,
+                        (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
+                        device=device)
+    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp,
+                     (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
+                     device=device)
+
+
+def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
+    """The commit vote by replica: its ranks agree over the replica's group, its first rank votes."""
+    group = groups.replica
+    if group.size() == 1:
+        return ReplicaLink(groups.topology.replica_of, True, lambda news: news, lambda code: code)
+
+    def exchange(news: bool) -> bool:
+        flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def share(code: int) -> int:
+        value = torch.tensor([code], dtype=torch.int32, device=device)
+        dist.broadcast(value, group=group, group_src=0)
+        return int(value.item())
+    return ReplicaLink(groups.topology.replica_of, group.rank() == 0, exchange, share)
+

@@ -17,7 +17,7 @@ import io
 import torch
 import torch.distributed as dist
 
-from megatron.training.checkpointing import cpu_tracker
+from megatron.training.checkpoint_state import cpu_tracker
 
 
 def live_state(trainer) -> dict:

@@ -18,21 +18,20 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.arguments import global_batch_size_at
-from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
-from megatron.training.model import model_chunks
-from megatron.training.optimizer import LossScaler, Optimizer, flat_layout_for
+from megatron.training.optimizer import Optimizer
 from megatron.training.replica_step import GPTReplicaStep, StepConfig
-from recover_patches.collectives.errors import PeerFailure
+from megatron.training.state_transfer import receive_state, send_state
+from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.faults import FaultInjector
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
-from recover_patches.recovery.agreement import ReplicaLink, StoreAgreement
+from recover_patches.recovery.agreement import StoreAgreement
 from recover_patches.recovery.grad_buffer import GradBuffer
-from recover_patches.recovery.grow import GrowBack, JoinRecord
+from recover_patches.recovery.grow import GrowBack, JoinRecord, Membership
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
 from recover_patches.recovery.reduce import Totals
-from recover_patches.pipeline.sampler import MicrobatchSampler, first_microbatch_id
+from recover_patches.pipeline.sampler import first_microbatch_id
 from recover_patches.pipeline.schedule import run_forward_only, run_forward_only_interleaved
 from recover_patches.pipeline.stage import GPTStage
 from recover_patches.workload.policy import even_plan
@@ -87,7 +86,7 @@ class Trainer:
         self._was_logging = False
         self._store_ops_seen = 0  # the agreement's count at the last record
         self._skipped_at_last_line = 0
-        self.faults.actions.update(inf=self.grads.poison, corrupt=self.replica.corrupt_a_weight)
+        self.faults.set_actions(inf=self.grads.poison, corrupt=self.replica.corrupt_a_weight)
 
     @property
     def one_optimizer_copy(self) -> bool:
@@ -121,6 +120,25 @@ class Trainer:
 
     def weights_ready(self) -> None:
         self.replica.weights_ready()
+
+    def grow_back_with(self, membership: Membership) -> None:
+        """Spares and replacement processes rejoin (recovery on, with the coordinator)."""
+        assert self.agreement is not None
+        self.grow = GrowBack(live=self.live, agreement=self.agreement, membership=membership,
+                             replica=self, hook=self.hook)
+
+    # -- what a join moves (GrowBack's ReplicaState) ------------------------------------------
+    def abandon(self, phase: str) -> None:
+        self.groups.abandon(phase)
+
+    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
+        return self.replica.rebuild(live_replicas, epoch, key)
+
+    def send_state(self, replica: int) -> int:
+        return send_state(self, replica)
+
+    def receive_state(self, replica: int) -> int:
+        return receive_state(self, replica)
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(live=self.live, replica=self.replica,
@@ -322,63 +340,3 @@ class Trainer:
         if self.groups.pp.size() > 1:  # the loss lives on the last stage
             dist.all_reduce(loss_sum, group=self.groups.pp)
         return float(loss_sum) / max(total.tokens, 1)
-
-
-def build_stages(args, groups: ParallelGroups, model, dataset, tracker,
-                 scaler: LossScaler | None = None) -> list[GPTStage]:
-    """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
-    dropout seeds: with one chunk, the pipeline stage)."""
-    sampler = MicrobatchSampler(dataset, args.micro_batch_size,
-                                with_mask=args.reset_attention_mask)
-    chunks = model_chunks(model)
-    pp, last = groups.topology.pp, groups.topology.pp * len(chunks) - 1
-    stages = []
-    for c, chunk in enumerate(chunks):
-        virtual = c * pp + groups.coord.pp
-        stages.append(GPTStage(chunk, sampler, tp_group=groups.tp, tracker=tracker,
-                               seed=args.seed, pp_stage=virtual, tp_rank=groups.coord.tp,
-                               is_first=virtual == 0, is_last=virtual == last,
-                               device=next(chunk.parameters()).device,
-                               loss_scale=None if scaler is None else (lambda: scaler.scale)))
-    return stages
-
-
-def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> GradBuffer:
-    layout = optimizer.layout if isinstance(optimizer, ShardedAdamW) else flat_layout_for(
-        args, groups, optimizer.model_params)
-    return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
-                      device=optimizer.model_params[0].device, layout=layout,
-                      overlap=args.overlap_grad_reduce)
-
-
-def link_for(args, groups: ParallelGroups, device) -> StageLink | ChunkP2P:
-    """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
-    hidden], in the training dtype; between virtual stages with model chunks."""
-    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    if args.virtual_pipeline_model_parallel_size is not None:
-        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp,
-                        args.virtual_pipeline_model_parallel_size,
-                        (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
-                        device=device)
-    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp,
-                     (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
-                     device=device)
-
-
-def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
-    """The commit vote by replica: its ranks agree over the replica's group, its first rank votes."""
-    group = groups.replica
-    if group.size() == 1:
-        return ReplicaLink(groups.topology.replica_of, True, lambda news: news, lambda code: code)
-
-    def exchange(news: bool) -> bool:
-        flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
-    def share(code: int) -> int:
-        value = torch.tensor([code], dtype=torch.int32, device=device)
-        dist.broadcast(value, group=group, group_src=0)
-        return int(value.item())
-    return ReplicaLink(groups.topology.replica_of, group.rank() == 0, exchange, share)
-

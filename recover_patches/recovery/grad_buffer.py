@@ -275,6 +275,20 @@ class GradBuffer:
         offset = self._offsets[param]
         return self.reduced[offset:offset + param.numel()].view_as(param)
 
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every reduced gradient by `factor` (the clip) in one operation."""
+        self.reduced_grads.mul_(factor)
+
+    def divide_gradients(self, divisor: float) -> None:
+        """Divide every reduced gradient by `divisor` (the global token count, the loss scale):
+        a division, not a multiplication by its inverse, which rounds differently."""
+        self.reduced_grads.div_(divisor)
+
+    def scatter_into(self, scatter: Scatter | None) -> None:
+        """From the next reduction on: reduce-scatter into `scatter`'s ranges (None: all-reduce
+        every gradient whole)."""
+        self.scatter = scatter
+
     def zero(self) -> None:
         self.local.zero_()
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from recover_patches.collectives import MembershipTimeout, PeerFailure
+from recover_patches.collectives import MembershipTimeout, PeerFailure, Regrouped
 from recover_patches.recovery.agreement import Decision, StoreAgreement
 from recover_patches.recovery.iteration import LiveReplicas
 
@@ -56,6 +56,22 @@ class Membership(Protocol):
     def job_stopped(self) -> str | None: ...
 
 
+class ReplicaState(Protocol):
+    """What a join needs of this rank: its groups and the state a donor sends."""
+
+    def abandon(self, phase: str) -> None:
+        """Drop the groups' backends (peers blocked on them fail fast)."""
+
+    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
+        """Groups for `live_replicas` at `epoch`."""
+
+    def send_state(self, replica: int) -> int:
+        """A donor rank: its slot's state to the same slot of `replica`; the bytes sent."""
+
+    def receive_state(self, replica: int) -> int:
+        """A joining rank: its slot's state from donor `replica`; the bytes received."""
+
+
 @dataclass
 class JoinRecord:
     """One join, for logs and metrics (on every rank that took part)."""
@@ -77,10 +93,7 @@ class GrowBack:
     live: LiveReplicas
     agreement: StoreAgreement
     membership: Membership
-    abandon: Callable[[], None]  # drop every group's backend (peers fail fast)
-    rebuild: Callable[[list[int], int, str], None]  # (live replicas, epoch, agreed key)
-    send_state: Callable[[int], int]  # (joining replica) -> bytes sent by this donor rank
-    receive_state: Callable[[int], int]  # (donor replica) -> bytes received
+    replica: ReplicaState
     hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "join"
     max_attempts: int = 64
     failed: set[int] = field(default_factory=set)  # epochs whose join aborted: one try each
@@ -113,16 +126,16 @@ class GrowBack:
                 transfer, sent = self._meet(plan, epoch, joined)
                 if sent is None:  # aborted on every member alike: go on without the joiners
                     self.failed.add(epoch)
-                    self.abandon()
+                    self.replica.abandon("join")
                     self.agreement.abandon_join(epoch)
                     self.agreement.barrier(f"join/{epoch}/fallback", m.members(), epoch)
-                    self.rebuild(m.live_replicas, epoch, f"join/{epoch}/fallback")
+                    self.replica.rebuild(m.live_replicas, epoch, f"join/{epoch}/fallback")
                     joined, abandoned = [], joined
                 else:
                     abandoned = []
                     m.adopt_join(plan["live"])
             except PeerFailure:  # a newer epoch (or a hung peer: the agreement says which)
-                self.abandon()
+                self.replica.abandon("join")
                 agree = True
                 continue
             return JoinRecord(iteration, epoch, list(m.live_replicas), joined, dropped,
@@ -138,12 +151,12 @@ class GrowBack:
         clock, sent = time.perf_counter(), 0
         try:
             self.agreement.barrier(f"join/{epoch}", members, epoch)
-            self.rebuild(plan["live"], epoch, f"join/{epoch}")
+            self.replica.rebuild(plan["live"], epoch, f"join/{epoch}")
             clock = time.perf_counter()
             if self.live.replica == plan["donor"]:
                 for replica in joined:
                     self.hook("join")
-                    sent += self.send_state(replica)
+                    sent += self.replica.send_state(replica)
             ok = True
         except PeerFailure:
             ok = False
@@ -185,14 +198,14 @@ class GrowBack:
             received, ok = 0, True
             try:
                 self.agreement.barrier(f"join/{epoch}", members, epoch)
-                self.rebuild(plan["live"], epoch, f"join/{epoch}")
-                received = self.receive_state(plan["donor"])
+                self.replica.rebuild(plan["live"], epoch, f"join/{epoch}")
+                received = self.replica.receive_state(plan["donor"])
             except PeerFailure:
                 ok = False
             decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok,
                                               per_rank=True)
             if decision is Decision.ABORT:
-                self.abandon()
+                self.replica.abandon("join")
                 self._after_abort(epoch, slots)
                 continue
             m.adopt_join(plan["live"], epoch, dead)

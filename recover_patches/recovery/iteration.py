@@ -110,6 +110,11 @@ class LiveReplicas:
     replicas: int = 0  # all replicas of the layout (DP): the ones not live may grow back
     dead: frozenset[int] = frozenset()  # the agreed epoch's dead ranks
 
+    @classmethod
+    def solo(cls) -> LiveReplicas:
+        """One replica of one rank: a one-process run."""
+        return cls(replica=0, live_replicas=[0], epoch=0, replica_ranks=lambda r: [r], replicas=1)
+
     def members(self, replicas: list[int] | None = None) -> list[int]:
         chosen = self.live_replicas if replicas is None else replicas
         return [rank for r in chosen for rank in self.replica_ranks(r)]
@@ -222,32 +227,16 @@ class IterationTransaction:
                     f"{iteration}/after{self._attempts}", m.members(), reduced_ok=True,
                     news=self.agreement.latest_epoch() > m.epoch)
                 seconds["commit"] += time.perf_counter() - clock
-                if decision.committed:  # 4
-                    final = {g: (r if r in m.live_replicas else None) for g, r in owner.items()}
-                    final.update({g: r for r, q in replanned.items() for g in q})
-                    committed = [g for g in ids if final[g] is not None]
-                    check_commit(reduced.totals, committed)
-                    phase, clock = "step", time.perf_counter()
-                    report = self.replica.step(reduced)  # 5
-                    seconds["step"] = time.perf_counter() - clock
-                    assignment = {r: [g for g in committed if final[g] == r] for r in m.live_replicas}
-                    return IterationOutcome(iteration, committed, assignment, reduced.totals,
-                                            report, seconds, recoveries,
-                                            sync=decision is Decision.COMMIT_AND_SYNC)
+                if decision.committed:  # 4, then 5
+                    phase = "step"
+                    return self._commit_and_step(iteration, ids, owner, replanned, reduced,
+                                                 seconds, recoveries, decision)
                 failure = PeerFailure(m.epoch, (), "commit.vote", "another member's reduction failed")
-                if self.on_failure is not None:
-                    self.on_failure(failure, phase)
             except PeerFailure as err:
                 if self.agreement is None:
                     raise
                 failure = err
-                if self.on_failure is not None:
-                    self.on_failure(err, phase)
-                # before the vote, tell the others no commit is possible this round; from the
-                # step on, the vote is over (it was a commit)
-                if phase not in ("commit", "step"):
-                    self.agreement.commit_vote(f"{iteration}/after{self._attempts}", m.members(),
-                                               False)
+            self._seen(failure, phase, iteration)
             if round_ > 0:  # recovery rounds are atomic: undo this one's partial work
                 self.replica.restore(saved)
             elif phase not in ("refresh", "execute"):  # round 0 finished on every stage
@@ -265,6 +254,33 @@ class IterationTransaction:
             todo = owed + replanned.get(m.replica, [])
             recoveries.append(record)
         raise RuntimeError(f"iteration {iteration}: no commit after {self.max_attempts} rounds")
+
+    def _commit_and_step(self, iteration: int, ids: list[int], owner: dict[int, int],
+                         replanned: dict[int, list[int]], reduced: ReducedGradients,
+                         seconds: dict[str, float], recoveries: list[RecoveryRecord],
+                         decision: Decision) -> IterationOutcome:
+        """Exactly the planned ids were reduced (else stop loudly: a bug), then the step."""
+        live = self.live.live_replicas
+        final = {g: (r if r in live else None) for g, r in owner.items()}
+        final.update({g: r for r, q in replanned.items() for g in q})
+        committed = [g for g in ids if final[g] is not None]
+        check_commit(reduced.totals, committed)
+        clock = time.perf_counter()
+        report = self.replica.step(reduced)  # 5
+        seconds["step"] = time.perf_counter() - clock
+        assignment = {r: [g for g in committed if final[g] == r] for r in live}
+        return IterationOutcome(iteration, committed, assignment, reduced.totals, report, seconds,
+                                recoveries, sync=decision is Decision.COMMIT_AND_SYNC)
+
+    def _seen(self, failure: PeerFailure, phase: str, iteration: int) -> None:
+        """Report a failure at once; before the vote, tell the others no commit is possible this
+        round (from the step on, the vote is over: it was a commit)."""
+        assert self.agreement is not None  # recovery is on
+        if self.on_failure is not None:
+            self.on_failure(failure, phase)
+        if phase not in ("commit", "step"):
+            self.agreement.commit_vote(f"{iteration}/after{self._attempts}", self.live.members(),
+                                       False)
 
     def _recover(self, iteration: int, failure: PeerFailure, phase: str,
                  ids: list[int], owner: dict[int, int], torn: bool | None) -> RecoveryRecord:

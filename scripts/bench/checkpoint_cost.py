@@ -29,8 +29,9 @@ from megatron.training.arguments import parse_and_validate  # noqa: E402
 from megatron.training.checkpointing import Checkpointer  # noqa: E402
 from megatron.training.initialize import build_groups, torch_group_factory  # noqa: E402
 from megatron.training.model import build_model  # noqa: E402
-from megatron.training.optimizer import build_optimizer, build_scheduler  # noqa: E402
+from megatron.training.optimizer_setup import build_optimizer, build_scheduler  # noqa: E402
 from megatron.training.training import TrainState  # noqa: E402
+from recover_patches.recovery.iteration import LiveReplicas  # noqa: E402
 from recover_patches.pipeline.rng import install_rng_tracker  # noqa: E402
 from recover_patches.topology import Topology  # noqa: E402
 
@@ -54,7 +55,7 @@ class BenchTrainer:
         self.scheduler = build_scheduler(self.optimizer, args)
         self.optimizer.step([torch.full_like(p, 1e-3, dtype=torch.float32)  # Adam state exists
                              for p in self.optimizer.model_params])
-        self.state, self.live_replicas = TrainState(iteration=1), [0]
+        self.state, self.live = TrainState(iteration=1), LiveReplicas.solo()
         self.faults = self
 
     def at(self, phase, iteration, microbatch=None) -> None:  # no fault injection here

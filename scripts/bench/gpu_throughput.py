@@ -43,9 +43,10 @@ def build(args_list):
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
     from megatron.training.model import build_model
-    from megatron.training.optimizer import build_optimizer, build_scheduler
+    from megatron.training.optimizer_setup import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.training import Trainer, build_grad_buffer, build_stages, link_for
+    from megatron.training.replica_step import build_grad_buffer, build_stages, link_for
+    from megatron.training.training import Trainer
     from recover_patches.faults import FaultInjector
     from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
@@ -57,7 +58,7 @@ def build(args_list):
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     train_ds, _, _ = build_datasets(args, tokenizer)
     model = build_model(args, groups.pg_collection(), 0, 0, vocab, "cuda")
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, args, groups)
     trainer = Trainer(
         args=args, groups=groups, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, args), grads=build_grad_buffer(args, groups, optimizer),

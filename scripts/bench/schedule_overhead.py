@@ -115,9 +115,10 @@ def build_arms(bench: argparse.Namespace):
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
     from megatron.training.model import build_model
-    from megatron.training.optimizer import build_optimizer, build_scheduler
+    from megatron.training.optimizer_setup import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.training import Trainer, build_grad_buffer, build_stages, link_for
+    from megatron.training.replica_step import build_grad_buffer, build_stages, link_for
+    from megatron.training.training import Trainer
     from recover_patches.faults import FaultInjector
     from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.pipeline.sampler import MicrobatchSampler
@@ -137,7 +138,7 @@ def build_arms(bench: argparse.Namespace):
     for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
         if not torch.equal(a, b):  # the comparison is meaningless otherwise
             raise RuntimeError(f"the two model copies differ at {name}")
-    optimizer = build_optimizer(model_a, args)
+    optimizer = build_optimizer(model_a, args, groups)
     trainer = Trainer(
         args=args, groups=groups, model=model_a, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, args), grads=build_grad_buffer(args, groups, optimizer),
