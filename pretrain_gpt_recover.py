@@ -201,8 +201,7 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
         **({} if membership is None else {"mark": membership.mark}))
     if recovering:
         trainer.grow_back_with(membership)
-    if getattr(groups.tp, "before_op", None) is None and hasattr(groups.tp, "before_op"):
-        groups.tp.before_op = lambda op: trainer.hook("tp_allreduce")
+    groups.before_tp_op(lambda op: trainer.hook("tp_allreduce"))
     return trainer
 
 
@@ -337,10 +336,11 @@ def _stopping(err: Exception, trainer, membership) -> int:
     elif isinstance(err, WeightMismatch):  # every rank raises it together
         status, line = EXIT_RESTART, f"stopping: {err}. Restart with --load {restart_from}"
     elif isinstance(err, (TooFewReplicas, RecoveryStalled)):  # likewise
+        reason = str(err)
         if trainer.one_optimizer_copy:
-            err = f"{err} (--use-distributed-optimizer with --num-distributed-optimizer-instances " \
-                  "1 keeps one copy of the optimizer state: K >= 2 survives a lost replica)"
-        status, line = EXIT_RESTART, f"stopping: {err}. Restart with --load {restart_from}"
+            reason += (" (--use-distributed-optimizer with --num-distributed-optimizer-instances "
+                       "1 keeps one copy of the optimizer state: K >= 2 survives a lost replica)")
+        status, line = EXIT_RESTART, f"stopping: {reason}. Restart with --load {restart_from}"
     elif isinstance(err, PeerFailure):
         where = ("outside the recoverable training iteration, e.g. in evaluation"
                  if trainer.agreement is not None else "in-job recovery is off")

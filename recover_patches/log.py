@@ -48,7 +48,7 @@ class _CurrentStream(logging.StreamHandler):
         super().__init__()
         self._name = name
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return getattr(sys, self._name)
 

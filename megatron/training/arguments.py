@@ -59,7 +59,7 @@ class OneLineParser(argparse.ArgumentParser):
         raise ArgumentError(flag, re.sub(r"^argument [^:]+: ", "", message),
                             f"see {self.prog} --help for {flag}")
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         # unknown flags first: argparse would otherwise report a missing required flag instead
         for token in sys.argv[1:] if args is None else args:
             flag = token.split("=")[0]

@@ -13,34 +13,77 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 
+class DeviceEvent(Protocol):
+    """What a `torch.cuda.Event(enable_timing=True)` offers (tests pass fakes)."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: Any) -> float: ...  # milliseconds
+
+
+class Mark(Protocol):
+    """A point in the compute's time."""
+
+    def passed(self) -> bool:
+        """The compute has reached it (host marks: always)."""
+
+    def seconds_to(self, end: Any) -> float: ...
+
+
+@dataclass
+class HostMark:
+    at: float  # time.perf_counter()
+
+    def passed(self) -> bool:
+        return True
+
+    def seconds_to(self, end: HostMark) -> float:
+        return end.at - self.at
+
+
+@dataclass
+class EventMark:
+    event: DeviceEvent  # recorded on the current (compute) stream
+
+    def passed(self) -> bool:
+        return self.event.query()
+
+    def seconds_to(self, end: EventMark) -> float:
+        return self.event.elapsed_time(end.event) / 1000.0
+
+
 @dataclass
 class _Span:
-    start: object  # float (host seconds) or a recorded torch.cuda.Event
-    end: object
+    start: Mark
+    end: Mark
     microbatches: int
 
 
-def _cuda_event() -> object:
+def _cuda_event() -> DeviceEvent:
     return torch.cuda.Event(enable_timing=True)
 
 
 class ExecuteClock:
-    def __init__(self, device: torch.device, make_event: Callable[[], object] = _cuda_event):
+    def __init__(self, device: torch.device,
+                 make_event: Callable[[], DeviceEvent] = _cuda_event):
         self.on_device = device.type == "cuda"
         self._make_event = make_event
-        self._open: object | None = None
+        self._open: Mark | None = None
         self._spans: deque[_Span] = deque()
 
-    def _mark(self) -> object:
+    def _mark(self) -> Mark:
         if not self.on_device:
-            return time.perf_counter()
+            return HostMark(time.perf_counter())
         event = self._make_event()
         event.record()  # on the current (compute) stream
-        return event
+        return EventMark(event)
 
     def start(self) -> None:
         self._open = self._mark()
@@ -56,12 +99,9 @@ class ExecuteClock:
         seconds, count = 0.0, 0
         while self._spans:
             span = self._spans[0]
-            if self.on_device:
-                if not span.end.query():
-                    break  # the device is still on it: a later reduction reports it
-                seconds += span.start.elapsed_time(span.end) / 1000.0
-            else:
-                seconds += span.end - span.start
+            if not span.end.passed():
+                break  # the device is still on it: a later reduction reports it
+            seconds += span.start.seconds_to(span.end)
             count += span.microbatches
             self._spans.popleft()
         return seconds, count

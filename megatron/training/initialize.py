@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from recover_patches.collectives.rendezvous import Regrouped
+from recover_patches.collectives import Regrouped, ResilientProcessGroup
 from recover_patches.pipeline.interleaved import Kind
 from recover_patches.pipeline.p2p import Channel
 from recover_patches.topology import Coord, Topology
@@ -81,11 +81,21 @@ class ParallelGroups:
                   self.instance, self.position, *(c.group for c in self.channels.values())]
         return list({id(g): g for g in groups if g is not None}.values())  # shared channels: once
 
+    def resilient_groups(self) -> list[ResilientProcessGroup]:
+        """The groups that are ReCoVer's own (recovery on). torch's plain groups (no
+        coordinator) have nothing to abandon, regroup or latch."""
+        return [g for g in self.all_groups() if isinstance(g, ResilientProcessGroup)]
+
+    def before_tp_op(self, hook: Callable[[str], None]) -> None:
+        """Fault injection: `hook(op)` before each tensor-parallel operation."""
+        if isinstance(self.tp, ResilientProcessGroup):
+            self.tp.set_before_op(hook)
+
     def raise_latched(self) -> None:
         """Before the commit vote: a rank votes only for a reduction that really ended. On NCCL,
         wait() returned before the device finished: wait for the device (bounded: the watchdog
         aborts a stuck collective), then raise what the watchdog latched. Nothing on gloo."""
-        groups = [g for g in self.all_groups() if hasattr(g, "raise_latched")]
+        groups = self.resilient_groups()
         if any(g.backend_kind == "nccl" for g in groups):
             # Not a stream synchronize: a DP backend set aside for shrinking (its member died)
             # is not aborted, and its stuck kernel would hold the stream until the regroup.
@@ -106,9 +116,10 @@ class ParallelGroups:
         a recovery attempt had issued every TP and PP operation of its round: only the groups
         those phases use, so the others can be kept (`regroup`)."""
         narrow = phase in ("reduce", "commit", "recovery")
-        groups = [g for g in (self.replica, self.embedding, self.dp, self.instance, self.position)
-                  if g is not None] if narrow else self.all_groups()
-        for g in groups:
+        reduction = (self.replica, self.embedding, self.dp, self.instance, self.position)
+        for g in self.resilient_groups():
+            if narrow and not any(g is h for h in reduction):
+                continue
             g.abandon(f"recovery started in {phase}")
 
     def regroup(self, live_replicas: Sequence[int], epoch: int, key: str = "") -> Regrouped:
@@ -121,7 +132,7 @@ class ParallelGroups:
         size = self.per_instance or 1
         force = os.environ.get("RECOVER_REGROUP") == "all"  # the rebuild-all baseline (bench)
         plans = []
-        for g in self.all_groups():
+        for g in self.resilient_groups():
             members = g.members
             if g is self.dp:
                 members = topo.dp_ranks(c.tp, c.pp, live_replicas)
@@ -141,7 +152,7 @@ class ParallelGroups:
             outcomes = [g.apply(plan) for g, plan in plans]
         report = Regrouped(connect_seconds=time.perf_counter() - start)
         for (g, _), outcome in zip(plans, outcomes):
-            report.add(g.name, outcome)
+            report.add(g.label, outcome)
         return report
 
     def pg_collection(self) -> ProcessGroupCollection:

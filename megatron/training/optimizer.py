@@ -23,7 +23,10 @@ class Optimizer(Protocol):
     scaler: LossScaler | None
     model_params: list[torch.Tensor]  # the order gradients come in
     main_params: list[torch.Tensor]  # fp32 (the model's own in fp32 training)
-    layout: FlatLayout | None  # the gradient buffer's layout (None: one made from the flags)
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        """The gradient buffer's layout (None: one made from the flags)."""
 
     @property
     def param_groups(self) -> list[dict]: ...
@@ -201,7 +204,7 @@ class LossScaler:
                                                int(state["hysteresis_tracker"]))
 
 
-def sync_tied_embedding_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+def sync_tied_embedding_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                               embedding_group) -> None:
     """With PP > 1 the first and last stage each hold a copy of the tied word embeddings; their
     gradients are summed so both copies take the same step."""
@@ -212,7 +215,7 @@ def sync_tied_embedding_grads(params: Sequence[torch.nn.Parameter], grads: Seque
             dist.all_reduce(g, group=embedding_group)
 
 
-def sync_sequence_parallel_grads(params: Sequence[torch.nn.Parameter],
+def sync_sequence_parallel_grads(params: Sequence[torch.Tensor],
                                  grads: Sequence[torch.Tensor], tp_group) -> None:
     """With sequence parallelism each TP rank's norm (and row-parallel bias) gradient covers only
     its sequence shard: sum them over TP, all in one collective."""
@@ -232,13 +235,13 @@ def is_counted(p: torch.Tensor, tp_rank: int) -> bool:
         and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
 
 
-def counted_once(params: Sequence[torch.nn.Parameter], tensors: Sequence[torch.Tensor],
+def counted_once(params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
                  tp_rank: int) -> list[torch.Tensor]:
     """The tensors (one per param) of the parameters this rank counts (`is_counted`)."""
     return [t for p, t in zip(params, tensors) if is_counted(p, tp_rank)]
 
 
-def count_zeros(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+def count_zeros(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 model_parallel_group, tp_rank: int) -> float:
     """--log-num-zeros-in-grad: zero entries of the replica's gradient, each parameter once."""
     counted = counted_once(params, grads, tp_rank)
@@ -250,7 +253,7 @@ def count_zeros(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tens
     return float(zeros)
 
 
-def grad_norm_squared_local(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+def grad_norm_squared_local(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                             tp_rank: int) -> torch.Tensor:
     """This rank's share of the replica's squared gradient norm (`counted_once`)."""
     counted = counted_once(params, grads, tp_rank)
@@ -261,7 +264,7 @@ def grad_norm_squared_local(params: Sequence[torch.nn.Parameter], grads: Sequenc
     return torch.stack(norms).double().pow(2).sum().reshape(1)
 
 
-def global_grad_norm(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+def global_grad_norm(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                      model_parallel_group, tp_rank: int) -> float:
     """The gradient norm over the replica's TP x PP ranks (inf or nan when any gradient is:
     the fp16 overflow check rides on this one collective). Gradients are identical on every

@@ -59,7 +59,7 @@ class StepConfig:
     drop_lost: bool  # --recover-policy drop: each replica keeps its failure-free share
     even_balance: bool  # --recover-balance even
     chunks: int  # model chunks per rank (virtual pipeline)
-    vp_group: int | None  # --microbatch-group-size-per-virtual-pipeline-stage
+    vp_group: int  # --microbatch-group-size-per-virtual-pipeline-stage (0: no model chunks)
     overlap_warmup_flush: bool
     weight_check_interval: int
     clip_grad: float
@@ -74,7 +74,7 @@ class StepConfig:
         return cls(drop_lost=args.recover_policy == "drop",
                    even_balance=args.recover_balance == "even",
                    chunks=args.virtual_pipeline_model_parallel_size or 1,
-                   vp_group=args.microbatch_group_size_per_vp_stage,
+                   vp_group=args.microbatch_group_size_per_vp_stage or 0,
                    overlap_warmup_flush=bool(args.overlap_p2p_comm_warmup_flush),
                    weight_check_interval=args.check_weight_hash_across_dp_replicas_interval or 0,
                    clip_grad=args.clip_grad, log_num_zeros=bool(args.log_num_zeros_in_grad),
@@ -107,7 +107,7 @@ class GPTReplicaStep:
         self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
         self.device = self.grads.device
         self.timer = MicrobatchTimer(pipeline_depth=self.groups.topology.pp,
-                                     chunks=self.config.chunks, group=self.config.vp_group or 0)
+                                     chunks=self.config.chunks, group=self.config.vp_group)
         self.clock = ExecuteClock(self.device)  # compute time for layer 3's balance
         self.optimizer.watch_gathers(lambda: self.hook("param_gather"),
                                      self.model if self.config.overlap_param_gather else None)
@@ -122,7 +122,7 @@ class GPTReplicaStep:
         if self.config.even_balance:
             return even_plan(ids, replicas)
         return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10,
-                           chunks=self.config.chunks, group=self.config.vp_group or 0)
+                           chunks=self.config.chunks, group=self.config.vp_group)
 
     def refresh(self) -> None:
         if self.weights_stale:

@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PythonCallbackWork
+from torch.distributed.distributed_c10d import GroupName
 
 from recover_patches.collectives import backends, rendezvous
 from recover_patches.collectives.rendezvous import Regroup, Retired
@@ -56,23 +57,20 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if membership.rank not in members or len(set(members)) != len(members):
             raise ValueError(f"group {name!r}: members {members} must be distinct and include this "
                              f"rank {membership.rank}")
-        super().__init__(members.index(membership.rank), len(members))
-        self.name = name
-        self.members = members
-        self.membership = membership
-        self.timeout = timeout
-        self.build_timeout = build_timeout
+        # torch's binding takes (rank, size) too; its stub names only the form with a store
+        super().__init__(members.index(membership.rank), len(members))  # type: ignore[call-arg]
+        self.label = name  # not `name`: torch's ProcessGroup.name() is a method
+        self.members, self.membership = members, membership
+        self.timeout, self.build_timeout = timeout, build_timeout
         self.verdict_timeout = (verdict_timeout if verdict_timeout is not None else
                                 membership.heartbeat_timeout + 2 * membership.heartbeat_interval)
-        self.backend_kind = backend
-        self._kind = backends.kind_of(backend)
+        self.backend_kind, self._kind = backend, backends.kind_of(backend)
         self.watchdog = watchdog
         self.host_waits = self._kind.host_waits  # else a stream wait: the watchdog bounds it
         self._p2p_timeout = timedelta(seconds=timeout)
         self.before_op: Callable[[str], None] | None = None  # fault-injection hook
         self._cond = threading.Condition()
-        self._inner = None
-        self._epoch = -1
+        self._inner, self._epoch = None, -1
         self._dead_at_build: frozenset[int] = frozenset()
         self._failure: PeerFailure | None = None
         self._latched: PeerFailure | None = None  # the watchdog's, for raise_latched()
@@ -87,6 +85,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self._failure = PeerFailure(-1, (), f"{name}.join", "not joined yet", confirmed=False)
             self._register()
 
+    def set_before_op(self, hook: Callable[[str], None]) -> None:
+        """Fault injection: `hook(op)` runs before each of this group's operations."""
+        self.before_op = hook
+
     # --- what torch and megatron ask of a group --------------------------------------------
     def rank(self) -> int:
         return self.members.index(self.membership.rank)
@@ -98,15 +100,15 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return self.backend_kind
 
     @property
-    def group_name(self) -> str:
-        return self.name
+    def group_name(self) -> GroupName:
+        return GroupName(self.label)
 
     @property
     def epoch(self) -> int:
         return self._epoch
 
     def __repr__(self) -> str:
-        return f"ResilientProcessGroup({self.name!r}, members={self.members}, epoch={self._epoch})"
+        return f"ResilientProcessGroup({self.label!r}, members={self.members}, epoch={self._epoch})"
 
     # --- collectives and p2p ----------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -171,20 +173,20 @@ class ResilientProcessGroup(dist.ProcessGroup):
         """Step 1 of a regroup: meet the other members and decide with them (store only)."""
         members = tuple(int(m) for m in members)
         if self.membership.rank not in members:
-            raise ValueError(f"group {self.name!r}: rank {self.membership.rank} rebuilt without itself")
+            raise ValueError(f"group {self.label!r}: rank {self.membership.rank} rebuilt without itself")
         current, dead = self.membership.view()
         if current < epoch:
             self.membership.wait_for_epoch_after(epoch - 1, self.verdict_timeout)
             current, dead = self.membership.view()
         if current > epoch:  # strict: every survivor restarts recovery with the newer epoch
-            raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.name}.rebuild",
+            raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.label}.rebuild",
                               f"epoch {current} already started")
         dirty = force or self.dirty or members != self.members or bool(dead & set(self.members))
         parent = self._parent.prefix if self._parent is not None and \
             self._parent.shrinks_to(members) else None
         attempt = self._attempts.get((epoch, key), 0)
         self._attempts[(epoch, key)] = attempt + 1
-        prefix = f"pg/{self.name}/e{epoch}/{key}.{attempt}/"
+        prefix = f"pg/{self.label}/e{epoch}/{key}.{attempt}/"
         with self._cond:
             self._epoch, self._dead_at_build = epoch, dead
         try:
@@ -192,10 +194,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 self.membership.store, prefix, self.membership.rank, members, self.build_timeout,
                 dirty=dirty, parent=parent, newer_epoch=lambda: self.membership.epoch() > epoch)
         except rendezvous.NewerEpoch:  # nothing is decided: a clean backend stays clean
-            raise PeerFailure(epoch, self.membership.dead_ranks() - dead, f"{self.name}.rebuild",
+            raise PeerFailure(epoch, self.membership.dead_ranks() - dead, f"{self.label}.rebuild",
                               "a newer epoch started during the rendezvous") from None
         except rendezvous.MembersMissing as e:
-            raise PeerFailure(epoch, e.missing, f"{self.name}.rebuild", str(e),
+            raise PeerFailure(epoch, e.missing, f"{self.label}.rebuild", str(e),
                               confirmed=False) from None
         return Regroup(epoch, members, prefix, meeting)
 
@@ -216,7 +218,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
                                        plan.members.index(self.membership.rank),
                                        len(plan.members), self.build_timeout, self.timeout)
         except RuntimeError as e:  # a member vanished between the rendezvous and the connect
-            raise PeerFailure(plan.epoch, (), f"{self.name}.rebuild",
+            raise PeerFailure(plan.epoch, (), f"{self.label}.rebuild",
                               f"backend set-up failed: {e}", confirmed=False) from e
         finally:
             if retired is not None:
@@ -236,7 +238,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         retired, self._parent = self._parent, None
         if retired is not None:
             backends.discard(retired.backend, [])
-        self._discard(PeerFailure(self._epoch, (), f"{self.name}.shutdown", "group was shut down",
+        self._discard(PeerFailure(self._epoch, (), f"{self.label}.shutdown", "group was shut down",
                                   confirmed=False))
         world = dist.distributed_c10d._world
         world.pg_map.pop(self, None)
@@ -253,10 +255,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, start, peer: int | None = None):
         if self.before_op is not None:
             self.before_op(op)
-        self.membership.mark(self.name)  # the coordinator must not take a waiter for stuck
+        self.membership.mark(self.label)  # the coordinator must not take a waiter for stuck
         inner, failure = self._inner, self._failure
         if failure is not None:
-            raise PeerFailure(failure.epoch, failure.suspects, f"{self.name}.{op}",
+            raise PeerFailure(failure.epoch, failure.suspects, f"{self.label}.{op}",
                               f"group broken by an earlier failure ({failure.op}); rebuild() it",
                               failure.confirmed)
         if inner is None or (self.membership.epoch() > self._epoch and self._stale()):
@@ -279,7 +281,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         def wait(_timeout) -> bool:
             if outcome:  # waited before and failed: the same failure again
                 raise outcome[0]
-            self.membership.mark(self.name)
+            self.membership.mark(self.label)
             work = issued.work
             if work is None:  # the group broke before anyone waited: the backend is gone
                 outcome.append(self._fail(op, "aborted: the group broke first", peer))
@@ -314,10 +316,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if not current:
             return  # an old backend's late news: the group has moved on
         guess = {peer} if peer is not None else set(self.members) - {self.membership.rank}
-        failure = PeerFailure(self._epoch, guess, f"{self.name}.{op}", reason, confirmed=False)
+        failure = PeerFailure(self._epoch, guess, f"{self.label}.{op}", reason, confirmed=False)
         self._latched = failure
         try:
-            self.membership.report_failure(guess, f"{self.name}.{op}: {reason}")
+            self.membership.report_failure(guess, f"{self.label}.{op}: {reason}")
         except RuntimeError:
             pass  # coordinator gone: the failure is latched all the same
         self._discard(failure)
@@ -330,7 +332,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         others = {m for m in self.members if m != self.membership.rank}
         guess = {peer} if peer is not None else others
         if self.membership.epoch() <= epoch:
-            self.membership.report_failure(guess, f"{self.name}.{op}: {detail}")
+            self.membership.report_failure(guess, f"{self.label}.{op}: {detail}")
             try:
                 self.membership.wait_for_epoch_after(epoch, self.verdict_timeout)
             except MembershipTimeout:
@@ -338,9 +340,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         newly_dead = self.membership.dead_ranks() - self._dead_at_build
         if newly_dead:
             failure = PeerFailure(epoch, (newly_dead & set(self.members)) or newly_dead,
-                                  f"{self.name}.{op}", detail)
+                                  f"{self.label}.{op}", detail)
         else:
-            failure = PeerFailure(epoch, guess, f"{self.name}.{op}", detail, confirmed=False)
+            failure = PeerFailure(epoch, guess, f"{self.label}.{op}", detail, confirmed=False)
         with self._cond:
             if self._failure is None and self._inner is None:
                 self._failure = failure
@@ -349,7 +351,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def abandon(self, reason: str) -> None:
         """Layer 2 stops using this backend (recovery starts): peers blocked on it fail fast and
         any later operation raises PeerFailure until `rebuild()`."""
-        self._discard(PeerFailure(self._epoch, (), f"{self.name}.abandon", reason, confirmed=False))
+        self._discard(PeerFailure(self._epoch, (), f"{self.label}.abandon", reason, confirmed=False))
 
     def _discard(self, failure: PeerFailure | None = None, retire: bool = False) -> None:
         """Stop using the backend. `retire` (an epoch declared a member dead): where it can
@@ -391,7 +393,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             return
         if dead & set(self.members):
             if not self.host_waits:  # a work whose wait() returned may be cut short: say so
-                self._latched = PeerFailure(epoch, dead & set(self.members), f"{self.name}.epoch",
+                self._latched = PeerFailure(epoch, dead & set(self.members), f"{self.label}.epoch",
                                             f"epoch {epoch} declared a member dead")
             self._discard(retire=True)
         else:

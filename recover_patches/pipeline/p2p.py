@@ -88,7 +88,7 @@ class StageLink:
 @dataclass(frozen=True)
 class Channel:
     """One direction of traffic between two pipeline ranks on a communicator of its own."""
-    group: object  # a ProcessGroup of the two ranks
+    group: dist.ProcessGroup  # of the two ranks
     peer: int  # the other end's rank in `group`
     # gloo matches by (source, tag): channels sharing one group (no recovery, CPU only) differ
     # by tag; a channel with a group of its own needs none

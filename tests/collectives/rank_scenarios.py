@@ -94,7 +94,7 @@ def scenario(k: int, op: str, victim: int, kind: str) -> dict | None:
     if k == 0:
         check_every_op(g)
     if rank == victim:
-        g.before_op = victim_hook(k, kind)
+        g.set_before_op(victim_hook(k, kind))
         run_op(op, g, 2)
         raise SystemExit(f"victim {rank} survived its own {kind}")
     record: dict = {"op": op, "victim": victim}
