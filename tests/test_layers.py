@@ -121,7 +121,7 @@ def test_the_contract_sees_what_it_forbids():
         REPO / PACKAGE / "collectives" / "launcher_link.py")
 
 
-# Runtime files over the 400-line limit, with why they stand (the list only shrinks).
+# Runtime files not under the 400-line limit, with why they stand (the list only shrinks).
 LONG_FILES = {
     # one class whose ranges, gathers, norms and state dicts share its private layout; split it
     # along those seams next
@@ -142,12 +142,12 @@ def test_runtime_files_and_functions_stay_readable():
     for path in runtime_files():
         source = path.read_text()
         name = str(path.relative_to(REPO))
-        if len(source.splitlines()) > MAX_FILE_LINES:
+        if len(source.splitlines()) >= MAX_FILE_LINES:
             long_files.add(name)
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
+                if length >= MAX_FUNCTION_LINES:
                     long_functions.append(f"{name}:{node.lineno} {node.name} ({length} lines)")
     assert not long_functions, long_functions
     assert long_files - LONG_FILES == set(), sorted(long_files - LONG_FILES)

@@ -306,6 +306,21 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="Also write `lm loss validation ppl` (exp of the loss). Needs "
                         "--tensorboard-dir.")
+    _add_wandb_and_gc_args(g)
+    g.add_argument("--rerun-mode", default="disabled",
+                   help="Megatron's rerun state machine. Only `disabled` is supported (also the "
+                        "default here, unlike Megatron-LM's validate_results); other modes are "
+                        "refused.")
+    g.add_argument("--metrics-file", default=None,
+                   help="ReCoVer: append one JSON record per iteration to this JSONL file.")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="Every N iterations, check that every data-parallel replica holds bitwise "
+                        "the same weights (a fingerprint rides in the next gradient reduction); "
+                        "stop loudly if not.")
+
+
+def _add_wandb_and_gc_args(g) -> None:
+    """The logging group's Weights & Biases and manual garbage-collection flags."""
     g.add_argument("--wandb-project", default="",
                    help="Weights & Biases project: on when given, the same scalars as TensorBoard "
                         "from the logging rank (needs the `wandb` extra; offline with "
@@ -320,16 +335,6 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="Iterations between collections with --manual-gc (0: only at start).")
     g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                    help="With --manual-gc: no collection before and after each evaluation.")
-    g.add_argument("--rerun-mode", default="disabled",
-                   help="Megatron's rerun state machine. Only `disabled` is supported (also the "
-                        "default here, unlike Megatron-LM's validate_results); other modes are "
-                        "refused.")
-    g.add_argument("--metrics-file", default=None,
-                   help="ReCoVer: append one JSON record per iteration to this JSONL file.")
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
-                   help="Every N iterations, check that every data-parallel replica holds bitwise "
-                        "the same weights (a fingerprint rides in the next gradient reduction); "
-                        "stop loudly if not.")
 
 
 def add_precision_args(parser: argparse.ArgumentParser) -> None:

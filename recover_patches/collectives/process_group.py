@@ -65,12 +65,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self.verdict_timeout = (verdict_timeout if verdict_timeout is not None else
                                 membership.heartbeat_timeout + 2 * membership.heartbeat_interval)
         self.backend_kind, self._kind = backend, backends.kind_of(backend)
-        self.watchdog = watchdog
-        self.host_waits = self._kind.host_waits  # else a stream wait: the watchdog bounds it
+        # host_waits: gloo blocks in wait(); else (NCCL) a stream wait that `watchdog` bounds
+        self.watchdog, self.host_waits = watchdog, self._kind.host_waits
         self._p2p_timeout = timedelta(seconds=timeout)
         self.before_op: Callable[[str], None] | None = None  # fault-injection hook
-        self._cond = threading.Condition()
-        self._inner, self._epoch = None, -1
+        self._cond, self._inner, self._epoch = threading.Condition(), None, -1
         self._dead_at_build: frozenset[int] = frozenset()
         self._failure: PeerFailure | None = None
         self._latched: PeerFailure | None = None  # the watchdog's, for raise_latched()

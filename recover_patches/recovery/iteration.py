@@ -193,6 +193,10 @@ class IterationTransaction:
     on_failure: Callable[[PeerFailure, str], None] | None = None  # per-rank report, at once
     hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "recovery"
     max_attempts: int = 64
+    # Agreement attempts made in the current iteration. Ranks can fail at different steps of a
+    # recovery, but every attempt consumes one newer agreed epoch, so this count -- not a rank's
+    # own round number -- names rounds and attempts identically on every survivor.
+    _attempts: int = field(default=0, init=False, repr=False)
 
     def run(self, iteration: int, ids: Sequence[int]) -> IterationOutcome:
         ids, m = list(ids), self.live
@@ -204,9 +208,6 @@ class IterationTransaction:
         recoveries: list[RecoveryRecord] = []
         saved = None  # gradients as of `kept`, taken before each recovery round
         owed: list[int] = []  # this replica's round-0 quota, if its round 0 stopped short
-        # Agreement attempts made in this iteration. Ranks can fail at different steps of a
-        # recovery, but every attempt consumes one newer agreed epoch, so this count -- not a
-        # rank's own round number -- names rounds and attempts identically on every survivor.
         self._attempts = 0
         for round_ in range(self.max_attempts):
             phase, clock = "refresh", time.perf_counter()
