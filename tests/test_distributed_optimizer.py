@@ -169,6 +169,10 @@ def _rank_main(rank: int, port: int, world: int, target, args: tuple, failures) 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         target(rank, *args)
+        # every rank done with every group before any tears its sockets down: a gloo pair
+        # closed under a peer's last send aborts that peer ("terminate called without an
+        # active exception", SIGABRT) now and then
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException as error:
         failures.put(f"rank {rank}: {error!r}")

@@ -20,7 +20,7 @@ old ranges until it has the whole new ones, so a failure during the move leaves 
 valid ranges and the next attempt plans from there.
 
 With --overlap-param-gather the step only starts the all-gathers; each module's forward waits
-for its parameters' buckets (`wait_in_forward`), and anything else that reads the weights first
+for its parameters' buckets (`weight_gather.py`), and anything else that reads the weights first
 calls `finish_gather`. A failed wait is a PeerFailure where it happens: mid-forward, the
 transaction has the replica compute its round again after the recovery re-shards.
 
@@ -41,7 +41,7 @@ from megatron.training.optimizer import LossScaler, is_counted
 from megatron.training.optimizer_moves import held_ranges, keep_own, move_pieces
 from megatron.training.optimizer_shards import (ShardLost, bucket_ranges, instance_positions,
                                                 plan_transfers)
-from recover_patches.collectives.errors import PeerFailure
+from megatron.training.weight_gather import WeightGather
 from recover_patches.recovery.grad_buffer import FlatLayout
 from recover_patches.recovery.iteration import TooFewReplicas
 
@@ -64,15 +64,8 @@ class ShardedAdamW:
         self._groups_params = [list(g["params"]) for g in groups]
         self._groups_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
-        self._before_gather: Callable[[], None] = lambda: None  # fault injection point
-        self._overlap = False  # --overlap-param-gather: step() only starts the all-gather
-        self._pending: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}  # by bucket
-        self._gather_failure: PeerFailure | None = None
-        # the bucket of each parameter, and the parameters of each bucket
-        self._bucket = [next(b for b, (s, e) in enumerate(layout.buckets)
-                             if s <= layout.offsets[p] < e) for p in self.model_params]
-        self._bucket_params = [[i for i, c in enumerate(self._bucket) if c == b]
-                               for b in range(len(layout.buckets))]
+        self._gather = WeightGather(self.model_params, layout)
+        self._bucket = self._gather.bucket_of  # the bucket of each parameter
         self.shards = shards
         ranges = bucket_ranges(layout.buckets, shard, shards)
         self._place(ranges, self._from_weights(ranges), None, 0)
@@ -160,74 +153,31 @@ class ShardedAdamW:
         """`grads[i]`: the final fp32 gradient of `model_params[i]` (whole; only the slice is used).
         A PeerFailure can come only from the weights' all-gathers: the last step's, before
         anything changed, or this step's, after the ranges stepped."""
-        self.finish_gather()  # the last step's weights land before this one writes its ranges
+        self._gather.finish()  # the last step's weights land before this one writes its ranges
         for fragment, (i, start, end, _) in zip(self.fragments, self.pieces):
             fragment.grad = grads[i].view(-1)[start:end]
         self.inner.step()
         for fragment in self.fragments:
             fragment.grad = None
-        self._before_gather()
-        self._start_gather()
-        if not self._overlap:
-            self.finish_gather()
+        self._gather.after_step(self._chunks(lambda f: f, self.model_params[0].dtype),
+                                self.instance_group)
 
     def gather_weights(self) -> None:
         """Every range's updated weights to every member of the instance, bucket by bucket."""
-        self._start_gather()
-        self.finish_gather()
+        self._gather.start(self._chunks(lambda f: f, self.model_params[0].dtype),
+                           self.instance_group)
+        self._gather.finish()
 
-    def _start_gather(self) -> None:
-        """Start each bucket's all-gather of the ranges' weights (in the model's dtype)."""
-        chunks = self._chunks(lambda f: f, self.model_params[0].dtype)
-        for b, mine in enumerate(chunks):
-            self._pending[b] = self._all_gather(mine, async_op=True)
-
-    def finish_bucket(self, b: int) -> None:
-        """Wait for bucket b's all-gather, if one is under way, and take its weights. A failed
-        one stays failed: every later wait raises it, until `reshard` gathers afresh."""
-        if self._gather_failure is not None:
-            raise self._gather_failure
-        entry = self._pending.pop(b, None)
-        if entry is None:
-            return
-        work, whole = entry
-        if work is not None:
-            try:
-                work.wait()
-            except PeerFailure as err:
-                self._gather_failure = err
-                raise
-        s = self.layout.buckets[b][0]
-        with torch.no_grad():
-            for i in self._bucket_params[b]:
-                p, o = self.model_params[i], self.offsets[self.model_params[i]]
-                p.view(-1).copy_(whole[o - s:o - s + p.numel()])
-
-    def finish_gather(self, buckets: Sequence[int] | None = None) -> None:
-        """The buckets' weights in place (all: before anything but a forward reads them)."""
-        for b in range(len(self.layout.buckets)) if buckets is None else buckets:
-            self.finish_bucket(b)
+    def finish_gather(self) -> None:
+        """The weights in place before anything but a forward reads them."""
+        self._gather.finish()
 
     def shards_gradients(self) -> bool:
         return True
 
     def watch_gathers(self, before: Callable[[], None], overlap_with: torch.nn.Module | None
                       ) -> None:
-        self._before_gather = before
-        if overlap_with is not None:
-            self._overlap = True
-            self.wait_in_forward(overlap_with)
-
-    def wait_in_forward(self, model: torch.nn.Module) -> None:
-        """--overlap-param-gather: a module's forward first waits for its parameters' buckets,
-        so the all-gathers started by the step overlap with the next forward, as in Megatron."""
-        bucket_of = dict(zip(self.model_params, self._bucket))
-        for module in model.modules():
-            buckets = sorted({bucket_of[p] for p in module.parameters(recurse=False)
-                              if p in bucket_of})
-            if buckets:
-                module.register_forward_pre_hook(
-                    lambda _module, _args, buckets=buckets: self.finish_gather(buckets))
+        self._gather.watch(before, overlap_with)
 
     def _chunks(self, of_fragment, dtype: torch.dtype):
         """Per bucket: this rank's chunk of a per-fragment tensor, padded to the instance's
@@ -237,16 +187,6 @@ class ShardedAdamW:
             mine = torch.zeros(-(-(e - s) // self.shards), dtype=dtype, device=self._device)
             mine[:hi - lo].copy_(local[self._base[b]:self._base[b] + hi - lo])
             yield mine
-
-    def _all_gather(self, mine: torch.Tensor,
-                    async_op: bool = False) -> tuple[dist.Work | None, torch.Tensor]:
-        """The instance's chunks, in shard order: (the work still under way, or None; the buffer)."""
-        size = 1 if self.instance_group is None else self.instance_group.size()
-        if size == 1:
-            return None, mine
-        whole = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        return dist.all_gather_single(whole, mine, group=self.instance_group,
-                                      async_op=async_op), whole
 
     def _flat(self, of_fragment, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A per-fragment tensor (a moment, a main param) as this rank's local tensor: its
@@ -258,14 +198,7 @@ class ShardedAdamW:
 
     def _whole(self, of_fragment) -> list[torch.Tensor]:
         """A per-fragment fp32 tensor gathered over the instance into whole per-param ones."""
-        result: list[torch.Tensor] = [torch.empty(0)] * len(self.model_params)
-        for b, mine in enumerate(self._chunks(of_fragment, torch.float32)):
-            _, whole = self._all_gather(mine)
-            s = self.layout.buckets[b][0]
-            for i in self._bucket_params[b]:
-                p, o = self.model_params[i], self.offsets[self.model_params[i]]
-                result[i] = whole[o - s:o - s + p.numel()].view_as(p).clone()
-        return result
+        return self._gather.whole(self._chunks(of_fragment, torch.float32), self.instance_group)
 
     def reload_model_params(self) -> None:
         with torch.no_grad():
@@ -383,8 +316,7 @@ class ShardedAdamW:
         whole new ones arrived. TooFewReplicas if some piece died with every rank that held it.
         Returns the bytes this rank received."""
         start = time.perf_counter()
-        self._pending.clear()  # the weights are gathered afresh at the end
-        self._gather_failure = None
+        self._gather.reset()  # the weights are gathered afresh at the end
         live = sorted(live_replicas)
         me, size = (0, 1) if dp_group is None else (dp_group.rank(), dp_group.size())
         positions = instance_positions(live, per_instance)
@@ -421,8 +353,7 @@ class ShardedAdamW:
 
     def forget(self) -> None:
         """This rank's replica broke: whatever it held is out of date by the time it rejoins."""
-        self._pending.clear()
-        self._gather_failure = None
+        self._gather.reset()
         self._place([(s, s) for s, _ in self.layout.buckets], torch.empty(0, device=self._device),
                     None, 0)
 
