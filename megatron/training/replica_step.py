@@ -22,7 +22,6 @@ from megatron.training.model import model_chunks
 from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
-from megatron.training.optimizer_setup import flat_layout_for
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
 from recover_patches.pipeline.sampler import MicrobatchSampler
@@ -336,10 +335,11 @@ def build_stages(args, groups: ParallelGroups, model, dataset, tracker,
 
 
 def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> GradBuffer:
-    layout = optimizer.layout if optimizer.layout is not None else flat_layout_for(
-        args, groups, optimizer.model_params)
+    """The buffer takes the layout `build_optimizer` made (the distributed optimizer shards the
+    same one)."""
+    assert optimizer.layout is not None, "an optimizer from optimizer_setup.build_optimizer"
     return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
-                      device=optimizer.model_params[0].device, layout=layout,
+                      device=optimizer.model_params[0].device, layout=optimizer.layout,
                       overlap=args.overlap_grad_reduce)
 
 
