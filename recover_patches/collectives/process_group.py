@@ -4,10 +4,11 @@ PeerFailure within its bound, and whose inner backend can be replaced in place (
     once on every member (peers blocked on it fail in milliseconds); every later operation raises
     PeerFailure until a rebuild. A group none of whose members died adopts the epoch and carries
     on: a healthy replica's TP/PP groups never see another replica's failure (DESIGN §3).
-  * `rebuild`/`regroup(e, members, key)` are strict: if an epoch after e has started they raise
-    PeerFailure, so all survivors abandon a recovery attempt together. The rendezvous lives under
-    (epoch, key), so processes with different histories meet in the same place; there the
-    members decide together whether the backend is kept, shrunk or re-created (`rendezvous`).
+  * `rebuild`/`regroup(e, members, key)` raise PeerFailure if an epoch after e declares one of
+    `members` dead (all survivors then retry with it); any other epoch (a replica growing back)
+    leaves them to finish, each member alike, and is met at the iteration boundary. The
+    rendezvous lives under (epoch, key), so processes with different histories meet in the same
+    place; there the members decide together whether the backend is kept, shrunk or re-created.
   * A failed or timed-out operation is reported to the coordinator; its verdict (an epoch naming
     the dead, awaited up to `verdict_timeout`) names the right rank in the PeerFailure.
   * No thread and no callback per operation: the caller's wait() is the backend's. gloo blocks
@@ -149,9 +150,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     # --- lifecycle --------------------------------------------------------------------------
     def rebuild(self, epoch: int, members: Sequence[int], key: str = "") -> None:
-        """Replace the inner backend by one for `members` in membership `epoch` (all the members
-        call this with the same arguments). Raises PeerFailure if the rebuild is interrupted by a
-        newer epoch or a member never shows up."""
+        """A new backend for `members` in `epoch` (every member calls this alike); PeerFailure if
+        an epoch declares a member dead meanwhile or a member never shows up."""
         self.apply(self.meet(epoch, members, key, force=True))
 
     def regroup(self, epoch: int, members: Sequence[int], key: str = "") -> str:
@@ -161,8 +161,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     @property
     def dirty(self) -> bool:
-        """This member cannot vouch for the backend's message sequence: it is gone or broken,
-        or an operation was issued and not waited for."""
+        """This member cannot vouch for the backend's sequence: gone, broken, or an op unwaited."""
         with self._cond:
             return (self._inner is None or self._failure is not None
                     or self._latched is not None or bool(self._ops))
@@ -177,9 +176,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if current < epoch:
             self.membership.wait_for_epoch_after(epoch - 1, self.verdict_timeout)
             current, dead = self.membership.view()
-        if current > epoch:  # strict: every survivor restarts recovery with the newer epoch
+        if self._kills_a_member(epoch, members):  # every survivor retries with that epoch
             raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.label}.rebuild",
-                              f"epoch {current} already started")
+                              f"epoch {current} already started and declared a member dead")
         dirty = force or self.dirty or members != self.members or bool(dead & set(self.members))
         parent = self._parent.prefix if self._parent is not None and \
             self._parent.shrinks_to(members) else None
@@ -191,10 +190,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         try:
             meeting = rendezvous.meet(
                 self.membership.store, prefix, self.membership.rank, members, self.build_timeout,
-                dirty=dirty, parent=parent, newer_epoch=lambda: self.membership.epoch() > epoch)
+                dirty=dirty, parent=parent, newer_epoch=lambda: self._kills_a_member(epoch, members))
         except rendezvous.NewerEpoch:  # nothing is decided: a clean backend stays clean
             raise PeerFailure(epoch, self.membership.dead_ranks() - dead, f"{self.label}.rebuild",
-                              "a newer epoch started during the rendezvous") from None
+                              "an epoch declared a member dead during the rendezvous") from None
         except rendezvous.MembersMissing as e:
             raise PeerFailure(epoch, e.missing, f"{self.label}.rebuild", str(e),
                               confirmed=False) from None
@@ -226,9 +225,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self._inner, self._failure, self._latched = inner, None, None
             self.members, self._prefix = plan.members, plan.prefix
         self._register()
-        if self.membership.epoch() > plan.epoch:  # an epoch arrived while we were building
-            self._discard()
-            raise self._fail("rebuild", "a newer epoch started during the rebuild")
+        if self._kills_a_member(plan.epoch, plan.members):  # while we were connecting
+            raise self._fail("rebuild", "a newer epoch declared a member dead during the rebuild")
         return "shrunk" if plan.meeting.shrink and retired is not None else "rebuilt"
 
     def shutdown(self) -> None:
@@ -244,7 +242,6 @@ class ResilientProcessGroup(dist.ProcessGroup):
         world.pg_group_ranks.pop(self, None)
 
     abort = shutdown
-
     # --- internals --------------------------------------------------------------------------
     def _register(self) -> None:
         world = dist.distributed_c10d._world
@@ -328,8 +325,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         culprit, waiting up to `verdict_timeout` for the coordinator's verdict."""
         epoch = self._epoch
         self._discard()
-        others = {m for m in self.members if m != self.membership.rank}
-        guess = {peer} if peer is not None else others
+        guess = {peer} if peer is not None else set(self.members) - {self.membership.rank}
         if self.membership.epoch() <= epoch:
             self.membership.report_failure(guess, f"{self.label}.{op}: {detail}")
             try:
@@ -370,14 +366,18 @@ class ResilientProcessGroup(dist.ProcessGroup):
         else:
             backends.discard(inner, [])
 
+    def _kills_a_member(self, epoch: int, members: Sequence[int]) -> bool:
+        """Only an epoch after `epoch` that declares one of `members` dead ends a rebuild; any
+        other (a replica growing back) ended on just the members that saw it first would leave
+        the rest waiting for them at their next group."""
+        current, dead = self.membership.view()
+        return current > epoch and bool(dead & set(members))
+
     def _stale(self) -> bool:
         """A newer epoch declared a member dead (adopting harmless epochs on the way)."""
-        epoch, dead = self.membership.view()
-        if epoch <= self._epoch:
-            return False
-        if dead & set(self.members):
+        if self._kills_a_member(self._epoch, self.members):
             return True
-        self._adopt(epoch, dead)
+        self._adopt(*self.membership.view())
         return False
 
     def _adopt(self, epoch: int, dead: frozenset[int]) -> None:

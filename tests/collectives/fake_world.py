@@ -36,6 +36,13 @@ class FakeWorld:
                 listener(epoch, dead)
         return epoch
 
+    def readmit(self, ranks: set[int]) -> int:
+        """An epoch that declares no one dead: `ranks` (replaced) count as members again, as
+        when a replica grows back."""
+        with self.changed:
+            self.dead = self.dead - frozenset(ranks)
+        return self.declare_dead(set())
+
 
 class FakeMembership:
     heartbeat_timeout, heartbeat_interval = 1.0, 0.1

@@ -81,6 +81,53 @@ def test_a_group_that_lost_a_member_is_rebuilt_on_gloo():
         shut(groups)
 
 
+def outcomes_of(calls) -> list:
+    """Each member's result, or the type of what it raised."""
+    def caught(call):
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 -- the test compares them
+            return type(e)
+    return together([lambda c=c: caught(c) for c in calls])
+
+
+def test_an_epoch_that_declares_no_member_dead_lets_every_member_finish_the_regroup():
+    """A replica grows back (an epoch that kills no one) while the survivors regroup: each member
+    finishes, whether it saw the epoch after the meeting or before it. Ending the regroup on the
+    members that saw it first left the others connecting their next group alone (CI, 11/2026)."""
+    world = FakeWorld()
+    groups = build_together(world, "tp.replica0.stage0", [(0, 1), (0, 1)], backend="gloo")
+    try:
+        for g in groups:
+            g.abandon("recovery started in execute")
+        plans = together([lambda g=g: g.meet(0, (0, 1), "recover/1") for g in groups])
+        world.readmit(set())  # epoch 1 arrives between the meeting and the connect
+        assert outcomes_of([lambda g=g, p=p: g.apply(p) for g, p in zip(groups, plans)]) == \
+            ["rebuilt", "rebuilt"]
+        assert sum_over(groups) == [3.0, 3.0]
+        for g in groups:  # and seen before the meeting
+            g.abandon("recovery started in execute")
+        assert regroup_all(groups, 0, (0, 1), "recover/2") == ["rebuilt", "rebuilt"]
+        assert sum_over(groups) == [3.0, 3.0]
+    finally:
+        shut(groups)
+
+
+def test_an_epoch_that_declares_a_member_dead_during_the_connect_ends_the_regroup():
+    """The control: an epoch that kills a member between the meeting and the connect still ends
+    the rebuild on every member (they retry with that epoch)."""
+    world = FakeWorld()
+    groups = build_together(world, "dp.tp0.stage0", [(0, 1, 2)] * 3, backend="gloo")
+    try:
+        plans = together([lambda g=g: g.meet(0, (0, 1, 2), "recover/1", force=True)
+                          for g in groups])
+        world.declare_dead({2})
+        assert outcomes_of([lambda g=g, p=p: g.apply(p) for g, p in zip(groups, plans)]) == \
+            [PeerFailure] * 3
+    finally:
+        shut(groups)
+
+
 @pytest.mark.parametrize("shrinkable", [True, False])
 def test_a_group_that_lost_a_member_is_shrunk_where_the_backend_can(fabric, shrinkable):
     fabric.shrinkable = shrinkable
