@@ -176,18 +176,19 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
     commit agreement and growing back."""
     from megatron.training.datasets import build_datasets
     from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
+    from megatron.training.config import ScheduleConfig
     from megatron.training.optimizer_setup import build_scheduler
     from megatron.training.replica_step import build_stages, link_for, replica_vote
     from megatron.training.training import Trainer
     from recover_patches.recovery.agreement import StoreAgreement
 
-    device, groups, tracker, model, optimizer, grads = _build_model_parts(
+    device, groups, tracker, model_config, model, optimizer, grads = _build_model_parts(
         args, membership, incarnation, tokenizer)
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     recovering = membership is not None and args.recover
     trainer = Trainer(
-        args=args, groups=groups, model=model, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, args), grads=grads,
+        args=args, model_config=model_config, groups=groups, model=model, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)), grads=grads,
         train_stages=build_stages(args, groups, model, train_ds, tracker, optimizer.scaler),
         valid_stages=None if valid_ds is None else build_stages(args, groups, model, valid_ds,
                                                                 tracker),
@@ -206,12 +207,13 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
 
 
 def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
-    """(device, groups, RNG tracker, model, optimizer, gradient buffer), with the start-up
-    notes."""
+    """(device, groups, RNG tracker, model config, model, optimizer, gradient buffer), with the
+    start-up notes."""
     import torch
 
     from megatron.training.initialize import (build_groups, init_default_group,
                                               resilient_group_factory, torch_group_factory)
+    from megatron.training.config import ModelConfig, OptimizerSetup
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer
     from megatron.training.tokenizer import padded_vocab_size
@@ -242,14 +244,14 @@ def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
     tracker = install_rng_tracker(device, args.seed)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
-    args.padded_vocab_size = vocab  # as Megatron-LM sets it (the FLOP count reads it)
-    model = build_model(args, groups.pg_collection(), groups.coord.pp, groups.coord.tp, vocab,
+    model_config = ModelConfig.from_args(args, vocab)
+    model = build_model(model_config, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
-    optimizer = build_optimizer(model, args, groups)
+    optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
     grads = build_grad_buffer(args, groups, optimizer)
     if rank == 0:
         _startup_notes(args, model, grads, topology)
-    return device, groups, tracker, model, optimizer, grads
+    return device, groups, tracker, model_config, model, optimizer, grads
 
 
 def _startup_notes(args, model, grads, topology) -> None:

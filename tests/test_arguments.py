@@ -508,12 +508,14 @@ def test_a_changed_schedule_on_resume_follows_megatrons_flags():
     --override-opt_param-scheduler (this run's wins); the step count always comes back."""
     import torch
 
+    from megatron.training.config import ScheduleConfig
     from megatron.training.optimizer_setup import build_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
     def scheduler(*extra: str):
-        return build_scheduler(optimizer, validate_args(parse_args(TINY + list(extra)), 1))
+        return build_scheduler(optimizer, ScheduleConfig.from_args(
+            validate_args(parse_args(TINY + list(extra)), 1)))
     first = scheduler("--train-iters", "6")
     first.step(increment=16)
     saved = first.state_dict()

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megatron.training.arguments import parse_and_validate
 from megatron.training.datasets import build_datasets
 from megatron.training.initialize import build_groups, torch_group_factory
+from megatron.training.config import ModelConfig
 from megatron.training.model import build_model
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.training.replica_step import build_stages
@@ -53,7 +54,7 @@ def reduced_gradient(world, assignment: list[list[int]]) -> tuple[torch.Tensor, 
     args, groups, train, vocab, tracker = world
     flat, totals = None, Totals.of_ids([])
     for quota in assignment:
-        model = build_model(args, groups.pg_collection(), 0, 0, vocab)
+        model = build_model(ModelConfig.from_args(args, vocab), groups.pg_collection(), 0, 0)
         model.train()
         part, part_totals = local_gradient(model, quota, world)
         flat = part if flat is None else flat + part
@@ -85,7 +86,7 @@ def test_a_lost_microbatch_changes_the_gradient(world):
     """The comparison above is sharp enough to see one microbatch missing."""
     reference, _ = reduced_gradient(world, split([M]))
     args, groups, train, vocab, tracker = world
-    model = build_model(args, groups.pg_collection(), 0, 0, vocab)
+    model = build_model(ModelConfig.from_args(args, vocab), groups.pg_collection(), 0, 0)
     part, part_totals = local_gradient(model, IDS[:-1], world)
     with pytest.raises(Exception, match="microbatches"):
         check_commit(part_totals, IDS)
@@ -104,7 +105,8 @@ def recompute_gradient(world, flags: list[str]) -> torch.Tensor:
     args, groups, train, vocab, tracker = world
     recompute_args = parse_and_validate([*TINY_GPT, "--train-iters", "4", "--hidden-dropout", "0.1",
                                          "--attention-dropout", "0.1", *flags], world_size=1)
-    model = build_model(recompute_args, groups.pg_collection(), 0, 0, vocab)
+    model = build_model(ModelConfig.from_args(recompute_args, vocab), groups.pg_collection(),
+                        0, 0)
     model.train()
     grad, _ = local_gradient(model, IDS[:3], world)
     return grad

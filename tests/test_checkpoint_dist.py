@@ -20,6 +20,7 @@ from megatron.training.checkpoint_dist import CHECKPOINT_VERSION, model_sharded
 from megatron.training.checkpointing import (LATEST_FILE, CheckpointError, Checkpointer,
                                              find_resume_point, read_latest)
 from megatron.training.initialize import build_groups, torch_group_factory
+from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
 from megatron.training.model import build_model
 from megatron.training.optimizer_setup import build_optimizer, build_scheduler
 from megatron.training.training import TrainState
@@ -53,10 +54,10 @@ class GPTTrainer:
         self.args = args
         self.groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
         self.tracker = install_rng_tracker("cpu", args.seed)
-        args.padded_vocab_size = VOCAB
-        self.model = build_model(args, self.groups.pg_collection(), 0, 0, VOCAB)
-        self.optimizer = build_optimizer(self.model, args, self.groups)
-        self.scheduler = build_scheduler(self.optimizer, args)
+        self.model = build_model(ModelConfig.from_args(args, VOCAB), self.groups.pg_collection(),
+                                 0, 0)
+        self.optimizer = build_optimizer(self.model, OptimizerSetup.from_args(args), self.groups)
+        self.scheduler = build_scheduler(self.optimizer, ScheduleConfig.from_args(args))
         self.state, self.faults, self.metrics = TrainState(), Faults(), Metrics()
         self.live = LiveReplicas.solo()
 

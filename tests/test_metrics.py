@@ -52,13 +52,16 @@ def test_without_a_metrics_file_a_successor_resumes_after_the_last_tensorboard_s
 def test_the_flop_count_is_the_papers_closed_form():
     """Narayanan et al. (2021), eq. 3: 72 B s l h^2 (1 + s / 6h + V / 12 l h) for a GPT with
     ffn = 4h, no query groups, no gated MLP."""
-    from types import SimpleNamespace
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.config import ModelConfig
     b, s, l, h, v, heads = 8, 2048, 24, 1024, 51200, 16
-    args = SimpleNamespace(num_attention_heads=heads, hidden_size=h, seq_length=s, num_layers=l,
-                           group_query_attention=False, num_query_groups=None, kv_channels=h // heads,
-                           swiglu=False, ffn_hidden_size=4 * h, padded_vocab_size=v)
+    args = validate_args(parse_args([
+        "--num-layers", str(l), "--hidden-size", str(h), "--num-attention-heads", str(heads),
+        "--seq-length", str(s), "--max-position-embeddings", str(s), "--micro-batch-size", "1",
+        "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(v), "--lr", "1e-4"]), 1)
     paper = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
-    assert abs(gpt_flops(args, b) - paper) <= 1e-9 * paper
+    assert abs(gpt_flops(ModelConfig.from_args(args, v), b) - paper) <= 1e-9 * paper
 
 
 def test_log_line_has_megatrons_fields():

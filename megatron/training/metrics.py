@@ -12,6 +12,8 @@ from typing import IO
 
 import torch
 
+from megatron.training.config import ModelConfig
+
 
 def log_line(rec: dict, train_iters: int, skipped_since_last_line: int = 0) -> str:
     """Megatron's iteration line; the skipped count is per log interval, as Megatron prints it
@@ -183,18 +185,19 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
     return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def gpt_flops(args, batch_size: int) -> float:
+def gpt_flops(model: ModelConfig, batch_size: int) -> float:
     """FLOPs of one training iteration over `batch_size` sequences: Megatron-LM's formula for a
     dense GPT (Narayanan et al. 2021, appendix): 12 = 3 (forward, two backward GEMMs) x 2 (GEMMs in
     pairs) x 2 (multiply-add); attention with query groups; a gated MLP counts 3/2; the logits."""
-    heads, hidden, seq = args.num_attention_heads, args.hidden_size, args.seq_length
-    groups = args.num_query_groups if args.group_query_attention else heads
-    query_ratio = args.kv_channels * heads / hidden
-    gated = 1.5 if args.swiglu else 1.0
+    t, seq = model.transformer, model.seq_length
+    heads, hidden, layers = t.num_attention_heads, t.hidden_size, t.num_layers
+    groups = t.num_query_groups or heads
+    query_ratio = t.kv_channels * heads / hidden
+    gated = 1.5 if t.gated_linear_unit else 1.0
     per_token_layer = ((1 + groups / heads + seq / hidden) * query_ratio
-                       + args.ffn_hidden_size / hidden * gated
-                       + args.padded_vocab_size / (2 * args.num_layers * hidden))
-    return 12.0 * batch_size * seq * args.num_layers * hidden * hidden * per_token_layer
+                       + t.ffn_hidden_size / hidden * gated
+                       + model.padded_vocab_size / (2 * layers * hidden))
+    return 12.0 * batch_size * seq * layers * hidden * hidden * per_token_layer
 
 
 class MetricsWriter:

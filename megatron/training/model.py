@@ -32,6 +32,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
+from megatron.training.config import ModelConfig
 from recover_patches.pipeline.rng import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -112,61 +113,6 @@ class RecoverGPTModel(GPTModel):
             tp_group=self.tp_group, dp_cp_group=group)
 
 
-def transformer_config(args) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
-        sequence_parallel=args.sequence_parallel,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        normalization=args.normalization,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        qk_layernorm=args.qk_layernorm,
-        add_bias_linear=args.add_bias_linear,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
-        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-        attention_backend=AttnBackend[args.attention_backend],
-        rotary_interleaved=args.rotary_interleaved,
-        deterministic_mode=args.deterministic_mode,
-        # megatron-core's recompute saves and restores the RNG states (our tracker's included), so
-        # a recomputed forward draws the same dropout masks
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers if args.recompute_method else None,
-        # Initialised on the CPU (Megatron's --use-cpu-initialization) on every device, then moved:
-        # `init_parameters_by_name` draws every tensor on the CPU anyway, which keeps a GPU run's
-        # weights identical to a CPU run's.
-        use_cpu_initialization=True,
-        fp16=args.fp16,
-        bf16=args.bf16,
-        params_dtype=args.params_dtype,
-        pipeline_dtype=args.params_dtype,
-        # Fused kernels are CUDA-only (forced off on CPU by the argument checks).
-        bias_activation_fusion=args.bias_gelu_fusion,
-        bias_dropout_fusion=args.bias_dropout_fusion,
-        masked_softmax_fusion=args.masked_softmax_fusion,
-        apply_rope_fusion=args.rope_fusion,
-        persist_layer_norm=False,
-        # Gradients accumulate into ReCoVer's main-grad buffer through a hook (recovery/grad_buffer).
-        gradient_accumulation_fusion=False,
-    )
-
-
 class TorchNorm:
     """torch LayerNorm / RMSNorm for the local spec, like megatron-core's WrappedTorchNorm, which
     refuses sequence parallelism only because nothing would sum the norms' gradients over TP.
@@ -185,18 +131,20 @@ class TorchNorm:
         return norm
 
 
-def layer_spec(args, config: TransformerConfig, vp_stage: int | None, pp_rank: int):
+def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | None,
+               pp_rank: int):
     """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
     loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules."""
-    if args.transformer_impl == "transformer_engine":  # GPU with TE installed (checked before)
+    if implementation == "transformer_engine":  # GPU with TE installed (checked before)
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=config.normalization,
+                                    qk_layernorm=config.qk_layernorm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = SDPACoreAttention
     layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
-    if args.qk_layernorm:
+    if config.qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = TorchNorm
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
@@ -239,41 +187,42 @@ def checkpoint_keys(model: torch.nn.Module) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{c}" for c in range(len(chunks))]
 
 
-def build_model(args, pg_collection: ProcessGroupCollection, pp_stage: int,
-                tp_rank: int, padded_vocab_size: int,
-                device: torch.device | str = "cpu") -> torch.nn.Module:
+def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection,
+                pp_stage: int, tp_rank: int, device: torch.device | str = "cpu"
+                ) -> torch.nn.Module:
     """This rank's GPTModel, or its `ModelChunks` with an interleaved schedule."""
-    config = transformer_config(args)
+    m, config = model_config, model_config.transformer
     parallel_state._GLOBAL_MEMORY_BUFFER = DeviceMemoryBuffer(device)
     if not torch.cuda.is_available():
         # megatron-core's sequence-parallel mappings allocate their outputs on
         # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
         # those allocations into CPU ones and nothing else (CUDA stays unavailable).
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    vp = args.virtual_pipeline_model_parallel_size
-    first, last = pp_stage == 0, pp_stage == args.pipeline_model_parallel_size - 1
+    vp = m.model_chunks
+    first, last = pp_stage == 0, pp_stage == config.pipeline_model_parallel_size - 1
     chunks = [
         RecoverGPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(args, config, vp_stage, pp_stage),
-            vocab_size=padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
+            transformer_layer_spec=layer_spec(m.implementation, config, vp_stage, pp_stage),
+            vocab_size=m.padded_vocab_size,
+            max_sequence_length=m.max_sequence_length,
             pre_process=first and not vp_stage,
             post_process=last and vp_stage in (None, (vp or 1) - 1),
             parallel_output=True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
+            share_embeddings_and_output_weights=m.share_embeddings,
+            position_embedding_type=m.position_embedding_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=m.rotary_base,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         ) for vp_stage in ([None] if vp is None else range(vp))]
     for chunk in chunks:
-        init_parameters_by_name(chunk, seed=args.seed, std=args.init_method_std,
-                                num_layers=args.num_layers, tp_size=args.tensor_model_parallel_size,
-                                tp_rank=tp_rank, gated=args.swiglu)
+        init_parameters_by_name(chunk, seed=m.seed, std=config.init_method_std,
+                                num_layers=config.num_layers,
+                                tp_size=config.tensor_model_parallel_size, tp_rank=tp_rank,
+                                gated=config.gated_linear_unit)
     model = chunks[0] if vp is None else ModelChunks(chunks)
-    return model.to(device=device, dtype=args.params_dtype)
+    return model.to(device=device, dtype=config.params_dtype)
 
 
 def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_shards: int = 1

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.arguments import global_batch_size_at
+from megatron.training.config import ModelConfig
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import Optimizer
@@ -50,6 +51,7 @@ class TrainState:
 @dataclass
 class Trainer:
     args: argparse.Namespace
+    model_config: ModelConfig  # the FLOP count reads it
     groups: ParallelGroups
     model: torch.nn.Module
     optimizer: Optimizer
@@ -214,7 +216,7 @@ class Trainer:
         }
         if args.log_throughput:  # per live GPU: the job's GPUs shrink when replicas die
             gpus = len(self.live.live_replicas) * self.groups.topology.tp * self.groups.topology.pp
-            rec["tflops_per_gpu"] = gpt_flops(args, rec["global_batch_size"]) / max(
+            rec["tflops_per_gpu"] = gpt_flops(self.model_config, rec["global_batch_size"]) / max(
                 seconds, 1e-9) / gpus / 1e12
         if args.log_memory_to_tensorboard:  # every rank: a successor logs what it recorded
             rec["memory"] = memory_scalars(self.device)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron.training.arguments import parse_and_validate  # noqa: E402
 from megatron.training.checkpointing import Checkpointer  # noqa: E402
 from megatron.training.initialize import build_groups, torch_group_factory  # noqa: E402
+from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig  # noqa: E402
 from megatron.training.model import build_model  # noqa: E402
 from megatron.training.optimizer_setup import build_optimizer, build_scheduler  # noqa: E402
 from megatron.training.training import TrainState  # noqa: E402
@@ -49,10 +50,11 @@ class BenchTrainer:
     def __init__(self, args, device: torch.device):
         self.groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
         install_rng_tracker(device, args.seed)
-        vocab = args.padded_vocab_size = args.vocab_size + (-args.vocab_size) % 128
-        self.model = build_model(args, self.groups.pg_collection(), 0, 0, vocab, device)
-        self.optimizer = build_optimizer(self.model, args, self.groups)
-        self.scheduler = build_scheduler(self.optimizer, args)
+        vocab = args.vocab_size + (-args.vocab_size) % 128
+        self.model = build_model(ModelConfig.from_args(args, vocab), self.groups.pg_collection(),
+                                 0, 0, device)
+        self.optimizer = build_optimizer(self.model, OptimizerSetup.from_args(args), self.groups)
+        self.scheduler = build_scheduler(self.optimizer, ScheduleConfig.from_args(args))
         self.optimizer.step([torch.full_like(p, 1e-3, dtype=torch.float32)  # Adam state exists
                              for p in self.optimizer.model_params])
         self.state, self.live = TrainState(iteration=1), LiveReplicas.solo()

@@ -42,6 +42,7 @@ def build(args_list):
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
+    from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -57,11 +58,13 @@ def build(args_list):
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     train_ds, _, _ = build_datasets(args, tokenizer)
-    model = build_model(args, groups.pg_collection(), 0, 0, vocab, "cuda")
-    optimizer = build_optimizer(model, args, groups)
+    model_config = ModelConfig.from_args(args, vocab)
+    model = build_model(model_config, groups.pg_collection(), 0, 0, "cuda")
+    optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
     trainer = Trainer(
-        args=args, groups=groups, model=model, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, args), grads=build_grad_buffer(args, groups, optimizer),
+        args=args, model_config=model_config, groups=groups, model=model, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
+        grads=build_grad_buffer(args, groups, optimizer),
         train_stages=build_stages(args, groups, model, train_ds, tracker), valid_stages=None,
         link=link_for(args, groups, "cuda"), faults=FaultInjector([], 0), metrics=MetricsWriter(None))
     return args, groups, vocab, train_ds, trainer
@@ -75,13 +78,14 @@ def megatron_arm(args, groups, vocab, train_ds):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
+    from megatron.training.config import ModelConfig
     from megatron.training.model import build_model
     from recover_patches.pipeline.sampler import MicrobatchSampler
 
     # build() installed ReCoVer's device-aware buffer; megatron-core insists on making its own.
     parallel_state._GLOBAL_MEMORY_BUFFER = None
     parallel_state.initialize_model_parallel(1, 1)
-    model = build_model(args, groups.pg_collection(), 0, 0, vocab, "cuda")
+    model = build_model(ModelConfig.from_args(args, vocab), groups.pg_collection(), 0, 0, "cuda")
     model = Float16Module(model.config, model)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=False), model)

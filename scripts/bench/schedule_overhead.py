@@ -114,6 +114,7 @@ def build_arms(bench: argparse.Namespace):
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
+    from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -133,15 +134,17 @@ def build_arms(bench: argparse.Namespace):
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     train_ds, _, _ = build_datasets(args, tokenizer)
-    model_a = build_model(args, groups.pg_collection(), 0, 0, vocab)
-    model_b = build_model(args, groups.pg_collection(), 0, 0, vocab)
+    model_config = ModelConfig.from_args(args, vocab)
+    model_a = build_model(model_config, groups.pg_collection(), 0, 0)
+    model_b = build_model(model_config, groups.pg_collection(), 0, 0)
     for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
         if not torch.equal(a, b):  # the comparison is meaningless otherwise
             raise RuntimeError(f"the two model copies differ at {name}")
-    optimizer = build_optimizer(model_a, args, groups)
+    optimizer = build_optimizer(model_a, OptimizerSetup.from_args(args), groups)
     trainer = Trainer(
-        args=args, groups=groups, model=model_a, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, args), grads=build_grad_buffer(args, groups, optimizer),
+        args=args, model_config=model_config, groups=groups, model=model_a, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
+        grads=build_grad_buffer(args, groups, optimizer),
         train_stages=build_stages(args, groups, model_a, train_ds, tracker), valid_stages=None,
         link=link_for(args, groups, "cpu"),
         faults=FaultInjector([], 0), metrics=MetricsWriter(None))

@@ -1,0 +1,192 @@
+"""Typed configuration of the model, the optimizer and the learning-rate schedule: the one
+conversion of the validated flags (argparse's Namespace: the Megatron-compatible surface) into
+frozen dataclasses, each checked where it is declared. The builders (`model.py`,
+`optimizer_setup.py`) take these and never read the Namespace; megatron-core's own
+`TransformerConfig` and `OptimizerConfig` are reused where they fit.
+
+Built once by the entry point after the flags were validated (`from_args`); tests build them the
+same way from a parsed command line.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
+
+IMPLEMENTATIONS = ("local", "transformer_engine")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One rank's GPT: megatron-core's TransformerConfig plus what GPTModel takes beside it."""
+    transformer: TransformerConfig
+    implementation: str  # the layer spec: ReCoVer's CPU-capable local one or transformer-engine's
+    padded_vocab_size: int  # the tokenizer's, padded as Megatron pads it (divisible by TP)
+    seq_length: int
+    max_sequence_length: int  # --max-position-embeddings
+    share_embeddings: bool  # not --untie-embeddings-and-output-weights
+    position_embedding_type: str
+    rotary_percent: float
+    rotary_base: int
+    seed: int  # parameters are drawn by global name from it
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation {self.implementation!r} not in {IMPLEMENTATIONS}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position embedding {self.position_embedding_type!r} not in "
+                             f"{POSITION_EMBEDDINGS}")
+        if self.padded_vocab_size % self.transformer.tensor_model_parallel_size:
+            raise ValueError(f"padded vocabulary {self.padded_vocab_size} does not split over "
+                             f"{self.transformer.tensor_model_parallel_size} TP ranks")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary percent {self.rotary_percent} not in (0, 1]")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, padded_vocab_size: int) -> ModelConfig:
+        return cls(transformer=transformer_config(args), implementation=args.transformer_impl,
+                   padded_vocab_size=padded_vocab_size, seq_length=args.seq_length,
+                   max_sequence_length=args.max_position_embeddings,
+                   share_embeddings=not args.untie_embeddings_and_output_weights,
+                   position_embedding_type=args.position_embedding_type,
+                   rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                   seed=args.seed)
+
+    @property
+    def model_chunks(self) -> int | None:
+        """Model chunks per pipeline rank (the interleaved schedule), None without."""
+        return self.transformer.virtual_pipeline_model_parallel_size
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        sequence_parallel=args.sequence_parallel,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        qk_layernorm=args.qk_layernorm,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=AttnBackend[args.attention_backend],
+        rotary_interleaved=args.rotary_interleaved,
+        deterministic_mode=args.deterministic_mode,
+        # megatron-core's recompute saves and restores the RNG states (our tracker's included), so
+        # a recomputed forward draws the same dropout masks
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_method else None,
+        # Initialised on the CPU (Megatron's --use-cpu-initialization) on every device, then moved:
+        # `init_parameters_by_name` draws every tensor on the CPU anyway, which keeps a GPU run's
+        # weights identical to a CPU run's.
+        use_cpu_initialization=True,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        # Fused kernels are CUDA-only (forced off on CPU by the argument checks).
+        bias_activation_fusion=args.bias_gelu_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        apply_rope_fusion=args.rope_fusion,
+        persist_layer_norm=False,
+        # Gradients accumulate into ReCoVer's main-grad buffer through a hook (recovery/grad_buffer).
+        gradient_accumulation_fusion=False,
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerSetup:
+    """Which optimizer runs and how: megatron-core's OptimizerConfig (Adam's hyper-parameters,
+    clipping, fp16's loss scale, the distributed optimizer) plus the gradient buckets."""
+    adam: OptimizerConfig
+    instances: int  # --num-distributed-optimizer-instances
+    bucket_size: int | None  # --ddp-bucket-size
+    overlap_grad_reduce: bool
+
+    def __post_init__(self):
+        if self.instances < 1:
+            raise ValueError(f"{self.instances} distributed optimizer instances: at least 1")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket size {self.bucket_size}: at least 1 parameter")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OptimizerSetup:
+        adam = OptimizerConfig(
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
+            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
+        return cls(adam, args.num_distributed_optimizer_instances, args.ddp_bucket_size,
+                   args.overlap_grad_reduce)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """megatron-core's OptimizerParamScheduler in samples (Megatron steps it by the global batch
+    each iteration): every step count already converted from iterations where flags gave them."""
+    init_lr: float
+    max_lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    decay_style: str
+    start_wd: float
+    end_wd: float
+    wd_incr_steps: int
+    wd_incr_style: str
+    use_checkpoint_scheduler: bool  # --use-checkpoint-opt_param-scheduler
+    override_scheduler: bool  # --override-opt_param-scheduler
+
+    def __post_init__(self):
+        if min(self.warmup_steps, self.decay_steps, self.wd_incr_steps) < 0:
+            raise ValueError(f"negative step count: warm-up {self.warmup_steps}, decay "
+                             f"{self.decay_steps}, weight-decay increment {self.wd_incr_steps}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ScheduleConfig:
+        gbs = args.global_batch_size
+        if args.train_iters:
+            decay = (args.lr_decay_iters or args.train_iters) * gbs
+            wd_incr = args.train_iters * gbs
+            warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                      else args.lr_warmup_iters * gbs)
+        else:
+            decay = args.lr_decay_samples or args.train_samples
+            wd_incr = args.train_samples
+            warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                      else args.lr_warmup_samples)
+        wd = args.weight_decay
+        return cls(init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+                   warmup_steps=int(warmup), decay_steps=int(decay),
+                   decay_style=args.lr_decay_style,
+                   start_wd=wd if args.start_weight_decay is None else args.start_weight_decay,
+                   end_wd=wd if args.end_weight_decay is None else args.end_weight_decay,
+                   wd_incr_steps=int(wd_incr), wd_incr_style=args.weight_decay_incr_style,
+                   use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
+                   override_scheduler=args.override_opt_param_scheduler)
