@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except _Exit as done:
         return done.status
     trainer = _build_trainer(args, membership, incarnation, tokenizer, faults, checkpointer)
-    return _train(trainer, membership, incarnation)
+    return _train(args, trainer, membership, incarnation)
 
 
 def _parse(argv: list[str] | None) -> tuple:
@@ -176,7 +176,7 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
     commit agreement and growing back."""
     from megatron.training.datasets import build_datasets
     from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
-    from megatron.training.config import ScheduleConfig
+    from megatron.training.config import ScheduleConfig, StepConfig, TrainingConfig
     from megatron.training.optimizer_setup import build_scheduler
     from megatron.training.replica_step import build_stages, link_for, replica_vote
     from megatron.training.training import Trainer
@@ -187,7 +187,9 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     recovering = membership is not None and args.recover
     trainer = Trainer(
-        args=args, model_config=model_config, groups=groups, model=model, optimizer=optimizer,
+        config=TrainingConfig.from_args(args),
+        step_config=StepConfig.from_args(args, recovering=recovering), model_config=model_config,
+        groups=groups, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)), grads=grads,
         train_stages=build_stages(args, groups, model, train_ds, tracker, optimizer.scaler),
         valid_stages=None if valid_ds is None else build_stages(args, groups, model, valid_ds,
@@ -268,14 +270,13 @@ def _startup_notes(args, model, grads, topology) -> None:
                     "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
 
 
-def _train(trainer, membership, incarnation: int) -> int:
+def _train(args, trainer, membership, incarnation: int) -> int:
     """Train (a replacement first waits as a spare); a broken replica's ranks leave or wait as
     spares; anything that ends the job early is one line and its exit status."""
     import torch
 
     from megatron.training.checkpointing import TrainingStopped
     from recover_patches.recovery.iteration import ReplicaLost
-    args = trainer.args
     spare, load = incarnation > 0, True
     try:
         while True:
@@ -296,7 +297,7 @@ def _train(trainer, membership, incarnation: int) -> int:
     except TrainingStopped:  # --exit-interval, --exit-duration-in-mins, the exit signal
         pass  # done: below, the job is declared complete like one that reached --train-iters
     except Exception as err:  # noqa: BLE001 -- `_stopping` re-raises what it does not know
-        return _stopping(err, trainer, membership)
+        return _stopping(err, args, trainer, membership)
     finally:
         trainer.metrics.close()
     if membership is not None:
@@ -317,7 +318,7 @@ def _wait_as_spare(trainer) -> None:
     trainer.finish_iteration()  # with the others: the join iteration's save/eval
 
 
-def _stopping(err: Exception, trainer, membership) -> int:
+def _stopping(err: Exception, args, trainer, membership) -> int:
     """How the job ends early: one line and the exit status (the process exits at once where
     peers may still hold sockets to it). Anything else is a crash and is raised again."""
     from megatron.training.checkpointing import CheckpointError
@@ -326,7 +327,6 @@ def _stopping(err: Exception, trainer, membership) -> int:
     from recover_patches.recovery.agreement import RecoveryStalled
     from recover_patches.recovery.grow import JobComplete, JobStopped
     from recover_patches.recovery.iteration import TooFewReplicas
-    args = trainer.args
     restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
     if isinstance(err, CheckpointError):  # found only when reading the files (a damaged archive)
         return _user_error(str(err))

@@ -20,8 +20,6 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
                                 "writes) is ReCoVer's only behaviour",
     "ckpt_assume_constant_structure": "refused when set",
     "cross_entropy_loss_fusion": "refused when set",
-    "rampup_batch_size": "read by global_batch_size_at (arguments_validate_schedule), which the "
-                         "trainer calls every iteration",
     "use_mcore_models": "a no-op in Megatron-LM too: megatron-core models are the only kind",
     "calculate_per_token_loss": "ReCoVer always divides by the global token count (its only mode)",
     "accumulate_allreduce_grads_in_fp32": "always on: the main-grad buffer is fp32 (set by the checks)",

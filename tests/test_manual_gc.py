@@ -4,19 +4,19 @@ collects at the points Megatron-LM does: at the start, every interval, around ea
 from __future__ import annotations
 
 import gc
-from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
 
+from megatron.training.config import BatchSchedule, TrainingConfig
 from megatron.training.training import Trainer, TrainState
 
 
 class Loop:
-    """What Trainer.train / finish_iteration read besides the flags; records what happened."""
+    """What Trainer.train / finish_iteration read besides their config; records what happened."""
 
-    def __init__(self, args: Namespace, events: list) -> None:
-        self.args, self.state, self.events = args, TrainState(), events
+    def __init__(self, config: TrainingConfig, events: list) -> None:
+        self.config, self.state, self.events = config, TrainState(), events
         self.checkpointer, self.grow, self.valid_stages, self.history = None, None, [object()], []
 
     def transaction(self):
@@ -40,11 +40,12 @@ class Loop:
 
 
 def events_of(monkeypatch, **flags) -> list:
-    args = Namespace(**{"train_iters": 8, "eval_interval": 4, "micro_batch_size": 1,
-                        "manual_gc": False,
-                        "manual_gc_interval": 0, "manual_gc_eval": True, **flags})
+    gc_options = {"manual_gc": False, "manual_gc_interval": 0, "manual_gc_eval": True, **flags}
+    config = TrainingConfig(batches=BatchSchedule(1, 1, None), train_iters=8, eval_interval=4,
+                            eval_iters=1, log_interval=1, log_throughput=False, log_memory=False,
+                            min_replicas=1, one_optimizer_copy=False, **gc_options)
     events: list = []
-    loop = Loop(args, events)
+    loop = Loop(config, events)
     monkeypatch.setattr(gc, "collect", lambda *a: events.append(("collect", loop.state.iteration)))
     try:
         Trainer.train(loop)  # type: ignore[arg-type]

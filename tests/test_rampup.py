@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import re
-from argparse import Namespace
 from fractions import Fraction
 
 import pytest
 
-from megatron.training.arguments import global_batch_size_at
+from megatron.training.config import BatchSchedule
 from tests._launch_util import TINY_GPT, launch
 
 
@@ -27,8 +26,8 @@ def megatron_rampup_batch(start: int, incr: int, samples: int, final: int, consu
     return min(final, start + incr * math.floor(Fraction(consumed) / per_increment))
 
 
-def ramp_args(start: int, incr: int, samples: int, final: int) -> Namespace:
-    return Namespace(global_batch_size=final, rampup_batch_size=[start, incr, samples])
+def ramp(start: int, incr: int, samples: int, final: int) -> BatchSchedule:
+    return BatchSchedule(micro_batch_size=1, global_batch_size=final, rampup=(start, incr, samples))
 
 
 @pytest.mark.parametrize("start, incr, samples, final", [
@@ -38,24 +37,24 @@ def ramp_args(start: int, incr: int, samples: int, final: int) -> Namespace:
     (3, 6, 100, 21),
 ])
 def test_global_batch_size_follows_megatrons_rule(start, incr, samples, final):
-    args = ramp_args(start, incr, samples, final)
+    schedule = ramp(start, incr, samples, final)
     per_increment = samples / ((final - start) // incr)
     probes = set(range(0, 3 * final)) | {samples - 1, samples, samples + 1, 10 * samples}
     for k in range(1, (final - start) // incr + 1):  # both sides of every step
         edge = math.ceil(k * per_increment)
         probes |= {edge - 1, edge, edge + 1}
     for consumed in sorted(c for c in probes if c >= 0):
-        assert global_batch_size_at(args, consumed) == \
+        assert schedule.global_batch_size_at(consumed) == \
             megatron_rampup_batch(start, incr, samples, final, consumed), consumed
 
 
 def test_gpt3_175b_ramp_edges():
-    args = ramp_args(16, 16, 5859375, 1536)
-    assert global_batch_size_at(args, 0) == 16
-    assert global_batch_size_at(args, 61677) == 16 and global_batch_size_at(args, 61678) == 32
-    assert global_batch_size_at(args, 5859375) == 1536  # the last step is reached at SAMPLES
-    assert global_batch_size_at(args, 5859374) == 1520
-    assert global_batch_size_at(Namespace(global_batch_size=1536, rampup_batch_size=None), 0) == 1536
+    at = ramp(16, 16, 5859375, 1536).global_batch_size_at
+    assert at(0) == 16
+    assert at(61677) == 16 and at(61678) == 32
+    assert at(5859375) == 1536  # the last step is reached at SAMPLES
+    assert at(5859374) == 1520
+    assert BatchSchedule(1, 1536, None).global_batch_size_at(0) == 1536
 
 
 START, INCR, SAMPLES, GLOBAL, MICRO, ITERS = 2, 2, 24, 8, 1, 10

@@ -48,20 +48,10 @@ def _validate_rampup(args: argparse.Namespace) -> None:
 
 
 def global_batch_size_at(args: argparse.Namespace, consumed_samples: int) -> int:
-    """Global batch size of the iteration starting after `consumed_samples` samples (rampup aware).
-
-    The ramp goes from START up to --global-batch-size in equal steps of INCR, each step lasting an
-    equal share of SAMPLES; after SAMPLES consumed samples the full batch is used.
-    """
-    final = args.global_batch_size
-    if args.rampup_batch_size is None:
-        return final
-    start, incr, ramp_samples = args.rampup_batch_size
-    steps = (final - start) // incr
-    if steps == 0 or ramp_samples <= 0 or consumed_samples > ramp_samples:
-        return final
-    samples_per_step = ramp_samples / steps
-    return min(final, start + int(consumed_samples / samples_per_step) * incr)
+    """Global batch size of the iteration starting after `consumed_samples` samples (rampup
+    aware): `BatchSchedule`'s rule, for the checks that run before the typed configuration."""
+    from megatron.training.config import BatchSchedule  # megatron-core: not for every parse
+    return BatchSchedule.from_args(args).global_batch_size_at(consumed_samples)
 
 
 def _iterations_in_samples(args: argparse.Namespace, train_samples: int) -> int:

@@ -190,3 +190,97 @@ class ScheduleConfig:
                    wd_incr_steps=int(wd_incr), wd_incr_style=args.weight_decay_incr_style,
                    use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
                    override_scheduler=args.override_opt_param_scheduler)
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The global batch per iteration: --global-batch-size, ramped up from START in steps of
+    INCR over SAMPLES consumed samples by --rampup-batch-size (Megatron's rule)."""
+    micro_batch_size: int
+    global_batch_size: int
+    rampup: tuple[int, int, int] | None  # START INCR SAMPLES
+
+    def __post_init__(self):
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global batch {self.global_batch_size} is not a multiple of the "
+                             f"micro batch {self.micro_batch_size}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BatchSchedule:
+        rampup = None if args.rampup_batch_size is None else tuple(args.rampup_batch_size)
+        return cls(args.micro_batch_size, args.global_batch_size, rampup)
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """Global batch of the iteration starting after `consumed_samples` samples: the ramp
+        goes up in equal steps, each lasting an equal share of SAMPLES; then the full batch."""
+        final = self.global_batch_size
+        if self.rampup is None:
+            return final
+        start, incr, ramp_samples = self.rampup
+        steps = (final - start) // incr
+        if steps == 0 or ramp_samples <= 0 or consumed_samples > ramp_samples:
+            return final
+        samples_per_step = ramp_samples / steps
+        return min(final, start + int(consumed_samples / samples_per_step) * incr)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What the training loop reads: its length, evaluation, logging, collection and how many
+    replicas it needs to go on."""
+    batches: BatchSchedule
+    train_iters: int
+    eval_interval: int | None
+    eval_iters: int
+    log_interval: int
+    log_throughput: bool
+    log_memory: bool  # --log-memory-to-tensorboard: every rank records it
+    manual_gc: bool
+    manual_gc_interval: int
+    manual_gc_eval: bool
+    min_replicas: int  # --recover-min-replicas
+    one_optimizer_copy: bool  # one distributed-optimizer instance: its shards die with a replica
+
+    def __post_init__(self):
+        if self.train_iters < 0 or self.log_interval < 1 or self.min_replicas < 0:
+            raise ValueError(f"train iterations {self.train_iters}, log interval "
+                             f"{self.log_interval}, min replicas {self.min_replicas}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainingConfig:
+        return cls(BatchSchedule.from_args(args), args.train_iters, args.eval_interval,
+                   args.eval_iters, args.log_interval, bool(args.log_throughput),
+                   bool(args.log_memory_to_tensorboard), bool(args.manual_gc),
+                   args.manual_gc_interval, bool(args.manual_gc_eval), args.recover_min_replicas,
+                   bool(args.use_distributed_optimizer)
+                   and args.num_distributed_optimizer_instances == 1)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What a replica's step reads of the flags, fixed after validation."""
+    drop_lost: bool  # --recover-policy drop: each replica keeps its failure-free share
+    even_balance: bool  # --recover-balance even
+    chunks: int  # model chunks per rank (virtual pipeline)
+    vp_group: int  # --microbatch-group-size-per-virtual-pipeline-stage (0: no model chunks)
+    overlap_warmup_flush: bool
+    weight_check_interval: int
+    clip_grad: float
+    log_num_zeros: bool
+    log_params_norm: bool
+    micro_batch_size: int
+    overlap_param_gather: bool
+    recovering: bool  # recovery on: a failed weight all-gather after the step is recovered
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, recovering: bool) -> StepConfig:
+        return cls(drop_lost=args.recover_policy == "drop",
+                   even_balance=args.recover_balance == "even",
+                   chunks=args.virtual_pipeline_model_parallel_size or 1,
+                   vp_group=args.microbatch_group_size_per_vp_stage or 0,
+                   overlap_warmup_flush=bool(args.overlap_p2p_comm_warmup_flush),
+                   weight_check_interval=args.check_weight_hash_across_dp_replicas_interval or 0,
+                   clip_grad=args.clip_grad, log_num_zeros=bool(args.log_num_zeros_in_grad),
+                   log_params_norm=bool(args.log_params_norm),
+                   micro_batch_size=args.micro_batch_size,
+                   overlap_param_gather=bool(args.overlap_param_gather), recovering=recovering)

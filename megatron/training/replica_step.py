@@ -5,7 +5,6 @@ while the Trainer (`training.py`) keeps the loop, the records and evaluation.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import math
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.training.config import StepConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
 from megatron.training.model import model_chunks
@@ -50,36 +50,6 @@ def weight_fingerprint(params: list[torch.Tensor]) -> int:
     for p in params:
         digest.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return int.from_bytes(digest.digest(), "little") | 1
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """What a replica's step reads of the flags, fixed after validation."""
-    drop_lost: bool  # --recover-policy drop: each replica keeps its failure-free share
-    even_balance: bool  # --recover-balance even
-    chunks: int  # model chunks per rank (virtual pipeline)
-    vp_group: int  # --microbatch-group-size-per-virtual-pipeline-stage (0: no model chunks)
-    overlap_warmup_flush: bool
-    weight_check_interval: int
-    clip_grad: float
-    log_num_zeros: bool
-    log_params_norm: bool
-    micro_batch_size: int
-    overlap_param_gather: bool
-    recovering: bool  # recovery on: a failed weight all-gather after the step is recovered
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, recovering: bool) -> StepConfig:
-        return cls(drop_lost=args.recover_policy == "drop",
-                   even_balance=args.recover_balance == "even",
-                   chunks=args.virtual_pipeline_model_parallel_size or 1,
-                   vp_group=args.microbatch_group_size_per_vp_stage or 0,
-                   overlap_warmup_flush=bool(args.overlap_p2p_comm_warmup_flush),
-                   weight_check_interval=args.check_weight_hash_across_dp_replicas_interval or 0,
-                   clip_grad=args.clip_grad, log_num_zeros=bool(args.log_num_zeros_in_grad),
-                   log_params_norm=bool(args.log_params_norm),
-                   micro_batch_size=args.micro_batch_size,
-                   overlap_param_gather=bool(args.overlap_param_gather), recovering=recovering)
 
 
 @dataclass

@@ -5,7 +5,6 @@ the transaction in `recover_patches/recovery/iteration.py` calls in order.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import time
@@ -17,12 +16,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.arguments import global_batch_size_at
-from megatron.training.config import ModelConfig
+from megatron.training.config import ModelConfig, StepConfig, TrainingConfig
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import Optimizer
-from megatron.training.replica_step import GPTReplicaStep, StepConfig
+from megatron.training.replica_step import GPTReplicaStep
 from megatron.training.state_transfer import receive_state, send_state
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.faults import FaultInjector
@@ -50,7 +48,8 @@ class TrainState:
 
 @dataclass
 class Trainer:
-    args: argparse.Namespace
+    config: TrainingConfig
+    step_config: StepConfig
     model_config: ModelConfig  # the FLOP count reads it
     groups: ParallelGroups
     model: torch.nn.Module
@@ -80,9 +79,9 @@ class Trainer:
                                  # one instance of the distributed optimizer: its shards die
                                  # with their replica
                                  min_replicas=topo.dp if self.one_optimizer_copy
-                                 else self.args.recover_min_replicas, replicas=topo.dp)
+                                 else self.config.min_replicas, replicas=topo.dp)
         self.replica = GPTReplicaStep(
-            StepConfig.from_args(self.args, recovering=self.agreement is not None), self.groups,
+            self.step_config, self.groups,
             self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.link,
             self.live, iteration=lambda: self.state.iteration, hook=self.hook)
         self._was_logging = False
@@ -92,8 +91,7 @@ class Trainer:
 
     @property
     def one_optimizer_copy(self) -> bool:
-        return self.args.use_distributed_optimizer \
-            and self.args.num_distributed_optimizer_instances == 1
+        return self.config.one_optimizer_copy
 
     def hook(self, phase: str, microbatch: int | None = None) -> None:
         """Progress mark and injection point; iterations are numbered from 1 as in the logs."""
@@ -145,33 +143,34 @@ class Trainer:
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(live=self.live, replica=self.replica,
                                     agreement=self.agreement,
-                                    drop_lost=self.args.recover_policy == "drop",
+                                    drop_lost=self.step_config.drop_lost,
                                     on_failure=self.log_failure, hook=self.hook)
 
     # -- the loop --------------------------------------------------------------------------
     def microbatch_ids(self) -> list[int]:
         """The M global ids of the next iteration; M follows --rampup-batch-size if given."""
-        mbs = self.args.micro_batch_size
+        batches = self.config.batches
+        mbs = batches.micro_batch_size
         first = first_microbatch_id(self.state.consumed_samples, mbs)
-        m = global_batch_size_at(self.args, self.state.consumed_samples) // mbs
+        m = batches.global_batch_size_at(self.state.consumed_samples) // mbs
         return list(range(first, first + m))
 
     def train(self, load: bool = True) -> deque:
         """The loop. load=False: a joined spare, whose state came from a live replica."""
-        args = self.args
+        config = self.config
         if self.checkpointer is not None and load:
             self.checkpointer.load(self)
-        if args.manual_gc:  # Megatron's: no automatic collection pauses inside iterations
+        if config.manual_gc:  # Megatron's: no automatic collection pauses inside iterations
             gc.disable()
             gc.collect()
         transaction = self.transaction()
-        while self.state.iteration < args.train_iters:
+        while self.state.iteration < config.train_iters:
             start = time.perf_counter()
             ids = self.microbatch_ids()
             outcome = transaction.run(self.state.iteration + 1, ids)
             self.state.iteration += 1
             self.state.skipped_iterations += outcome.step.pop("skipped_step")
-            self.state.consumed_samples += len(ids) * args.micro_batch_size
+            self.state.consumed_samples += len(ids) * config.batches.micro_batch_size
             self.record(outcome, time.perf_counter() - start)
             if self.grow is not None and self.grow.due(outcome.sync):
                 self.record_join(self.grow.at_boundary(self.state.iteration, outcome.sync))
@@ -181,15 +180,15 @@ class Trainer:
     def finish_iteration(self) -> None:
         """What every live rank does together after an iteration (and its join, if any): save if
         due, evaluate if due. A spare that just joined runs it too, for the join's iteration."""
-        args = self.args
-        if args.manual_gc and args.manual_gc_interval \
-                and self.state.iteration % args.manual_gc_interval == 0:
+        config = self.config
+        if config.manual_gc and config.manual_gc_interval \
+                and self.state.iteration % config.manual_gc_interval == 0:
             gc.collect()
         if self.checkpointer is not None:
             self.checkpointer.after_iteration(self)
-        if args.eval_interval and self.valid_stages is not None \
-                and self.state.iteration % args.eval_interval == 0:
-            collect = args.manual_gc and args.manual_gc_eval
+        if config.eval_interval and self.valid_stages is not None \
+                and self.state.iteration % config.eval_interval == 0:
+            collect = config.manual_gc and config.manual_gc_eval
             if collect:
                 gc.collect()
             self.evaluate()
@@ -197,11 +196,11 @@ class Trainer:
                 gc.collect()
 
     def record(self, outcome: IterationOutcome, seconds: float) -> None:
-        args = self.args
+        config = self.config
         rec = {
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_samples,
-            "global_batch_size": len(outcome.ids) * args.micro_batch_size,
+            "global_batch_size": len(outcome.ids) * config.batches.micro_batch_size,
             "microbatches": outcome.totals.microbatches,
             "id_sum": outcome.totals.id_sum,
             "tokens": outcome.totals.tokens,
@@ -214,11 +213,11 @@ class Trainer:
             **outcome.step,
             "skipped_iterations": self.state.skipped_iterations,
         }
-        if args.log_throughput:  # per live GPU: the job's GPUs shrink when replicas die
+        if config.log_throughput:  # per live GPU: the job's GPUs shrink when replicas die
             gpus = len(self.live.live_replicas) * self.groups.topology.tp * self.groups.topology.pp
             rec["tflops_per_gpu"] = gpt_flops(self.model_config, rec["global_batch_size"]) / max(
                 seconds, 1e-9) / gpus / 1e12
-        if args.log_memory_to_tensorboard:  # every rank: a successor logs what it recorded
+        if config.log_memory:  # every rank: a successor logs what it recorded
             rec["memory"] = memory_scalars(self.device)
         if self.agreement is not None:  # this rank's store operations in the commit votes
             rec["commit_store_ops"] = self.agreement.store_ops - self._store_ops_seen
@@ -243,10 +242,10 @@ class Trainer:
                 + " | " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r.seconds.items())
                 + f" | groups kept {len(r.groups_kept)}, shrunk {len(r.groups_shrunk)}, "
                 f"rebuilt {len(r.groups_rebuilt)}")
-        if self.state.iteration % args.log_interval == 0 or self.state.iteration == 1 \
+        if self.state.iteration % config.log_interval == 0 or self.state.iteration == 1 \
                 or outcome.recoveries:
             skipped = self.state.skipped_iterations
-            logger.info(log_line(rec, args.train_iters, skipped - self._skipped_at_last_line),
+            logger.info(log_line(rec, config.train_iters, skipped - self._skipped_at_last_line),
                         extra=PLAIN)  # Megatron's line, as Megatron prints it
             self._skipped_at_last_line = skipped
 
@@ -317,14 +316,15 @@ class Trainer:
         self.faults.at(phase, self.state.iteration, microbatch)
 
     def _evaluate(self) -> float:
-        args = self.args
+        config = self.config
         self.model.eval()
-        m = args.global_batch_size // args.micro_batch_size
-        first = (self.state.iteration // args.eval_interval - 1) * args.eval_iters * m
+        m = config.batches.global_batch_size // config.batches.micro_batch_size
+        assert config.eval_interval  # evaluate() runs only at an evaluation interval
+        first = (self.state.iteration // config.eval_interval - 1) * config.eval_iters * m
         total = Totals.of_ids([])
         assert self.valid_stages is not None  # train() evaluates only with a validation set
         with torch.no_grad():
-            for k in range(args.eval_iters):
+            for k in range(config.eval_iters):
                 ids = list(range(first + k * m, first + (k + 1) * m))
                 mine = even_plan(ids, self.live.live_replicas).get(self.groups.coord.replica, [])
                 if isinstance(self.link, ChunkP2P):

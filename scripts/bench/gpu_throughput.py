@@ -42,7 +42,8 @@ def build(args_list):
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
-    from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
+    from megatron.training.config import (ModelConfig, OptimizerSetup, ScheduleConfig,
+                                          StepConfig, TrainingConfig)
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -62,7 +63,9 @@ def build(args_list):
     model = build_model(model_config, groups.pg_collection(), 0, 0, "cuda")
     optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
     trainer = Trainer(
-        args=args, model_config=model_config, groups=groups, model=model, optimizer=optimizer,
+        config=TrainingConfig.from_args(args),
+        step_config=StepConfig.from_args(args, recovering=False), model_config=model_config,
+        groups=groups, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
         grads=build_grad_buffer(args, groups, optimizer),
         train_stages=build_stages(args, groups, model, train_ds, tracker), valid_stages=None,

@@ -67,7 +67,7 @@ class RecoverArm:
         state = self.trainer.state
         outcome = self.transaction.run(state.iteration + 1, ids)
         state.iteration += 1
-        state.consumed_samples += len(outcome.ids) * self.trainer.args.micro_batch_size
+        state.consumed_samples += len(outcome.ids) * self.trainer.config.batches.micro_batch_size
         self.phase_seconds.append(outcome.seconds)
         return outcome.step["lm_loss"]
 
@@ -114,7 +114,8 @@ def build_arms(bench: argparse.Namespace):
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
-    from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
+    from megatron.training.config import (ModelConfig, OptimizerSetup, ScheduleConfig,
+                                          StepConfig, TrainingConfig)
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -142,7 +143,9 @@ def build_arms(bench: argparse.Namespace):
             raise RuntimeError(f"the two model copies differ at {name}")
     optimizer = build_optimizer(model_a, OptimizerSetup.from_args(args), groups)
     trainer = Trainer(
-        args=args, model_config=model_config, groups=groups, model=model_a, optimizer=optimizer,
+        config=TrainingConfig.from_args(args),
+        step_config=StepConfig.from_args(args, recovering=False), model_config=model_config,
+        groups=groups, model=model_a, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
         grads=build_grad_buffer(args, groups, optimizer),
         train_stages=build_stages(args, groups, model_a, train_ds, tracker), valid_stages=None,

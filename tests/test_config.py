@@ -1,0 +1,63 @@
+"""The typed configuration ([T] item 3): built once from the validated flags, frozen, checked
+where declared, and the conversion writes nothing back into the flags."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron.training.arguments import parse_and_validate
+from megatron.training.config import (BatchSchedule, ModelConfig, OptimizerSetup, ScheduleConfig,
+                                      StepConfig, TrainingConfig)
+from tests._launch_util import TINY_GPT
+
+
+def flags(*extra: str, world: int = 1):
+    return parse_and_validate([*TINY_GPT, "--train-iters", "10", *extra], world_size=world)
+
+
+def every_config(args, vocab: int = 256) -> list:
+    return [ModelConfig.from_args(args, vocab), OptimizerSetup.from_args(args),
+            ScheduleConfig.from_args(args), TrainingConfig.from_args(args),
+            StepConfig.from_args(args, recovering=True)]
+
+
+def test_the_conversion_reads_the_flags_and_writes_nothing_back():
+    args = flags("--lr-warmup-iters", "2")
+    before = dict(vars(args))
+    model, setup, schedule, training, step = every_config(args)
+    assert vars(args) == before
+    assert model.transformer.num_layers == args.num_layers and model.padded_vocab_size == 256
+    assert setup.adam.lr == args.lr and setup.adam.use_distributed_optimizer is False
+    gbs = args.global_batch_size
+    assert (schedule.warmup_steps, schedule.decay_steps) == (2 * gbs, 10 * gbs)  # in samples
+    assert training.train_iters == 10 and training.batches.global_batch_size == gbs
+    assert step.micro_batch_size == args.micro_batch_size and step.recovering
+
+
+def test_every_config_is_frozen():
+    for config in every_config(flags()):
+        field = dataclasses.fields(config)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(config, field, None)
+
+
+def test_one_optimizer_copy_means_one_distributed_optimizer_instance():
+    assert not TrainingConfig.from_args(flags()).one_optimizer_copy
+    assert TrainingConfig.from_args(flags("--use-distributed-optimizer", world=2)).one_optimizer_copy
+    assert not TrainingConfig.from_args(flags(
+        "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+        world=2)).one_optimizer_copy
+
+
+def test_each_config_checks_itself_where_it_is_declared():
+    args = flags("--tensor-model-parallel-size", "2", world=2)
+    with pytest.raises(ValueError, match="does not split over 2 TP ranks"):
+        ModelConfig.from_args(args, 255)
+    with pytest.raises(ValueError, match="not a multiple of the micro batch"):
+        BatchSchedule(micro_batch_size=4, global_batch_size=6, rampup=None)
+    setup = OptimizerSetup.from_args(flags())
+    with pytest.raises(ValueError, match="distributed optimizer instances"):
+        dataclasses.replace(setup, instances=0)
+    with pytest.raises(ValueError, match="negative step count"):
+        dataclasses.replace(ScheduleConfig.from_args(flags()), warmup_steps=-1)
