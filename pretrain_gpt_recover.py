@@ -123,12 +123,13 @@ def _check_inputs(args, rank: int, world: int) -> tuple:
     the data, the fault specs, --load. One line and exit 2 each."""
     from megatron.training.arguments_errors import UserError
     from megatron.training.checkpointing import Checkpointer
+    from megatron.training.config_io import DataConfig
     from megatron.training.datasets import validate_data
     from megatron.training.tokenizer import build_tokenizer
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:
         tokenizer = build_tokenizer(args)
-        validate_data(args)
+        validate_data(DataConfig.from_args(args))
         faults = FaultInjector.from_specs(args.inject_fault, rank)
         checkpointer = Checkpointer(args, rank, world)  # validates --load before anything runs
     except UserError as err:  # data, tokenizer, checkpoint: one line, exit 2
@@ -174,6 +175,7 @@ def _join_membership(args, incarnation: int):
 def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkpointer):
     """Groups, model, optimizer, buffers and the trainer around them; with recovery on, the
     commit agreement and growing back."""
+    from megatron.training.config_io import DataConfig
     from megatron.training.datasets import build_datasets
     from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
     from megatron.training.config import ScheduleConfig, StepConfig, TrainingConfig
@@ -184,17 +186,21 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
 
     device, groups, tracker, model_config, model, optimizer, grads = _build_model_parts(
         args, membership, incarnation, tokenizer)
-    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    data = DataConfig.from_args(args)
+    train_ds, valid_ds, _ = build_datasets(data, tokenizer)
     recovering = membership is not None and args.recover
+    step = StepConfig.from_args(args, recovering=recovering)
+
+    def stages(dataset, scaler=None):
+        return build_stages(data, step.micro_batch_size, groups, model, dataset, tracker, scaler)
     trainer = Trainer(
-        config=TrainingConfig.from_args(args),
-        step_config=StepConfig.from_args(args, recovering=recovering), model_config=model_config,
+        config=TrainingConfig.from_args(args), step_config=step, model_config=model_config,
         groups=groups, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)), grads=grads,
-        train_stages=build_stages(args, groups, model, train_ds, tracker, optimizer.scaler),
-        valid_stages=None if valid_ds is None else build_stages(args, groups, model, valid_ds,
-                                                                tracker),
-        link=link_for(args, groups, device), faults=faults, checkpointer=checkpointer,
+        train_stages=stages(train_ds, optimizer.scaler),
+        valid_stages=None if valid_ds is None else stages(valid_ds),
+        link=link_for(model_config, step.micro_batch_size, groups, device), faults=faults,
+        checkpointer=checkpointer,
         metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
                               WandbConfig.from_args(args)),
         agreement=StoreAgreement(membership, timeout=args.recover_timeout,
@@ -250,7 +256,7 @@ def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
     model = build_model(model_config, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
     optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
-    grads = build_grad_buffer(args, groups, optimizer)
+    grads = build_grad_buffer(groups, optimizer, args.overlap_grad_reduce)
     if rank == 0:
         _startup_notes(args, model, grads, topology)
     return device, groups, tracker, model_config, model, optimizer, grads

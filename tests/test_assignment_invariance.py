@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import parse_and_validate
+from megatron.training.config_io import DataConfig
 from megatron.training.datasets import build_datasets
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.config import ModelConfig
@@ -33,7 +34,7 @@ def world():
                                "--attention-dropout", "0.1"], world_size=1)
     groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
     tokenizer = build_tokenizer(args)
-    train, _, _ = build_datasets(args, tokenizer)
+    train, _, _ = build_datasets(DataConfig.from_args(args), tokenizer)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     return args, groups, train, vocab, install_rng_tracker()
 
@@ -43,7 +44,9 @@ def local_gradient(model, ids, world) -> tuple[torch.Tensor, Totals]:
     args, groups, train, vocab, tracker = world
     buf = GradBuffer(list(model.parameters()), replicas=1, dp_group=None)
     link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size, args.hidden_size))
-    done = run_1f1b(ids, build_stages(args, groups, model, train, tracker)[0], link)
+    stage = build_stages(DataConfig.from_args(args), args.micro_batch_size, groups, model, train,
+                         tracker)[0]
+    done = run_1f1b(ids, stage, link)
     reduced = buf.reduce(Totals.of_ids(done.ids, done.tokens), replica=0, time_wire=1.0)
     return buf.reduced_grads.clone(), reduced.totals
 

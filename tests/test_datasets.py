@@ -9,7 +9,8 @@ import torch
 
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from megatron.training.datasets import DataError, build_datasets, dataset_sizes, validate_data
+from megatron.training.config_io import DataConfig
+from megatron.training.datasets import DataError, build_datasets, validate_data
 from megatron.training.tokenizer import NullTokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +35,7 @@ def documents_in_range(low, count=40, length=30):
     return [list(rng.integers(low, low + 100, size=length)) + [EOD] for _ in range(count)]
 
 
-def make_args(**overrides) -> argparse.Namespace:
+def make_args(**overrides) -> DataConfig:
     values = dict(data_path=None, split="90,5,5", mock_data=False, seq_length=16, seed=1234,
                   data_cache_path=None, reset_position_ids=False, reset_attention_mask=False,
                   eod_mask_loss=False, train_iters=20, global_batch_size=4, eval_interval=10,
@@ -42,7 +43,7 @@ def make_args(**overrides) -> argparse.Namespace:
                   train_samples=None, create_attention_mask_in_dataloader=True,
                   mmap_bin_files=True)
     values.update(overrides)
-    return argparse.Namespace(**values)
+    return DataConfig.from_args(argparse.Namespace(**values))
 
 
 @pytest.fixture
@@ -63,14 +64,14 @@ def data_error(args) -> DataError:
 
 def test_dataset_sizes_follow_megatron():
     args = make_args(train_iters=100, global_batch_size=8, eval_interval=30, eval_iters=5)
-    assert dataset_sizes(args) == (800, (100 // 30 + 1) * 5 * 8, 40)
+    assert args.sizes == (800, (100 // 30 + 1) * 5 * 8, 40)
 
 
 def test_valid_data_passes_and_builds(prefix):
     args = make_args(data_path=[prefix])
     validate_data(args)
     train, valid, test = build_datasets(args, TOKENIZER)
-    train_n, valid_n, test_n = dataset_sizes(args)
+    train_n, valid_n, test_n = args.sizes
     assert len(train) >= train_n and len(valid) >= valid_n and len(test) >= test_n
     item = train[0]
     assert item["tokens"].shape == (16,) and item["labels"].shape == (16,)
@@ -242,7 +243,7 @@ def test_mock_data_items_have_seq_length_tokens():
     args = make_args(mock_data=True, seq_length=24)
     validate_data(args)  # nothing to check for mock data
     train, valid, test = build_datasets(args, TOKENIZER)
-    for dataset, requested in zip((train, valid, test), dataset_sizes(args)):
+    for dataset, requested in zip((train, valid, test), args.sizes):
         assert len(dataset) >= requested
     item = train[3]
     assert item["tokens"].shape == (24,) and item["labels"].shape == (24,)

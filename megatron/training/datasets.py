@@ -2,7 +2,7 @@
 
 Two departures from stock Megatron, both for running inside a job whose ranks may die:
 * No collectives. Stock building is "rank 0 first, barrier, then the others read rank 0's cache".
-  Here every rank builds its own copy in memory (same args -> same numpy seed -> same order), so
+  Here every rank builds its own copy in memory (same config -> same numpy seed -> same order), so
   dataset building never waits on a peer that may be gone.
 * No cache races. megatron-core writes its index cache non-atomically (under `<prefix>/cache` when
   --data-cache-path is unset). We build in memory; with --data-cache-path each rank reuses a finished
@@ -36,6 +36,7 @@ from megatron.core.datasets.utils import Split
 from torch.utils.data import Dataset
 
 from megatron.training.arguments_errors import UserError
+from megatron.training.config_io import DataConfig
 
 # .idx layout (megatron-core IndexedDataset): magic(9) version<Q> dtype<B> sequences<Q> documents<Q>,
 # then int32 lengths[sequences], int64 byte pointers[sequences], int64 document starts[documents].
@@ -52,17 +53,6 @@ _MAKE_DATA = (
 
 class DataError(UserError):
     """A user error in the data flags."""
-
-
-def dataset_sizes(args) -> tuple[int, int, int]:
-    """Samples requested per split, as Megatron computes them."""
-    gbs = args.global_batch_size
-    train_samples = args.train_samples
-    train_iters = args.train_iters if args.train_iters is not None else train_samples // gbs
-    train = train_samples if train_samples else train_iters * gbs
-    valid = (train_iters // args.eval_interval + 1) * args.eval_iters * gbs
-    test = args.eval_iters * gbs
-    return train, valid, test
 
 
 def parse_blend(data_path: list[str]) -> tuple[list[str], Optional[list[float]]]:
@@ -96,44 +86,43 @@ def split_matrix(split: Optional[str]) -> list[Optional[tuple[float, float]]]:
     return convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(parts)))
 
 
-def validate_data(args) -> None:
+def validate_data(data: DataConfig) -> None:
     """Check every data file and the split before building; raise DataError on the first problem."""
-    if args.mock_data:
+    if data.mock:
         return
-    prefixes, _ = parse_blend(args.data_path)
-    matrix = split_matrix(args.split)
-    sizes = dataset_sizes(args)
-    _check_cache_dir(args.data_cache_path)
+    prefixes, _ = parse_blend(list(data.data_path))
+    matrix = split_matrix(data.split)
+    _check_cache_dir(data.cache_path)
     for prefix in prefixes:
         lengths = _read_sequence_lengths(prefix)
-        _check_splits(prefix, lengths, matrix, sizes, args.split or _DEFAULT_SPLIT)
+        _check_splits(prefix, lengths, matrix, data.sizes, data.split or _DEFAULT_SPLIT)
 
 
-def build_datasets(args, tokenizer) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
+def build_datasets(data: DataConfig, tokenizer
+                   ) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
     """(train, valid, test); a split with share 0 in --split is None, as in Megatron."""
-    sizes = list(dataset_sizes(args))
-    if args.mock_data:
+    if data.mock:
         cls, blend, split = MockGPTDataset, None, None
     else:
-        validate_data(args)
-        cls, blend, split = _CachedGPTDataset, parse_blend(args.data_path), args.split
+        validate_data(data)
+        cls, blend, split = _CachedGPTDataset, parse_blend(list(data.data_path)), data.split
     config = _IndexCacheConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
+        random_seed=data.seed,
+        sequence_length=data.seq_length,
         blend=blend,
         split=split or _DEFAULT_SPLIT,
         # "" rather than None: with None megatron-core caches under <prefix>/cache, racing ranks.
         path_to_cache="",
-        index_cache_dir=args.data_cache_path,
+        index_cache_dir=data.cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=bool(args.reset_position_ids),
-        reset_attention_mask=bool(args.reset_attention_mask),
-        eod_mask_loss=bool(args.eod_mask_loss),
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
-        mmap_bin_files=args.mmap_bin_files,  # --no-mmap-bin-files: read the .bin with file reads
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=data.create_attention_mask,
+        mid_level_dataset_surplus=0.005,  # megatron-core's default (no flag sets it)
+        mmap_bin_files=data.mmap_bin_files,  # --no-mmap-bin-files: read the .bin with file reads
     )
-    train, valid, test = _LocalBuilder(cls, sizes, lambda: True, config).build()
+    train, valid, test = _LocalBuilder(cls, list(data.sizes), lambda: True, config).build()
     return train, valid, test
 
 

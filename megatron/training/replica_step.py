@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.config import StepConfig
+from megatron.training.config import ModelConfig, StepConfig
+from megatron.training.config_io import DataConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
 from megatron.training.model import model_chunks
@@ -285,45 +286,44 @@ class GPTReplicaStep:
 
 
 # -- building a replica's parts ----------------------------------------------------------------
-def build_stages(args, groups: ParallelGroups, model, dataset, tracker,
-                 scaler: LossScaler | None = None) -> list[GPTStage]:
+def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups, model,
+                 dataset, tracker, scaler: LossScaler | None = None) -> list[GPTStage]:
     """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
     dropout seeds: with one chunk, the pipeline stage)."""
-    sampler = MicrobatchSampler(dataset, args.micro_batch_size,
-                                with_mask=args.reset_attention_mask)
+    sampler = MicrobatchSampler(dataset, micro_batch_size, with_mask=data.reset_attention_mask)
     chunks = model_chunks(model)
     pp, last = groups.topology.pp, groups.topology.pp * len(chunks) - 1
     stages = []
     for c, chunk in enumerate(chunks):
         virtual = c * pp + groups.coord.pp
         stages.append(GPTStage(chunk, sampler, tp_group=groups.tp, tracker=tracker,
-                               seed=args.seed, pp_stage=virtual, tp_rank=groups.coord.tp,
+                               seed=data.seed, pp_stage=virtual, tp_rank=groups.coord.tp,
                                is_first=virtual == 0, is_last=virtual == last,
                                device=next(chunk.parameters()).device,
                                loss_scale=None if scaler is None else (lambda: scaler.scale)))
     return stages
 
 
-def build_grad_buffer(args, groups: ParallelGroups, optimizer: Optimizer) -> GradBuffer:
+def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: bool) -> GradBuffer:
     """The buffer takes the layout `build_optimizer` made (the distributed optimizer shards the
-    same one)."""
+    same one); `overlap`: --overlap-grad-reduce."""
     assert optimizer.layout is not None, "an optimizer from optimizer_setup.build_optimizer"
     return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
                       device=optimizer.model_params[0].device, layout=optimizer.layout,
-                      overlap=args.overlap_grad_reduce)
+                      overlap=overlap)
 
 
-def link_for(args, groups: ParallelGroups, device) -> StageLink | ChunkP2P:
+def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device
+             ) -> StageLink | ChunkP2P:
     """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
     hidden], in the training dtype; between virtual stages with model chunks."""
-    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    if args.virtual_pipeline_model_parallel_size is not None:
-        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp,
-                        args.virtual_pipeline_model_parallel_size,
-                        (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
-                        device=device)
-    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp,
-                     (seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
+    t = model.transformer
+    seq = model.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
+    shape = (seq, micro_batch_size, t.hidden_size)
+    if model.model_chunks is not None:
+        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp, model.model_chunks,
+                        shape, dtype=t.params_dtype, device=device)
+    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp, shape, dtype=t.params_dtype,
                      device=device)
 
 

@@ -39,6 +39,7 @@ def model_flops(args, tokens: int, vocab: int) -> float:
 
 def build(args_list):
     from megatron.training.arguments import parse_and_validate
+    from megatron.training.config_io import DataConfig
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
@@ -58,7 +59,8 @@ def build(args_list):
     tracker = install_rng_tracker("cuda", args.seed)
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
-    train_ds, _, _ = build_datasets(args, tokenizer)
+    data = DataConfig.from_args(args)
+    train_ds, _, _ = build_datasets(data, tokenizer)
     model_config = ModelConfig.from_args(args, vocab)
     model = build_model(model_config, groups.pg_collection(), 0, 0, "cuda")
     optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
@@ -67,9 +69,10 @@ def build(args_list):
         step_config=StepConfig.from_args(args, recovering=False), model_config=model_config,
         groups=groups, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
-        grads=build_grad_buffer(args, groups, optimizer),
-        train_stages=build_stages(args, groups, model, train_ds, tracker), valid_stages=None,
-        link=link_for(args, groups, "cuda"), faults=FaultInjector([], 0), metrics=MetricsWriter(None))
+        grads=build_grad_buffer(groups, optimizer, args.overlap_grad_reduce),
+        train_stages=build_stages(data, args.micro_batch_size, groups, model, train_ds, tracker),
+        valid_stages=None, link=link_for(model_config, args.micro_batch_size, groups, "cuda"),
+        faults=FaultInjector([], 0), metrics=MetricsWriter(None))
     return args, groups, vocab, train_ds, trainer
 
 

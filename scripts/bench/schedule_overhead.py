@@ -111,6 +111,7 @@ def build_arms(bench: argparse.Namespace):
     import torch.distributed as dist
 
     from megatron.training.arguments import parse_and_validate
+    from megatron.training.config_io import DataConfig
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
@@ -134,7 +135,8 @@ def build_arms(bench: argparse.Namespace):
     tracker = install_rng_tracker()
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
-    train_ds, _, _ = build_datasets(args, tokenizer)
+    data = DataConfig.from_args(args)
+    train_ds, _, _ = build_datasets(data, tokenizer)
     model_config = ModelConfig.from_args(args, vocab)
     model_a = build_model(model_config, groups.pg_collection(), 0, 0)
     model_b = build_model(model_config, groups.pg_collection(), 0, 0)
@@ -147,9 +149,9 @@ def build_arms(bench: argparse.Namespace):
         step_config=StepConfig.from_args(args, recovering=False), model_config=model_config,
         groups=groups, model=model_a, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
-        grads=build_grad_buffer(args, groups, optimizer),
-        train_stages=build_stages(args, groups, model_a, train_ds, tracker), valid_stages=None,
-        link=link_for(args, groups, "cpu"),
+        grads=build_grad_buffer(groups, optimizer, args.overlap_grad_reduce),
+        train_stages=build_stages(data, args.micro_batch_size, groups, model_a, train_ds, tracker),
+        valid_stages=None, link=link_for(model_config, args.micro_batch_size, groups, "cpu"),
         faults=FaultInjector([], 0), metrics=MetricsWriter(None))
     plain = PlainArm(model_b, MicrobatchSampler(train_ds, args.micro_batch_size), args, vocab)
     return args, vocab, RecoverArm(trainer), plain
