@@ -123,6 +123,7 @@ def _check_inputs(args, rank: int, world: int) -> tuple:
     the data, the fault specs, --load. One line and exit 2 each."""
     from megatron.training.arguments_errors import UserError
     from megatron.training.checkpointing import Checkpointer
+    from megatron.training.config_io import CheckpointConfig
     from megatron.training.config_io import DataConfig
     from megatron.training.datasets import validate_data
     from megatron.training.tokenizer import build_tokenizer
@@ -131,7 +132,8 @@ def _check_inputs(args, rank: int, world: int) -> tuple:
         tokenizer = build_tokenizer(args)
         validate_data(DataConfig.from_args(args))
         faults = FaultInjector.from_specs(args.inject_fault, rank)
-        checkpointer = Checkpointer(args, rank, world)  # validates --load before anything runs
+        # validates --load before anything runs
+        checkpointer = Checkpointer(CheckpointConfig.from_args(args), rank, world)
     except UserError as err:  # data, tokenizer, checkpoint: one line, exit 2
         raise _Exit(_user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")) from None
     except FaultSpecError as err:

@@ -21,6 +21,7 @@ from megatron.training.checkpointing import (LATEST_FILE, CheckpointError, Check
                                              find_resume_point, read_latest)
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
+from megatron.training.config_io import CheckpointConfig
 from megatron.training.model import build_model
 from megatron.training.optimizer_setup import build_optimizer, build_scheduler
 from megatron.training.training import TrainState
@@ -104,7 +105,7 @@ def run(trainer: GPTTrainer, checkpointer: Checkpointer, iters: int) -> list[flo
 def test_resume_is_exact(tmp_path, mode):
     args = make_args(tmp_path, *mode)
     first = GPTTrainer(args)
-    saver = Checkpointer(args, 0, 1)
+    saver = Checkpointer(CheckpointConfig.from_args(args), 0, 1)
     reference = run(first, saver, 4)
     assert (saver.worker is not None) == ("--use-persistent-ckpt-worker" in mode)
     ck = tmp_path / "ck"
@@ -116,7 +117,7 @@ def test_resume_is_exact(tmp_path, mode):
     torch.manual_seed(123)  # a fresh process would not share the first one's RNG position
     args = make_args(tmp_path, "--load", str(ck), *mode)
     resumed = GPTTrainer(args)
-    checkpointer = Checkpointer(args, 0, 1)
+    checkpointer = Checkpointer(CheckpointConfig.from_args(args), 0, 1)
     checkpointer.load(resumed)
     assert (resumed.state.iteration, resumed.state.consumed_samples) == (2, 4)
     assert resumed.scheduler.num_steps == 2  # train_step steps it by 1
@@ -146,12 +147,12 @@ def test_a_checkpoint_written_by_megatron_core_loads(tmp_path, monkeypatch):
 
     args = make_args(tmp_path, "--load", str(tmp_path / "stock"), "--finetune")
     mine = GPTTrainer(args)
-    Checkpointer(args, 0, 1).load(mine)
+    Checkpointer(CheckpointConfig.from_args(args), 0, 1).load(mine)
     for a, b in zip(stock.model.parameters(), mine.model.parameters()):
         assert torch.equal(a, b)
     args = make_args(tmp_path, "--load", str(tmp_path / "stock"))  # no optimizer state in it
     with pytest.raises(CheckpointError, match="--no-load-optim"):
-        Checkpointer(args, 0, 1)
+        Checkpointer(CheckpointConfig.from_args(args), 0, 1)
 
 
 def test_a_torch_format_file_with_megatrons_keys_loads(tmp_path):
@@ -175,7 +176,7 @@ def test_a_torch_format_file_with_megatrons_keys_loads(tmp_path):
 
     args = make_args(tmp_path, *no_dropout, "--load", str(tmp_path / "stock"))
     mine = GPTTrainer(args)
-    Checkpointer(args, 0, 1).load(mine)
+    Checkpointer(CheckpointConfig.from_args(args), 0, 1).load(mine)
     assert (mine.state.iteration, mine.state.consumed_samples) == (5, 40)
     for a, b in zip(stock.model.parameters(), mine.model.parameters()):
         assert torch.equal(a, b)
@@ -191,7 +192,7 @@ def test_a_torch_format_file_with_megatrons_keys_loads(tmp_path):
 def test_ours_loads_with_megatron_cores_loader(tmp_path):
     args = make_args(tmp_path)
     trainer = GPTTrainer(args)
-    run(trainer, Checkpointer(args, 0, 1), 2)
+    run(trainer, Checkpointer(CheckpointConfig.from_args(args), 0, 1), 2)
     directory = tmp_path / "ck" / "iter_0000002"
     with torch.serialization.safe_globals([Namespace]):  # as Megatron-LM registers it
         common = dist_checkpointing.load_common_state_dict(str(directory))
@@ -211,14 +212,14 @@ def test_ours_loads_with_megatron_cores_loader(tmp_path):
 
 def _load_error(args) -> str:
     with pytest.raises(CheckpointError) as err:
-        find_resume_point(args, Topology(1, 1, 1))
+        find_resume_point(CheckpointConfig.from_args(args), Topology(1, 1, 1))
     assert err.value.flag == "--load"
     return str(err.value)
 
 
 def test_bad_torch_dist_checkpoints_are_one_clear_error(tmp_path):
     args = make_args(tmp_path)
-    run(GPTTrainer(args), Checkpointer(args, 0, 1), 2)
+    run(GPTTrainer(args), Checkpointer(CheckpointConfig.from_args(args), 0, 1), 2)
     ck = tmp_path / "ck"
     other_shape = make_args(tmp_path, "--load", str(ck), "--hidden-size", "32")
     message = _load_error(other_shape)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron.training.arguments import parse_and_validate
 from megatron.training.checkpointing import LATEST_FILE, find_resume_point, read_latest
+from megatron.training.config_io import CheckpointConfig
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT, Run, launch
 
@@ -83,7 +85,7 @@ def test_a_writer_killed_during_an_async_save_leaves_the_last_good_checkpoint(tm
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000006", LATEST_FILE]
     assert read_latest(ck) == 6
     (ck / LATEST_FILE).write_text("2")  # the checkpoint before the kill is intact
-    args = type("Args", (), {"load": str(ck), "save": None, "finetune": False, "num_layers": 4,
-                             "no_load_optim": False, "no_load_rng": False})()
-    point = find_resume_point(args, Topology(1, 2, 2))
+    config = CheckpointConfig.from_args(parse_and_validate(
+        [*TINY_GPT, "--train-iters", "6", "--load", str(ck)], world_size=1))
+    point = find_resume_point(config, Topology(1, 2, 2))
     assert point is not None and point.iteration == 2

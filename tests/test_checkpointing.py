@@ -22,6 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import (
     LATEST_FILE, CheckpointError, Checkpointer, TrainingStopped, find_resume_point, iter_dir_name,
     rank_dir_name, read_latest, writer_rank)
+from megatron.training.config_io import CheckpointConfig
 from megatron.training.optimizer import MainParamsAdamW
 from megatron.training.training import TrainState
 from recover_patches.recovery.iteration import LiveReplicas
@@ -63,13 +64,15 @@ class Metrics:
         self.closed = True
 
 
-def make_args(tmp: Path, **over) -> Namespace:
+def make_args(tmp: Path, **over) -> CheckpointConfig:
     base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, save=str(tmp / "ck"),
                 load=None, save_interval=2, train_iters=100, no_save_optim=None, no_save_rng=None,
                 no_load_optim=None, no_load_rng=None, finetune=False, exit_signal_handler=False,
                 use_tp_pp_dp_mapping=False, exit_interval=None, exit_duration_in_mins=None,
-                ckpt_format="torch", async_save=False, dist_ckpt_strictness="assume_ok_unexpected")
-    return Namespace(**{**base, **over})
+                ckpt_format="torch", async_save=False, dist_ckpt_strictness="assume_ok_unexpected",
+                use_persistent_ckpt_worker=False, num_layers=None, hidden_size=None,
+                num_attention_heads=None, ffn_hidden_size=None)
+    return CheckpointConfig.from_args(Namespace(**{**base, **over}))
 
 
 class TinyTrainer:

@@ -9,6 +9,7 @@ import pytest
 from megatron.training.arguments import parse_and_validate
 from megatron.training.config import (BatchSchedule, ModelConfig, OptimizerSetup, ScheduleConfig,
                                       StepConfig, TrainingConfig)
+from megatron.training.config_io import CheckpointConfig, DataConfig
 from tests._launch_util import TINY_GPT
 
 
@@ -19,13 +20,14 @@ def flags(*extra: str, world: int = 1):
 def every_config(args, vocab: int = 256) -> list:
     return [ModelConfig.from_args(args, vocab), OptimizerSetup.from_args(args),
             ScheduleConfig.from_args(args), TrainingConfig.from_args(args),
-            StepConfig.from_args(args, recovering=True)]
+            StepConfig.from_args(args, recovering=True), DataConfig.from_args(args),
+            CheckpointConfig.from_args(args)]
 
 
 def test_the_conversion_reads_the_flags_and_writes_nothing_back():
     args = flags("--lr-warmup-iters", "2")
     before = dict(vars(args))
-    model, setup, schedule, training, step = every_config(args)
+    model, setup, schedule, training, step, data, checkpoint = every_config(args)
     assert vars(args) == before
     assert model.transformer.num_layers == args.num_layers and model.padded_vocab_size == 256
     assert setup.adam.lr == args.lr and setup.adam.use_distributed_optimizer is False
@@ -33,6 +35,8 @@ def test_the_conversion_reads_the_flags_and_writes_nothing_back():
     assert (schedule.warmup_steps, schedule.decay_steps) == (2 * gbs, 10 * gbs)  # in samples
     assert training.train_iters == 10 and training.batches.global_batch_size == gbs
     assert step.micro_batch_size == args.micro_batch_size and step.recovering
+    assert data.mock and data.sizes[0] == 10 * gbs
+    assert checkpoint.load_optim and checkpoint.megatron_args is not args  # a copy: the payload
 
 
 def test_every_config_is_frozen():

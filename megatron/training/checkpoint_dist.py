@@ -129,12 +129,14 @@ def with_megatron_args(args: argparse.Namespace, iteration: int,
     return saved
 
 
-def checkpoint_state(trainer, args, optimizer_state: dict | None, rng: dict | None) -> dict:
-    """This rank's whole checkpoint in Megatron's torch_dist layout (with ShardedTensors)."""
+def checkpoint_state(trainer, megatron_args: argparse.Namespace, optimizer_state: dict | None,
+                     rng: dict | None) -> dict:
+    """This rank's whole checkpoint in Megatron's torch_dist layout (with ShardedTensors);
+    `megatron_args`: the run's flags, stored under "args" as Megatron stores them."""
     model_sd = model_sharded(trainer)
     st = trainer.state
     state: dict = {
-        "args": with_megatron_args(args, st.iteration, st.consumed_samples),
+        "args": with_megatron_args(megatron_args, st.iteration, st.consumed_samples),
         "checkpoint_version": CHECKPOINT_VERSION, "iteration": st.iteration, **model_sd,
         "recover": {"consumed_samples": st.consumed_samples,
                     "topology": vars(trainer.groups.topology).copy()}}

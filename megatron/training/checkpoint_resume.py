@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron.training import checkpoint_dist as ckd
 from megatron.training.arguments_errors import UserError
+from megatron.training.config_io import CheckpointConfig
 from recover_patches.topology import Topology
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -70,27 +71,27 @@ def _damaged(what: str) -> CheckpointError:
     return CheckpointError("--load", what, "point --load at an intact checkpoint directory")
 
 
-def find_resume_point(args, topology: Topology) -> ResumePoint | None:
+def find_resume_point(config: CheckpointConfig, topology: Topology) -> ResumePoint | None:
     """Validate --load against this run; None means start from scratch. Raises CheckpointError."""
-    if not args.load:
+    if not config.load:
         return None
-    load_dir = Path(args.load)
+    load_dir = Path(config.load)
     iteration = read_latest(load_dir) if load_dir.is_dir() else None
     if iteration is None:
         never_saved = not load_dir.exists() or not any(load_dir.glob("iter_*"))
-        if never_saved and args.save and Path(args.save).resolve() == load_dir.resolve():
+        if never_saved and config.save and Path(config.save).resolve() == load_dir.resolve():
             return None  # the usual `--save C --load C` on a job's first run (Megatron does the same)
         what = "does not exist" if not load_dir.exists() else f"has no {LATEST_FILE}"
         raise CheckpointError("--load", f"{load_dir} {what}",
                               "point --load at a directory written by --save, or drop --load")
     directory = load_dir / iter_dir_name(iteration)
     if ckd.is_torch_dist(directory):
-        point = _torch_dist_point(directory, iteration, args)
+        point = _torch_dist_point(directory, iteration, dict(config.model_shape))
     elif (directory / METADATA_FILE).is_file() or not any(directory.glob("mp_rank_*")):
         point = _torch_point(directory, iteration)
     else:
         point = _stock_torch_point(directory, iteration)
-    check_compatible(point, topology, args)
+    check_compatible(point, topology, config)
     return point
 
 
@@ -126,7 +127,8 @@ def _check_rank_files(directory: Path, tp: int, pp: int) -> None:
                 raise _damaged(f"{path} is missing or truncated")
 
 
-def _torch_dist_point(directory: Path, iteration: int, args) -> ResumePoint:
+def _torch_dist_point(directory: Path, iteration: int, shape: dict[str, int | None]
+                      ) -> ResumePoint:
     try:
         metadata = ckd.read_dcp_metadata(directory)
         common = ckd.load_common(directory)
@@ -137,8 +139,8 @@ def _torch_dist_point(directory: Path, iteration: int, args) -> ResumePoint:
     if short is not None:
         raise _damaged(f"{short} is missing or truncated")
     saved_args = common.get("args")
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
-        saved, mine = getattr(saved_args, flag, None), getattr(args, flag, None)
+    for flag, mine in shape.items():
+        saved = getattr(saved_args, flag, None)
         if saved is not None and mine is not None and saved != mine:
             option = "--" + flag.replace("_", "-")
             raise CheckpointError("--load", f"{directory} holds another model shape: it was saved "
@@ -156,7 +158,7 @@ def _torch_dist_point(directory: Path, iteration: int, args) -> ResumePoint:
         adam_started=any(k.startswith("optimizer.state.exp_avg.") for k in keys))
 
 
-def check_compatible(point: ResumePoint, topology: Topology, args) -> None:
+def check_compatible(point: ResumePoint, topology: Topology, config: CheckpointConfig) -> None:
     layout_differs = (point.tp, point.pp) != (topology.tp, topology.pp)
     if point.format is CkptFormat.TORCH and layout_differs:
         raise CheckpointError(
@@ -165,11 +167,11 @@ def check_compatible(point: ResumePoint, topology: Topology, args) -> None:
             f"identical; a torch_dist checkpoint loads at any layout)",
             f"run with --tensor-model-parallel-size {point.tp} --pipeline-model-parallel-size "
             f"{point.pp}, or load another checkpoint")
-    if args.finetune:
+    if config.finetune:
         return
-    if not point.has_optimizer and not args.no_load_optim:
+    if not point.has_optimizer and config.load_optim:
         raise CheckpointError("--load", f"{point.directory} has no optimizer state (saved with "
                               "--no-save-optim)", "add --no-load-optim or --finetune")
-    if not point.has_rng and not args.no_load_rng:
+    if not point.has_rng and config.load_rng:
         raise CheckpointError("--load", f"{point.directory} has no RNG state (saved with "
                               "--no-save-rng)", "add --no-load-rng or --finetune")

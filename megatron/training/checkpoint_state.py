@@ -8,6 +8,7 @@ import torch
 
 from megatron.training import checkpoint_dist as ckd
 from megatron.training.checkpoint_resume import FORMAT, CheckpointError
+from megatron.training.config_io import CheckpointConfig
 from megatron.training.model import checkpoint_keys, model_chunks
 
 
@@ -20,12 +21,12 @@ def rng_state() -> dict:
     return {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()}
 
 
-def rank_state(trainer, args, optimizer_state: dict | None = None) -> dict:
+def rank_state(trainer, config: CheckpointConfig, optimizer_state: dict | None = None) -> dict:
     """The torch format's file: Megatron's keys (args, checkpoint_version, iteration, model,
     optimizer, opt_param_scheduler, rng_state) plus ReCoVer's records."""
     topo, coord = trainer.groups.topology, trainer.groups.coord
     state = {
-        "args": ckd.with_megatron_args(args, trainer.state.iteration,
+        "args": ckd.with_megatron_args(config.megatron_args, trainer.state.iteration,
                                        trainer.state.consumed_samples),
         "checkpoint_version": ckd.CHECKPOINT_VERSION,
         "format": FORMAT, "iteration": trainer.state.iteration,
@@ -35,11 +36,11 @@ def rank_state(trainer, args, optimizer_state: dict | None = None) -> dict:
         **{key: chunk.state_dict() for key, chunk in zip(checkpoint_keys(trainer.model),
                                                           model_chunks(trainer.model))},
     }
-    if not args.no_save_optim:
+    if config.save_optim:
         state["optimizer"] = (trainer.optimizer.state_dict() if optimizer_state is None
                               else optimizer_state)
         state["opt_param_scheduler"] = trainer.scheduler.state_dict()
-    if not args.no_save_rng:
+    if config.save_rng:
         state["rng_state"] = rng_state()
     return state
 
@@ -57,19 +58,19 @@ def from_stock_megatron(state: dict) -> dict:
     return state
 
 
-def apply_rank_state(trainer, state: dict, args) -> None:
+def apply_rank_state(trainer, state: dict, config: CheckpointConfig) -> None:
     """Weights always; optimizer, schedule, RNG and progress unless --finetune / --no-load-*.
     Dropout is reseeded per microbatch (recover_patches.pipeline.rng), so exact resume needs the iteration
     and consumed samples; the RNG streams are restored for anything else drawing from them."""
     for key, chunk in zip(checkpoint_keys(trainer.model), model_chunks(trainer.model)):
         chunk.load_state_dict(state[key], strict=True)
-    if args.finetune or args.no_load_optim:
+    if config.finetune or not config.load_optim:
         trainer.optimizer.reload_model_params()  # bf16/fp16: main params follow
-    if args.finetune:
+    if config.finetune:
         return
     trainer.state.iteration = state["iteration"]
     trainer.state.consumed_samples = state["consumed_samples"]
-    if not args.no_load_optim:
+    if config.load_optim:
         trainer.optimizer.load_state_dict(state["optimizer"])
         try:
             trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
@@ -79,6 +80,6 @@ def apply_rank_state(trainer, state: dict, args) -> None:
                 "pass the checkpoint's --lr/--min-lr/decay/warmup/--train-iters values, or "
                 "--use-checkpoint-opt_param-scheduler to take its schedule, or "
                 "--override-opt_param-scheduler to keep yours") from None
-    if not args.no_load_rng and "rng_state" in state:  # absent: see load_rank_state
+    if config.load_rng and "rng_state" in state:  # absent: see load_rank_state
         torch.set_rng_state(state["rng_state"]["torch_cpu"])
         cpu_tracker().set_states(state["rng_state"]["tracker"])

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from megatron.training import checkpoint_dist as ckd
+from megatron.training.config_io import CheckpointConfig
 from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_FILE, RANK_FILE,
                                                  CheckpointError, CkptFormat, ResumePoint,
                                                  find_resume_point, iter_dir_name, rank_dir_name,
@@ -141,18 +142,17 @@ class PendingSave:
 class Checkpointer:
     """Built before any process group (it validates --load then), used by Trainer.train()."""
 
-    def __init__(self, args, rank: int, world_size: int) -> None:
-        self.args, self.rank = args, rank
-        self.format = CkptFormat(args.ckpt_format)
-        self.async_save = args.async_save
-        self.topology = Topology.from_world(world_size, args.tensor_model_parallel_size,
-                                            args.pipeline_model_parallel_size,
-                                            args.use_tp_pp_dp_mapping)
-        self.resume = find_resume_point(args, self.topology)
-        if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
-            raise CheckpointError("--save", f"{args.save} exists and is not a directory",
+    def __init__(self, config: CheckpointConfig, rank: int, world_size: int) -> None:
+        self.config, self.rank = config, rank
+        self.format = CkptFormat(config.format)
+        self.async_save = config.async_save
+        self.topology = Topology.from_world(world_size, config.tensor_parallel,
+                                            config.pipeline_parallel, config.tp_pp_dp_mapping)
+        self.resume = find_resume_point(config, self.topology)
+        if config.save and Path(config.save).exists() and not Path(config.save).is_dir():
+            raise CheckpointError("--save", f"{config.save} exists and is not a directory",
                                   "pass a directory path to --save")
-        self.term = TermSignal() if args.exit_signal_handler else None
+        self.term = TermSignal() if config.exit_signal_handler else None
         self.started = time.monotonic()  # for --exit-duration-in-mins
         self.last_saved: int | None = None
         self.pending: PendingSave | None = None
@@ -161,19 +161,19 @@ class Checkpointer:
     def load(self, trainer) -> None:
         point = self.resume
         if point is None:
-            if self.args.load and self.rank == 0:
-                logger.info(f"no checkpoint in {self.args.load} yet: starting from scratch")
+            if self.config.load and self.rank == 0:
+                logger.info(f"no checkpoint in {self.config.load} yet: starting from scratch")
             return
         if point.format is CkptFormat.TORCH_DIST:
             state = self._read_torch_dist(trainer, point)
         else:
             state = self._read_torch(trainer, point)
-        apply_rank_state(trainer, state, self.args)
+        apply_rank_state(trainer, state, self.config)
         if self.rank == 0:
             logger.info(f"loaded checkpoint {point.directory} (iteration {point.iteration}), "
                         f"format {point.format.value}"
                         f"{'' if point.by_recover else ', written by Megatron-LM'}"
-                        f"{', weights only: --finetune' if self.args.finetune else ''}")
+                        f"{', weights only: --finetune' if self.config.finetune else ''}")
 
     def _read_torch(self, trainer, point: ResumePoint) -> dict:
         coord = trainer.groups.coord
@@ -187,54 +187,56 @@ class Checkpointer:
         return state if point.by_recover else self._without_rng(from_stock_megatron(state), point)
 
     def _read_torch_dist(self, trainer, point: ResumePoint) -> dict:
-        args = self.args
+        config = self.config
         # RNG streams are per (tp, pp) position: they exist only in a checkpoint of this layout
         same_layout = (point.tp, point.pp) == (self.topology.tp, self.topology.pp)
-        read_rng = same_layout and point.by_recover and not (args.finetune or args.no_load_rng)
-        template = ckd.load_template(trainer, not (args.finetune or args.no_load_optim),
+        read_rng = same_layout and point.by_recover and config.load_rng and not config.finetune
+        template = ckd.load_template(trainer, config.load_optim and not config.finetune,
                                      point.adam_started, rng_state() if read_rng else None)
 
         def error(detail: str) -> CheckpointError:
             return CheckpointError("--load", f"cannot load {point.directory} into this model "
                                    f"({detail})", "load a checkpoint of this model's shape")
-        state = ckd.as_rank_state(ckd.load(template, point.directory, args.dist_ckpt_strictness,
+        state = ckd.as_rank_state(ckd.load(template, point.directory, config.strictness,
                                            error))
         return state if read_rng else self._without_rng(state, point)
 
     def _without_rng(self, state: dict, point: ResumePoint) -> dict:
         state.pop("rng_state", None)
-        if self.rank == 0 and not (self.args.finetune or self.args.no_load_rng):
+        if self.rank == 0 and self.config.load_rng and not self.config.finetune:
             logger.info(f"RNG state of {point.directory} not restored (written by another layout "
                         "or by Megatron-LM); dropout is seeded per microbatch, so the trajectory "
                         "does not depend on it")
         return state
 
     def after_iteration(self, trainer) -> None:
-        iteration, args = trainer.state.iteration, self.args
+        iteration, config = trainer.state.iteration, self.config
         stop = self._stop_reason(trainer)
-        due = args.save and (iteration % args.save_interval == 0 or iteration == args.train_iters)
-        if (due or stop) and args.save:
+        interval = config.save_interval or 0  # set whenever --save is (the argument checks)
+        due = config.save and ((interval and iteration % interval == 0)
+                               or iteration == config.train_iters)
+        if (due or stop) and config.save:
             self.save(trainer)
-            if stop or iteration == args.train_iters:
+            if stop or iteration == config.train_iters:
                 self.finish_pending(trainer)  # the job ends: the last save must land
         if stop:
             if self.rank == 0:
                 logger.info(f"exiting after iteration {iteration}: {stop}"
-                            + ("" if args.save else ", no --save so no checkpoint"))
+                            + ("" if config.save else ", no --save so no checkpoint"))
             trainer.metrics.close()
             raise TrainingStopped(stop)
 
     def _stop_reason(self, trainer) -> str | None:
         """Why every live rank exits after this iteration (the same answer on all of them)."""
-        iteration, args = trainer.state.iteration, self.args
+        iteration, config = trainer.state.iteration, self.config
         if self.term is not None and self.term.agreed(trainer):
             return "SIGTERM (--exit-signal-handler)"
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            return f"--exit-interval {args.exit_interval}"
-        if args.exit_duration_in_mins is not None:
-            over = (time.monotonic() - self.started) / 60 > args.exit_duration_in_mins
+        if config.exit_interval and iteration % config.exit_interval == 0:
+            return f"--exit-interval {config.exit_interval}"
+        if config.exit_duration_in_mins is not None:
+            over = (time.monotonic() - self.started) / 60 > config.exit_duration_in_mins
             if trainer.any_rank(over, f"exit-duration/{iteration}"):  # clocks differ: agree
-                return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}"
+                return f"--exit-duration-in-mins {config.exit_duration_in_mins:g}"
         return None
 
     def save(self, trainer) -> None:
@@ -258,7 +260,8 @@ class Checkpointer:
         iteration = trainer.state.iteration
         if self.last_saved == iteration:
             return
-        save_dir = Path(self.args.save)
+        assert self.config.save is not None  # saves happen only with --save
+        save_dir = Path(self.config.save)
         tmp, final = save_dir / f".tmp_{iter_dir_name(iteration)}", save_dir / iter_dir_name(iteration)
         coord, live = trainer.groups.coord, live_replicas_of(trainer)
         is_writer = self.rank == writer_rank(self.topology, live, coord.tp, coord.pp)
@@ -270,7 +273,7 @@ class Checkpointer:
         trainer.barrier(f"ckpt/{iteration}/prepared")
         trainer.weights_ready()
         # on every rank: the distributed optimizer gathers its instance's shards (a collective)
-        optimizer_state = None if self.args.no_save_optim else trainer.optimizer.state_dict()
+        optimizer_state = trainer.optimizer.state_dict() if self.config.save_optim else None
         self.last_saved = iteration
         pending = None
         if self.format is CkptFormat.TORCH and is_writer:
@@ -304,9 +307,9 @@ class Checkpointer:
     def _plan_torch_dist(self, trainer, tmp: Path, optimizer_state: dict | None,
                          is_leader: bool) -> ckd.ShardedWrite:
         """The writing replica's collective part: Megatron's layout, and DCP's write plan."""
-        args = self.args
-        state = ckd.checkpoint_state(trainer, args, optimizer_state,
-                                     None if args.no_save_rng else rng_state())
+        config = self.config
+        state = ckd.checkpoint_state(trainer, config.megatron_args, optimizer_state,
+                                     rng_state() if config.save_rng else None)
         sharded, common = ckd.sharded_and_common(state)
         if self.async_save:
             sharded = ckd.to_host(sharded)  # what the training loop waits for
@@ -319,7 +322,7 @@ class Checkpointer:
         """Start the write; return what waits for it. --use-persistent-ckpt-worker: on the one
         long-lived writer thread; else on a thread of its own per save (Megatron forks a process
         per save there; a thread shares the host copy without pickling it)."""
-        if self.args.use_persistent_ckpt_worker:
+        if self.config.persistent_worker:
             if self.worker is None:
                 self.worker = ThreadPoolExecutor(1, thread_name_prefix="recover-ckpt-writer")
             return self.worker.submit(pending.run, faults).result
@@ -361,7 +364,7 @@ class Checkpointer:
     def _write_rank_file(self, trainer, directory: Path, optimizer_state: dict | None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / RANK_FILE, "wb") as f:
-            torch.save(rank_state(trainer, self.args, optimizer_state), f)
+            torch.save(rank_state(trainer, self.config, optimizer_state), f)
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(directory)
@@ -375,7 +378,7 @@ class Checkpointer:
             "live_replicas": sorted(live_replicas_of(trainer)),
             "writers": {rank_dir_name(t, p, topo.pp): writer_rank(topo, live_replicas_of(trainer), t, p)
                         for t in range(topo.tp) for p in range(topo.pp)},
-            "has_optimizer": not self.args.no_save_optim, "has_rng": not self.args.no_save_rng,
+            "has_optimizer": self.config.save_optim, "has_rng": self.config.save_rng,
         }, indent=1, sort_keys=True)
 
     @staticmethod

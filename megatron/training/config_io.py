@@ -49,3 +49,55 @@ def dataset_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     valid = (train_iters // args.eval_interval + 1) * args.eval_iters * gbs
     test = args.eval_iters * gbs
     return train, valid, test
+
+
+SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving, loading and stopping (Megatron's checkpoint and exit flags)."""
+    save: str | None
+    load: str | None
+    save_interval: int | None
+    train_iters: int  # the last iteration always saves
+    format: str  # --ckpt-format: torch or torch_dist
+    async_save: bool
+    persistent_worker: bool  # --use-persistent-ckpt-worker
+    strictness: str  # --dist-ckpt-strictness
+    finetune: bool
+    load_optim: bool  # not --no-load-optim
+    load_rng: bool
+    save_optim: bool
+    save_rng: bool
+    exit_signal_handler: bool
+    exit_interval: int | None
+    exit_duration_in_mins: float | None
+    tensor_parallel: int
+    pipeline_parallel: int
+    tp_pp_dp_mapping: bool  # --use-tp-pp-dp-mapping: the rank order of the checkpoint's layout
+    model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
+    # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
+    # a copy taken here is that payload, never read for a setting
+    megatron_args: argparse.Namespace
+
+    def __post_init__(self):
+        if self.format not in ("torch", "torch_dist"):
+            raise ValueError(f"checkpoint format {self.format!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
+        return cls(
+            save=args.save, load=args.load, save_interval=args.save_interval,
+            train_iters=args.train_iters, format=args.ckpt_format, async_save=bool(args.async_save),
+            persistent_worker=bool(args.use_persistent_ckpt_worker),
+            strictness=args.dist_ckpt_strictness, finetune=bool(args.finetune),
+            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+            save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+            exit_signal_handler=bool(args.exit_signal_handler), exit_interval=args.exit_interval,
+            exit_duration_in_mins=args.exit_duration_in_mins,
+            tensor_parallel=args.tensor_model_parallel_size,
+            pipeline_parallel=args.pipeline_model_parallel_size,
+            tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping),
+            model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
+            megatron_args=argparse.Namespace(**vars(args)))

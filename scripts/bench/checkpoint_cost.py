@@ -29,6 +29,7 @@ from megatron.training.arguments import parse_and_validate  # noqa: E402
 from megatron.training.checkpointing import Checkpointer  # noqa: E402
 from megatron.training.initialize import build_groups, torch_group_factory  # noqa: E402
 from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig  # noqa: E402
+from megatron.training.config_io import CheckpointConfig  # noqa: E402
 from megatron.training.model import build_model  # noqa: E402
 from megatron.training.optimizer_setup import build_optimizer, build_scheduler  # noqa: E402
 from megatron.training.training import TrainState  # noqa: E402
@@ -82,7 +83,8 @@ def measure(size: str, saves: int, device: torch.device, extra: list[str]) -> di
         args = {mode: parse_and_validate(argv + (["--async-save"] if mode == "async" else []), 1)
                 for mode in ("blocking", "async")}
         trainer = BenchTrainer(args["blocking"], device)
-        checkpointers = {mode: Checkpointer(a, 0, 1) for mode, a in args.items()}
+        checkpointers = {mode: Checkpointer(CheckpointConfig.from_args(a), 0, 1)
+                         for mode, a in args.items()}
         stalls: dict[str, list[float]] = {"blocking": [], "async": []}
         writes: list[float] = []
         for i in range(saves):
