@@ -114,7 +114,6 @@ def _parse(argv: list[str] | None) -> tuple:
         if (ended := _wait_as_standby(str(standby_id()))) is not None:
             raise _Exit(ended)
     rank, world = env_rank_world()
-    args.rank = rank
     return args, rank, world
 
 
@@ -123,13 +122,13 @@ def _check_inputs(args, rank: int, world: int) -> tuple:
     the data, the fault specs, --load. One line and exit 2 each."""
     from megatron.training.arguments_errors import UserError
     from megatron.training.checkpointing import Checkpointer
-    from megatron.training.config_io import CheckpointConfig
+    from megatron.training.config_io import CheckpointConfig, TokenizerConfig
     from megatron.training.config_io import DataConfig
     from megatron.training.datasets import validate_data
     from megatron.training.tokenizer import build_tokenizer
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:
-        tokenizer = build_tokenizer(args)
+        tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
         validate_data(DataConfig.from_args(args))
         faults = FaultInjector.from_specs(args.inject_fault, rank)
         # validates --load before anything runs
@@ -177,10 +176,10 @@ def _join_membership(args, incarnation: int):
 def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkpointer):
     """Groups, model, optimizer, buffers and the trainer around them; with recovery on, the
     commit agreement and growing back."""
-    from megatron.training.config_io import DataConfig
-    from megatron.training.datasets import build_datasets
-    from megatron.training.metrics import MetricsWriter, TensorBoardConfig, WandbConfig
     from megatron.training.config import ScheduleConfig, StepConfig, TrainingConfig
+    from megatron.training.config_io import DataConfig, TensorBoardConfig, WandbConfig
+    from megatron.training.datasets import build_datasets
+    from megatron.training.metrics import MetricsWriter
     from megatron.training.optimizer_setup import build_scheduler
     from megatron.training.replica_step import build_stages, link_for, replica_vote
     from megatron.training.training import Trainer

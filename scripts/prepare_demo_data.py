@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 from megatron.training import preprocess_data  # noqa: E402
 
+from megatron.training.config_io import TokenizerConfig  # noqa: E402
 from megatron.training.tokenizer import EOD_TOKEN  # noqa: E402
 
 DATA_NAME = "stdlib"
@@ -121,9 +122,7 @@ def prepare(out_dir: str, vocab_size: int, max_bytes: int, force: bool) -> str:
     else:
         print(f"training byte-level BPE, vocab {vocab_size} ...")
         train_tokenizer([text for _, text in sources], vocab_size, out_dir)
-    tokenizer_args = argparse.Namespace(
-        tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file
-    )
+    tokenizer_args = TokenizerConfig("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
     warm_up.join()
     documents = (({"text": text}, len(text.encode("utf-8"))) for _, text in sources)
     preprocess_data.preprocess(

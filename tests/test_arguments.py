@@ -465,13 +465,14 @@ def test_megatron_test_config_flags_are_taken_or_refused_in_one_line(flags, caps
 
 
 def test_huggingface_tokenizer_flags_reach_the_tokenizer(tmp_path):
+    from megatron.training.config_io import TokenizerConfig
     from megatron.training.tokenizer import build_tokenizer
     from tests.test_preprocess import write_hf_tokenizer
 
     model = write_hf_tokenizer(tmp_path / "hf")
     base = [a for a in TINY if a not in ("NullTokenizer", "--vocab-size", "128")]
     args = validate_args(parse_args(base + ["HuggingFaceTokenizer", "--tokenizer-model", str(model)]), 1)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
     assert tokenizer.detokenize([tokenizer.eod]) == "</s>"
     from tokenizers import Tokenizer
     # Megatron's HF vocab_size is len(tokenizer): added tokens counted

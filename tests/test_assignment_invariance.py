@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import parse_and_validate
-from megatron.training.config_io import DataConfig
+from megatron.training.config_io import DataConfig, TokenizerConfig
 from megatron.training.datasets import build_datasets
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.config import ModelConfig
@@ -33,7 +33,7 @@ def world():
     args = parse_and_validate([*TINY_GPT, "--train-iters", "4", "--hidden-dropout", "0.1",
                                "--attention-dropout", "0.1"], world_size=1)
     groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
     train, _, _ = build_datasets(DataConfig.from_args(args), tokenizer)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     return args, groups, train, vocab, install_rng_tracker()

@@ -65,3 +65,12 @@ def test_each_config_checks_itself_where_it_is_declared():
         dataclasses.replace(setup, instances=0)
     with pytest.raises(ValueError, match="negative step count"):
         dataclasses.replace(ScheduleConfig.from_args(flags()), warmup_steps=-1)
+
+
+def test_a_sample_based_schedule_keeps_its_warmup_and_decay_samples():
+    """--train-samples with --lr-warmup-samples / --lr-decay-samples: the schedule counts those
+    samples (the checks also derive --train-iters, which must not switch to the iteration rule)."""
+    args = parse_and_validate([*TINY_GPT, "--train-samples", "64", "--lr-warmup-samples", "16",
+                               "--lr-decay-samples", "48"], world_size=1)
+    schedule = ScheduleConfig.from_args(args)
+    assert (schedule.warmup_steps, schedule.decay_steps, schedule.wd_incr_steps) == (16, 48, 64)

@@ -1,11 +1,11 @@
 """Tokenizers: GPT-2 BPE from local files, NullTokenizer, the padded-vocabulary rule, flag errors."""
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+from megatron.training.config_io import TokenizerConfig
 from megatron.training.tokenizer import (
     EOD_TOKEN,
     NullTokenizer,
@@ -33,11 +33,10 @@ def write_tiny_bpe(directory: Path) -> tuple[str, str]:
     return str(vocab_file), str(merge_file)
 
 
-def bpe_args(vocab_file, merge_file, **overrides) -> argparse.Namespace:
-    values = dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file,
-                  vocab_size=None)
+def bpe_args(vocab_file, merge_file, **overrides) -> TokenizerConfig:
+    values = dict(kind="GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
     values.update(overrides)
-    return argparse.Namespace(**values)
+    return TokenizerConfig(**values)
 
 
 @pytest.fixture
@@ -72,7 +71,7 @@ def test_eod_text_in_documents_is_not_special(tiny_bpe):
 
 
 def test_default_tokenizer_type_is_gpt2(tiny_bpe):
-    tokenizer = build_tokenizer(bpe_args(*tiny_bpe, tokenizer_type=None))
+    tokenizer = build_tokenizer(bpe_args(*tiny_bpe, kind=None))
     assert tokenizer.tokenize("hello") == build_tokenizer(bpe_args(*tiny_bpe)).tokenize("hello")
 
 
@@ -82,7 +81,7 @@ def test_unique_identifiers_name_the_files(tiny_bpe):
 
 
 def test_null_tokenizer_semantics():
-    tokenizer = build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=1000))
+    tokenizer = build_tokenizer(TokenizerConfig("NullTokenizer", vocab_size=1000))
     assert isinstance(tokenizer, NullTokenizer)
     assert tokenizer.vocab_size == 1001  # ids 0..999 plus eod
     assert tokenizer.eod == 1000
@@ -134,11 +133,11 @@ def test_vocab_not_json_is_rejected(tiny_bpe):
 
 
 def test_null_tokenizer_needs_vocab_size():
-    assert _error(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=None)).flag == (
+    assert _error(TokenizerConfig("NullTokenizer", vocab_size=None)).flag == (
         "--vocab-size"
     )
 
 
 def test_unknown_tokenizer_type():
-    error = _error(argparse.Namespace(tokenizer_type="SentencePieceTokenizer"))
+    error = _error(TokenizerConfig("SentencePieceTokenizer"))
     assert error.flag == "--tokenizer-type" and "GPT2BPETokenizer" in error.fix

@@ -171,7 +171,9 @@ class ScheduleConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ScheduleConfig:
         gbs = args.global_batch_size
-        if args.train_iters:
+        # Megatron picks the branch by the flag the user gave: the checks derive --train-iters
+        # from --train-samples, and the sample-based flags must still count then
+        if args.train_samples is None:
             decay = (args.lr_decay_iters or args.train_iters) * gbs
             wd_incr = args.train_iters * gbs
             warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None

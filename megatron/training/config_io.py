@@ -101,3 +101,58 @@ class CheckpointConfig:
             tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=argparse.Namespace(**vars(args)))
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """--tokenizer-type and what it needs (training's and preprocessing's flags alike); the
+    files are checked, naming their flag, when the tokenizer is built (`tokenizer.py`)."""
+    kind: str | None  # None: the default type
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    model: str | None = None  # --tokenizer-model (HuggingFaceTokenizer)
+    vocab_size: int | None = None  # NullTokenizer
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TokenizerConfig:
+        return cls(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
+                   args.vocab_size)
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """What --tensorboard-dir and its companion flags ask for."""
+    log_dir: str
+    log_interval: int = 1
+    queue_size: int = 1000
+    validation_ppl: bool = False
+    timers: bool = False
+    timing_level: int = 0
+    memory: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TensorBoardConfig | None:
+        if args.tensorboard_dir is None:
+            return None
+        return cls(args.tensorboard_dir, args.tensorboard_log_interval, args.tensorboard_queue_size,
+                   args.log_validation_ppl_to_tensorboard, args.log_timers_to_tensorboard,
+                   args.timing_log_level, args.log_memory_to_tensorboard)
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """--wandb-project (on when given), --wandb-exp-name, --wandb-save-dir, --wandb-entity."""
+    project: str
+    exp_name: str
+    save_dir: str
+    entity: str
+    run_config: dict
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WandbConfig | None:
+        if not args.wandb_project:
+            return None
+        plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                 for k, v in vars(args).items() if k != "job_token"}
+        return cls(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir or ".",
+                   args.wandb_entity, plain)

@@ -7,12 +7,12 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass
 from typing import IO
 
 import torch
 
 from megatron.training.config import ModelConfig
+from megatron.training.config_io import TensorBoardConfig, WandbConfig
 
 
 def log_line(rec: dict, train_iters: int, skipped_since_last_line: int = 0) -> str:
@@ -50,26 +50,6 @@ TENSORBOARD_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "global_batch_s
 # phase of the iteration transaction -> Megatron-style timer tag, and the --timing-log-level it needs
 TIMER_TAGS = {"execute": ("forward-backward-time", 0), "step": ("optimizer-time", 0),
               "reduce": ("grads-all-reduce-time", 1), "commit": ("recover-commit-time", 1)}
-
-
-@dataclass(frozen=True)
-class TensorBoardConfig:
-    """What --tensorboard-dir and its companion flags ask for."""
-    log_dir: str
-    log_interval: int = 1
-    queue_size: int = 1000
-    validation_ppl: bool = False
-    timers: bool = False
-    timing_level: int = 0
-    memory: bool = False
-
-    @classmethod
-    def from_args(cls, args) -> "TensorBoardConfig | None":
-        if args.tensorboard_dir is None:
-            return None
-        return cls(args.tensorboard_dir, args.tensorboard_log_interval, args.tensorboard_queue_size,
-                   args.log_validation_ppl_to_tensorboard, args.log_timers_to_tensorboard,
-                   args.timing_log_level, args.log_memory_to_tensorboard)
 
 
 class TensorBoardWriter:
@@ -129,25 +109,6 @@ def scalars(record: dict, config: TensorBoardConfig) -> dict[str, float]:
         out.update(record.get("memory", {}))
     return {tag: float(v) for tag, v in out.items()
             if isinstance(v, (int, float)) and math.isfinite(v)}
-
-
-@dataclass(frozen=True)
-class WandbConfig:
-    """--wandb-project (on when given), --wandb-exp-name, --wandb-save-dir, --wandb-entity."""
-    project: str
-    exp_name: str
-    save_dir: str
-    entity: str
-    run_config: dict
-
-    @classmethod
-    def from_args(cls, args) -> "WandbConfig | None":
-        if not args.wandb_project:
-            return None
-        plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-                 for k, v in vars(args).items() if k != "job_token"}
-        return cls(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir or ".",
-                   args.wandb_entity, plain)
 
 
 class WandbWriter:

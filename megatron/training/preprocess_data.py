@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from megatron.training.arguments_errors import UserError
 from megatron.training.preprocess_args import parse_args
+from megatron.training.config_io import TokenizerConfig
 from megatron.training.tokenizer import build_tokenizer
 # megatron-core warns on import that it found no GPU-only libraries: irrelevant for data work.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -121,7 +122,7 @@ _tokenizer = None
 _append_eod = False
 
 
-def _init_tokenizer(tokenizer_args: argparse.Namespace, append_eod: bool) -> None:
+def _init_tokenizer(tokenizer_args: TokenizerConfig, append_eod: bool) -> None:
     global _tokenizer, _append_eod
     _tokenizer, _append_eod = build_tokenizer(tokenizer_args), append_eod
 
@@ -351,9 +352,10 @@ def preprocess(documents: Iterable[Document], tokenizer_args, output_prefix: str
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse_args(argv)
-        build_tokenizer(args)  # fail on bad tokenizer flags before reading anything
+        tokenizer = TokenizerConfig.from_args(args)
+        build_tokenizer(tokenizer)  # fail on bad tokenizer flags before reading anything
         files = input_files(args.input)
-        written = preprocess(read_documents(files, args.json_keys), args, args.output_prefix,
+        written = preprocess(read_documents(files, args.json_keys), tokenizer, args.output_prefix,
                              args.json_keys, args.append_eod, args.workers,
                              sum(os.path.getsize(path) for path in files), args.log_interval,
                              files, args.partitions)

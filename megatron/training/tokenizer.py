@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from megatron.training.arguments_errors import UserError
+from megatron.training.config_io import TokenizerConfig
 
 EOD_TOKEN = "<|endoftext|>"
 SUPPORTED_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -214,20 +215,20 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(args) -> Tokenizer:
+def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
     """Build the tokenizer named by --tokenizer-type; raises TokenizerError on a user error."""
-    kind = args.tokenizer_type or DEFAULT_TYPE
+    kind = config.kind or DEFAULT_TYPE
     if kind == "GPT2BPETokenizer":
-        vocab_file = _required_file(args.vocab_file, "--vocab-file", "vocab.json")
-        merge_file = _required_file(args.merge_file, "--merge-file", "merges.txt")
+        vocab_file = _required_file(config.vocab_file, "--vocab-file", "vocab.json")
+        merge_file = _required_file(config.merge_file, "--merge-file", "merges.txt")
         return GPT2BPETokenizer(vocab_file, merge_file)
     if kind == "HuggingFaceTokenizer":
-        if not args.tokenizer_model:
+        if not config.model:
             raise TokenizerError("--tokenizer-model", "HuggingFaceTokenizer needs a tokenizer",
                                  "pass --tokenizer-model DIR (a directory holding tokenizer.json)")
-        return HuggingFaceTokenizer(args.tokenizer_model)
+        return HuggingFaceTokenizer(config.model)
     if kind == "NullTokenizer":
-        vocab_size = args.vocab_size
+        vocab_size = config.vocab_size
         if vocab_size is None or int(vocab_size) < 1:
             raise TokenizerError(
                 "--vocab-size",

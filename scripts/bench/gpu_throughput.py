@@ -39,7 +39,7 @@ def model_flops(args, tokens: int, vocab: int) -> float:
 
 def build(args_list):
     from megatron.training.arguments import parse_and_validate
-    from megatron.training.config_io import DataConfig
+    from megatron.training.config_io import DataConfig, TokenizerConfig
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
@@ -57,7 +57,7 @@ def build(args_list):
     args = parse_and_validate(args_list, world_size=1, device="cuda")
     groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
     tracker = install_rng_tracker("cuda", args.seed)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     data = DataConfig.from_args(args)
     train_ds, _, _ = build_datasets(data, tokenizer)

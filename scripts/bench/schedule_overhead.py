@@ -111,7 +111,7 @@ def build_arms(bench: argparse.Namespace):
     import torch.distributed as dist
 
     from megatron.training.arguments import parse_and_validate
-    from megatron.training.config_io import DataConfig
+    from megatron.training.config_io import DataConfig, TokenizerConfig
     from megatron.training.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
@@ -133,7 +133,7 @@ def build_arms(bench: argparse.Namespace):
                                "--hidden-dropout", dropout, "--attention-dropout", dropout], world_size=1)
     groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
     tracker = install_rng_tracker()
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     data = DataConfig.from_args(args)
     train_ds, _, _ = build_datasets(data, tokenizer)
