@@ -26,6 +26,9 @@ class FakeMembership:
     def view(self):
         return self._epoch, self._dead
 
+    def dead_in(self, epoch):
+        return frozenset(json.loads(self.store.get(protocol.epoch_key(epoch)))["dead"])
+
     def mark(self, where, iteration=None, microbatch=None):
         self.marks.append(where)
 

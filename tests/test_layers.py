@@ -24,8 +24,6 @@ COMMON = {f"{PACKAGE}.log"}  # logging set-up: anyone may use it
 # Known violations, each with why it stands and what removes it. The test fails if one goes away
 # without being deleted here, so this list only shrinks.
 KNOWN = {
-    # the commit vote reads the coordinator's epoch records by key: [Q] replaces the store vote
-    ("recover_patches.recovery.agreement", "recover_patches.collectives.protocol"),
     # layer 3's finish-time model of the interleaved schedule is the schedule's own simulation
     ("recover_patches.workload.policy", "recover_patches.pipeline.interleaved"),
 }

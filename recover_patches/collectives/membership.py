@@ -121,6 +121,10 @@ class MembershipClient:
     def dead_ranks(self) -> frozenset[int]:
         return self._dead
 
+    def dead_in(self, epoch: int) -> frozenset[int]:
+        """The dead set the coordinator declared in `epoch` (read from its record)."""
+        return frozenset(json.loads(self.store.get(P.epoch_key(epoch)))["dead"])
+
     def view(self) -> tuple[int, frozenset[int]]:
         """Epoch and its dead set, read together."""
         with self._changed:

@@ -37,7 +37,6 @@ from typing import Callable, Iterable, TypeVar
 
 import torch.distributed as dist
 
-from recover_patches.collectives import protocol
 from recover_patches.collectives import PeerFailure
 
 
@@ -234,8 +233,7 @@ class StoreAgreement:
                     "coordinator's 'no verdict' line says which")
             pause = self._sleep(pause)
         agreed = int(self.store.get(decision_key).decode())
-        record = json.loads(self.store.get(protocol.epoch_key(agreed)).decode())
-        return agreed, frozenset(record["dead"])
+        return agreed, self.membership.dead_in(agreed)
 
     def barrier(self, key: str, members: Iterable[int], epoch: int, also: tuple[str, ...] = ()
                 ) -> None:
