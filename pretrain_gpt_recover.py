@@ -249,7 +249,8 @@ def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
     groups = build_groups(topology, rank, make_group, args.num_distributed_optimizer_instances
                           if args.use_distributed_optimizer else None,
                           channels=None if args.virtual_pipeline_model_parallel_size is None
-                          else "shared" if membership is None else "groups")
+                          else "shared" if membership is None else "groups",
+                          resilient=membership is not None)
     tracker = install_rng_tracker(device, args.seed)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)

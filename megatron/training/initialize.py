@@ -11,13 +11,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from recover_patches.collectives import Regrouped, ResilientProcessGroup
+from recover_patches.collectives import Regrouped, ResilientGroup
 from recover_patches.pipeline.interleaved import Kind
 from recover_patches.pipeline.p2p import Channel
 from recover_patches.topology import Coord, Topology
@@ -66,6 +66,7 @@ class ParallelGroups:
     # model chunks (the interleaved schedule): a communicator per p2p channel, see p2p.ChunkP2P;
     # (kind, this rank sends) -> its channel, in creation order
     channels: dict[tuple[Kind, bool], Channel] = field(default_factory=dict)
+    resilient: bool = False  # every group is a ResilientGroup (recovery on)
 
     @property
     def is_first_stage(self) -> bool:
@@ -81,15 +82,16 @@ class ParallelGroups:
                   self.instance, self.position, *(c.group for c in self.channels.values())]
         return list({id(g): g for g in groups if g is not None}.values())  # shared channels: once
 
-    def resilient_groups(self) -> list[ResilientProcessGroup]:
-        """The groups that are ReCoVer's own (recovery on). torch's plain groups (no
-        coordinator) have nothing to abandon, regroup or latch."""
-        return [g for g in self.all_groups() if isinstance(g, ResilientProcessGroup)]
+    def resilient_groups(self) -> list[ResilientGroup]:
+        """The groups, if they are ReCoVer's own (built by a resilient factory: recovery on).
+        torch's plain groups (no coordinator) have nothing to abandon, regroup or latch."""
+        return cast(list[ResilientGroup], self.all_groups()) if self.resilient else []
 
     def before_tp_op(self, hook: Callable[[str], None]) -> None:
         """Fault injection: `hook(op)` before each tensor-parallel operation."""
-        if isinstance(self.tp, ResilientProcessGroup):
-            self.tp.set_before_op(hook)
+        resilient = {id(g): g for g in self.resilient_groups()}
+        if id(self.tp) in resilient:
+            resilient[id(self.tp)].set_before_op(hook)
 
     def raise_latched(self) -> None:
         """Before the commit vote: a rank votes only for a reduction that really ended. On NCCL,
@@ -133,7 +135,7 @@ class ParallelGroups:
         force = os.environ.get("RECOVER_REGROUP") == "all"  # the rebuild-all baseline (bench)
         plans = []
         for g in self.resilient_groups():
-            members = g.members
+            members: Sequence[int] = g.members
             if g is self.dp:
                 members = topo.dp_ranks(c.tp, c.pp, live_replicas)
             elif g is self.instance:
@@ -192,11 +194,12 @@ def p2p_channels(topology: Topology, c: Coord, make_group: GroupFactory,
 
 
 def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
-                 optimizer_instances: int | None = None, channels: str | None = None
-                 ) -> ParallelGroups:
+                 optimizer_instances: int | None = None, channels: str | None = None,
+                 resilient: bool = False) -> ParallelGroups:
     """optimizer_instances K (--use-distributed-optimizer): also the group of this rank's instance,
     DP / K consecutive replicas. channels (model chunks): "groups" for the p2p channel groups of
-    `p2p_channels`, "shared" for channels over the PP group (torch's own groups)."""
+    `p2p_channels`, "shared" for channels over the PP group (torch's own groups). resilient:
+    `make_group` makes ResilientGroups (`resilient_group_factory`)."""
     c = topology.coord(rank)
     tp = make_group(f"tp.replica{c.replica}.stage{c.pp}", topology.tp_ranks(c.replica, c.pp))
     pp = make_group(f"pp.replica{c.replica}.tp{c.tp}", topology.pp_ranks(c.tp, c.replica))
@@ -219,7 +222,7 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
     return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
                           size, position, p2p_channels(topology, c, make_group,
                                                        pp if channels == "shared" else None)
-                          if channels and topology.pp > 1 else {})
+                          if channels and topology.pp > 1 else {}, resilient)
 
 
 def env_rank_world() -> tuple[int, int]:
@@ -237,6 +240,9 @@ def resilient_group_factory(membership, timeout: float, backend: str = "gloo",
         # A short verdict wait: recovery agrees on the membership epoch itself, so an operation
         # need not wait for the coordinator to name the dead rank (a group broken only because a
         # peer abandoned it never gets a verdict at all).
-        return ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
-                                     backend=backend, verdict_timeout=0.25, connect=connect)
+        group = ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
+                                      backend=backend, verdict_timeout=0.25, connect=connect)
+        conforming: ResilientGroup = group  # the type checker holds the class to the Protocol
+        del conforming
+        return group
     return make

@@ -189,7 +189,7 @@ def test_a_regroup_connects_its_rebuilt_communicators_concurrently(fabric):
             return ResilientProcessGroup(name, ranks, membership=world.member(rank), timeout=5.0,
                                          backend=fake_async.NAME, build_timeout=5.0,
                                          verdict_timeout=0.0)
-        return build_groups(topology, rank, make)
+        return build_groups(topology, rank, make, resilient=True)
     everyone = together([lambda r=r: groups_of(r) for r in range(4)])
     try:
         fabric.connect_seconds, fabric.most_connecting = 0.05, 0
