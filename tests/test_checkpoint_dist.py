@@ -24,8 +24,7 @@ from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
 from megatron.training.config_io import CheckpointConfig
 from megatron.training.model import build_model
 from megatron.training.optimizer_setup import build_optimizer, build_scheduler
-from megatron.training.training import TrainState
-from recover_patches.recovery.iteration import LiveReplicas
+from megatron.training.checkpoint_state import TrainingState, TrainState
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT
@@ -60,7 +59,6 @@ class GPTTrainer:
         self.optimizer = build_optimizer(self.model, OptimizerSetup.from_args(args), self.groups)
         self.scheduler = build_scheduler(self.optimizer, ScheduleConfig.from_args(args))
         self.state, self.faults, self.metrics = TrainState(), Faults(), Metrics()
-        self.live = LiveReplicas.solo()
 
     def barrier(self, key: str) -> None:
         dist.barrier()
@@ -70,6 +68,18 @@ class GPTTrainer:
 
     def weights_ready(self) -> None:
         pass
+
+    @property
+    def training(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
+                             torch.device("cpu"))
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return [0]
+
+    def close_metrics(self) -> None:
+        self.metrics.close()
 
     def train_step(self) -> float:
         tokens = torch.randint(0, VOCAB, (2, 33))  # the global RNG: restored by the checkpoint

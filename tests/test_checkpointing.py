@@ -24,8 +24,7 @@ from megatron.training.checkpointing import (
     rank_dir_name, read_latest, writer_rank)
 from megatron.training.config_io import CheckpointConfig
 from megatron.training.optimizer import MainParamsAdamW
-from megatron.training.training import TrainState
-from recover_patches.recovery.iteration import LiveReplicas
+from megatron.training.checkpoint_state import TrainingState, TrainState
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
 from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
@@ -87,7 +86,7 @@ class TinyTrainer:
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
             lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10, wd_incr_style="constant")
-        self.groups, self.live = Groups(), LiveReplicas.solo()
+        self.groups = Groups()
         self.state, self.faults, self.metrics = TrainState(), faults or Faults(), Metrics()
         self.tracker = install_rng_tracker()
         self.tracker.add("model-parallel-rng", 7)
@@ -100,6 +99,18 @@ class TinyTrainer:
 
     def weights_ready(self) -> None:  # the real Trainer's without the distributed optimizer
         pass
+
+    @property
+    def training(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
+                             torch.device("cpu"))
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return [0]
+
+    def close_metrics(self) -> None:
+        self.metrics.close()
 
     def train_step(self) -> float:
         """One iteration whose result depends on weights, Adam moments, LR and both RNG streams."""

@@ -26,6 +26,7 @@ import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron.training.model import checkpoint_keys, model_chunks
 
+if TYPE_CHECKING:  # it imports this module
+    from megatron.training.checkpoint_state import TrainingState
+
 CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
           "common_backend": "torch", "common_backend_version": 1}
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current value: its loader checks for it
@@ -61,14 +65,14 @@ def is_torch_dist(directory: Path) -> bool:
 
 
 # -- what goes in ---------------------------------------------------------------------------------
-def model_sharded(trainer) -> dict:
+def model_sharded(training: TrainingState) -> dict:
     """{"model": ...} or, with model chunks, {"model0": ..., "model1": ...} as in Megatron; the
     sharded keys inside are global (layer numbers include a chunk's offset), so a checkpoint loads
     into any TP/PP/VP layout. The DP part of every replica id is 0: only the writing replica
     saves, and on load every replica needs every slice of its own layout."""
-    metadata = {"dp_cp_group": trainer.groups.self_group}
+    metadata = {"dp_cp_group": training.groups.self_group}
     return {key: chunk.sharded_state_dict(metadata=metadata)
-            for key, chunk in zip(checkpoint_keys(trainer.model), model_chunks(trainer.model))}
+            for key, chunk in zip(checkpoint_keys(training.model), model_chunks(training.model))}
 
 
 def _by_param(model_sd: dict, params: list[torch.Tensor]) -> dict[int, ShardedTensor]:
@@ -111,10 +115,10 @@ def optimizer_template(params: list[torch.Tensor], param_groups: list[dict],
                                       for p in params if p.dtype != torch.float32]}
 
 
-def rng_sharded(trainer, rng: dict) -> ShardedObject:
+def rng_sharded(training: TrainingState, rng: dict) -> ShardedObject:
     """ReCoVer's RNG state (`checkpoint_state.rng_state()`) under Megatron's key names, one object
     per (pp, tp) position."""
-    topo, coord = trainer.groups.topology, trainer.groups.coord
+    topo, coord = training.groups.topology, training.groups.coord
     megatron = {"torch_rng_state": rng["torch_cpu"], "rng_tracker_states": rng["tracker"]}
     return ShardedObject("rng_state", [megatron], (topo.pp, topo.tp), (coord.pp, coord.tp),
                          replica_id=0)
@@ -129,36 +133,37 @@ def with_megatron_args(args: argparse.Namespace, iteration: int,
     return saved
 
 
-def checkpoint_state(trainer, megatron_args: argparse.Namespace, optimizer_state: dict | None,
+def checkpoint_state(training: TrainingState, megatron_args: argparse.Namespace, optimizer_state: dict | None,
                      rng: dict | None) -> dict:
     """This rank's whole checkpoint in Megatron's torch_dist layout (with ShardedTensors);
     `megatron_args`: the run's flags, stored under "args" as Megatron stores them."""
-    model_sd = model_sharded(trainer)
-    st = trainer.state
+    model_sd = model_sharded(training)
+    st = training.progress
     state: dict = {
         "args": with_megatron_args(megatron_args, st.iteration, st.consumed_samples),
         "checkpoint_version": CHECKPOINT_VERSION, "iteration": st.iteration, **model_sd,
         "recover": {"consumed_samples": st.consumed_samples,
-                    "topology": vars(trainer.groups.topology).copy()}}
+                    "topology": vars(training.groups.topology).copy()}}
     if optimizer_state is not None:
         state["optimizer"] = optimizer_sharded(optimizer_state, model_sd,
-                                               trainer.optimizer.model_params)
-        state["opt_param_scheduler"] = trainer.scheduler.state_dict()
+                                               training.optimizer.model_params)
+        state["opt_param_scheduler"] = training.scheduler.state_dict()
     if rng is not None:
-        state["rng_state"] = rng_sharded(trainer, rng)
+        state["rng_state"] = rng_sharded(training, rng)
     return state
 
 
-def load_template(trainer, with_optimizer: bool, moments: bool, rng: dict | None) -> dict:
+def load_template(training: TrainingState, with_optimizer: bool, moments: bool,
+                  rng: dict | None) -> dict:
     """What this rank reads: its layout's slices of the model (and Adam, and its RNG)."""
-    model_sd = model_sharded(trainer)
+    model_sd = model_sharded(training)
     template: dict = dict(model_sd)
     if with_optimizer:
-        params = trainer.optimizer.model_params
+        params = training.optimizer.model_params
         template["optimizer"] = optimizer_sharded(
-            optimizer_template(params, trainer.optimizer.param_groups, moments), model_sd, params)
+            optimizer_template(params, training.optimizer.param_groups, moments), model_sd, params)
     if rng is not None:
-        template["rng_state"] = rng_sharded(trainer, rng)
+        template["rng_state"] = rng_sharded(training, rng)
     return template
 
 

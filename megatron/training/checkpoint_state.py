@@ -4,12 +4,71 @@ records, in the torch format's shape; torch_dist checkpoints are brought into th
 (`checkpoint_dist`)."""
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Protocol
 
-from megatron.training import checkpoint_dist as ckd
+import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron.training.checkpoint_dist import CHECKPOINT_VERSION, with_megatron_args
 from megatron.training.checkpoint_resume import FORMAT, CheckpointError
 from megatron.training.config_io import CheckpointConfig
+from megatron.training.initialize import ParallelGroups
 from megatron.training.model import checkpoint_keys, model_chunks
+from megatron.training.optimizer import Optimizer
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0  # fp16 overflows: no optimizer step (Megatron's log line counts them)
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds and a joining replica receives, as the trainer owns it: the
+    model, its optimizer and schedule, the progress counters (shared: loading one updates the
+    trainer's), and the groups and device that place this rank."""
+    model: torch.nn.Module
+    optimizer: Optimizer
+    scheduler: OptimizerParamScheduler
+    progress: TrainState
+    groups: ParallelGroups
+    device: torch.device
+
+
+class Faults(Protocol):
+    def at(self, phase: str, iteration: int, microbatch: int | None = None) -> None:
+        """Fault injection point (`recover_patches.faults`)."""
+        ...
+
+
+class CheckpointHost(Protocol):
+    """What checkpoints need of the running job (the Trainer): its state, who is live, the
+    job-wide meeting points (resilient when recovery is on), and the hooks around a save."""
+    @property
+    def training(self) -> TrainingState: ...
+
+    @property
+    def live_replicas(self) -> list[int]: ...
+
+    @property
+    def faults(self) -> Faults: ...
+
+    def barrier(self, key: str) -> None:
+        """All ranks of the live replicas meet (PeerFailure if one dies meanwhile)."""
+        ...
+
+    def any_rank(self, flag: bool, key: str) -> bool:
+        """True on every live rank iff any of them passes True."""
+        ...
+
+    def weights_ready(self) -> None:
+        """Overlapped weight all-gathers land before the weights are read."""
+        ...
+
+    def close_metrics(self) -> None: ...
 
 
 def cpu_tracker():
@@ -21,25 +80,26 @@ def rng_state() -> dict:
     return {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()}
 
 
-def rank_state(trainer, config: CheckpointConfig, optimizer_state: dict | None = None) -> dict:
+def rank_state(training: TrainingState, config: CheckpointConfig,
+               optimizer_state: dict | None = None) -> dict:
     """The torch format's file: Megatron's keys (args, checkpoint_version, iteration, model,
     optimizer, opt_param_scheduler, rng_state) plus ReCoVer's records."""
-    topo, coord = trainer.groups.topology, trainer.groups.coord
+    topo, coord = training.groups.topology, training.groups.coord
     state = {
-        "args": ckd.with_megatron_args(config.megatron_args, trainer.state.iteration,
-                                       trainer.state.consumed_samples),
-        "checkpoint_version": ckd.CHECKPOINT_VERSION,
-        "format": FORMAT, "iteration": trainer.state.iteration,
-        "consumed_samples": trainer.state.consumed_samples,
+        "args": with_megatron_args(config.megatron_args, training.progress.iteration,
+                                       training.progress.consumed_samples),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "format": FORMAT, "iteration": training.progress.iteration,
+        "consumed_samples": training.progress.consumed_samples,
         "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
-        "coord": {"rank": trainer.groups.rank, "tp": coord.tp, "pp": coord.pp, "replica": coord.replica},
-        **{key: chunk.state_dict() for key, chunk in zip(checkpoint_keys(trainer.model),
-                                                          model_chunks(trainer.model))},
+        "coord": {"rank": training.groups.rank, "tp": coord.tp, "pp": coord.pp, "replica": coord.replica},
+        **{key: chunk.state_dict() for key, chunk in zip(checkpoint_keys(training.model),
+                                                          model_chunks(training.model))},
     }
     if config.save_optim:
-        state["optimizer"] = (trainer.optimizer.state_dict() if optimizer_state is None
+        state["optimizer"] = (training.optimizer.state_dict() if optimizer_state is None
                               else optimizer_state)
-        state["opt_param_scheduler"] = trainer.scheduler.state_dict()
+        state["opt_param_scheduler"] = training.scheduler.state_dict()
     if config.save_rng:
         state["rng_state"] = rng_state()
     return state
@@ -58,22 +118,22 @@ def from_stock_megatron(state: dict) -> dict:
     return state
 
 
-def apply_rank_state(trainer, state: dict, config: CheckpointConfig) -> None:
+def apply_rank_state(training: TrainingState, state: dict, config: CheckpointConfig) -> None:
     """Weights always; optimizer, schedule, RNG and progress unless --finetune / --no-load-*.
     Dropout is reseeded per microbatch (recover_patches.pipeline.rng), so exact resume needs the iteration
     and consumed samples; the RNG streams are restored for anything else drawing from them."""
-    for key, chunk in zip(checkpoint_keys(trainer.model), model_chunks(trainer.model)):
+    for key, chunk in zip(checkpoint_keys(training.model), model_chunks(training.model)):
         chunk.load_state_dict(state[key], strict=True)
     if config.finetune or not config.load_optim:
-        trainer.optimizer.reload_model_params()  # bf16/fp16: main params follow
+        training.optimizer.reload_model_params()  # bf16/fp16: main params follow
     if config.finetune:
         return
-    trainer.state.iteration = state["iteration"]
-    trainer.state.consumed_samples = state["consumed_samples"]
+    training.progress.iteration = state["iteration"]
+    training.progress.consumed_samples = state["consumed_samples"]
     if config.load_optim:
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        training.optimizer.load_state_dict(state["optimizer"])
         try:
-            trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
+            training.scheduler.load_state_dict(state["opt_param_scheduler"])
         except AssertionError as err:  # megatron-core refuses a changed LR schedule this way
             raise CheckpointError(
                 "--load", f"the LR schedule flags differ from the checkpoint's ({err})",

@@ -56,8 +56,8 @@ from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_F
                                                  CheckpointError, CkptFormat, ResumePoint,
                                                  find_resume_point, iter_dir_name, rank_dir_name,
                                                  read_latest)
-from megatron.training.checkpoint_state import (apply_rank_state, from_stock_megatron, rank_state,
-                                                rng_state)
+from megatron.training.checkpoint_state import (CheckpointHost, apply_rank_state,
+                                                from_stock_megatron, rank_state, rng_state)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
 
@@ -71,11 +71,6 @@ __all__ = ["CheckpointError", "Checkpointer", "LATEST_FILE", "find_resume_point"
 def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) -> int:
     """Deterministic: every rank agrees without communication on who writes (tp, pp)."""
     return topology.rank(tp, min(live_replicas), pp)
-
-
-def live_replicas_of(trainer) -> list[int]:
-    """The replicas alive now."""
-    return list(trainer.live.live_replicas)
 
 
 def fsync_dir(path: Path) -> None:
@@ -105,7 +100,7 @@ class TrainingStopped(Exception):
 # -- SIGTERM: agreed on by all ranks at the end of an iteration -----------------------------------
 
 class TermSignal:
-    """Remembers a SIGTERM; `agreed(trainer)` is true on every rank once any rank got one."""
+    """Remembers a SIGTERM; `agreed(host)` is true on every rank once any rank got one."""
 
     def __init__(self) -> None:
         self.received = False
@@ -114,8 +109,8 @@ class TermSignal:
     def _on_signal(self, _signum, _frame) -> None:
         self.received = True
 
-    def agreed(self, trainer) -> bool:
-        return trainer.any_rank(self.received, f"sigterm/{trainer.state.iteration}")
+    def agreed(self, host: CheckpointHost) -> bool:
+        return host.any_rank(self.received, f"sigterm/{host.training.progress.iteration}")
 
 
 # -- the object the Trainer calls ----------------------------------------------------------------
@@ -158,25 +153,25 @@ class Checkpointer:
         self.pending: PendingSave | None = None
         self.worker: ThreadPoolExecutor | None = None  # --use-persistent-ckpt-worker
 
-    def load(self, trainer) -> None:
+    def load(self, host: CheckpointHost) -> None:
         point = self.resume
         if point is None:
             if self.config.load and self.rank == 0:
                 logger.info(f"no checkpoint in {self.config.load} yet: starting from scratch")
             return
         if point.format is CkptFormat.TORCH_DIST:
-            state = self._read_torch_dist(trainer, point)
+            state = self._read_torch_dist(host, point)
         else:
-            state = self._read_torch(trainer, point)
-        apply_rank_state(trainer, state, self.config)
+            state = self._read_torch(host, point)
+        apply_rank_state(host.training, state, self.config)
         if self.rank == 0:
             logger.info(f"loaded checkpoint {point.directory} (iteration {point.iteration}), "
                         f"format {point.format.value}"
                         f"{'' if point.by_recover else ', written by Megatron-LM'}"
                         f"{', weights only: --finetune' if self.config.finetune else ''}")
 
-    def _read_torch(self, trainer, point: ResumePoint) -> dict:
-        coord = trainer.groups.coord
+    def _read_torch(self, host: CheckpointHost, point: ResumePoint) -> dict:
+        coord = host.training.groups.coord
         path = point.directory / rank_dir_name(coord.tp, coord.pp, self.topology.pp) / RANK_FILE
         try:
             with torch.serialization.safe_globals([argparse.Namespace]):
@@ -186,12 +181,12 @@ class Checkpointer:
                                   "point --load at an intact checkpoint directory") from None
         return state if point.by_recover else self._without_rng(from_stock_megatron(state), point)
 
-    def _read_torch_dist(self, trainer, point: ResumePoint) -> dict:
+    def _read_torch_dist(self, host: CheckpointHost, point: ResumePoint) -> dict:
         config = self.config
         # RNG streams are per (tp, pp) position: they exist only in a checkpoint of this layout
         same_layout = (point.tp, point.pp) == (self.topology.tp, self.topology.pp)
         read_rng = same_layout and point.by_recover and config.load_rng and not config.finetune
-        template = ckd.load_template(trainer, config.load_optim and not config.finetune,
+        template = ckd.load_template(host.training, config.load_optim and not config.finetune,
                                      point.adam_started, rng_state() if read_rng else None)
 
         def error(detail: str) -> CheckpointError:
@@ -209,46 +204,46 @@ class Checkpointer:
                         "does not depend on it")
         return state
 
-    def after_iteration(self, trainer) -> None:
-        iteration, config = trainer.state.iteration, self.config
-        stop = self._stop_reason(trainer)
+    def after_iteration(self, host: CheckpointHost) -> None:
+        iteration, config = host.training.progress.iteration, self.config
+        stop = self._stop_reason(host)
         interval = config.save_interval or 0  # set whenever --save is (the argument checks)
         due = config.save and ((interval and iteration % interval == 0)
                                or iteration == config.train_iters)
         if (due or stop) and config.save:
-            self.save(trainer)
+            self.save(host)
             if stop or iteration == config.train_iters:
-                self.finish_pending(trainer)  # the job ends: the last save must land
+                self.finish_pending(host)  # the job ends: the last save must land
         if stop:
             if self.rank == 0:
                 logger.info(f"exiting after iteration {iteration}: {stop}"
                             + ("" if config.save else ", no --save so no checkpoint"))
-            trainer.metrics.close()
+            host.close_metrics()
             raise TrainingStopped(stop)
 
-    def _stop_reason(self, trainer) -> str | None:
+    def _stop_reason(self, host: CheckpointHost) -> str | None:
         """Why every live rank exits after this iteration (the same answer on all of them)."""
-        iteration, config = trainer.state.iteration, self.config
-        if self.term is not None and self.term.agreed(trainer):
+        iteration, config = host.training.progress.iteration, self.config
+        if self.term is not None and self.term.agreed(host):
             return "SIGTERM (--exit-signal-handler)"
         if config.exit_interval and iteration % config.exit_interval == 0:
             return f"--exit-interval {config.exit_interval}"
         if config.exit_duration_in_mins is not None:
             over = (time.monotonic() - self.started) / 60 > config.exit_duration_in_mins
-            if trainer.any_rank(over, f"exit-duration/{iteration}"):  # clocks differ: agree
+            if host.any_rank(over, f"exit-duration/{iteration}"):  # clocks differ: agree
                 return f"--exit-duration-in-mins {config.exit_duration_in_mins:g}"
         return None
 
-    def save(self, trainer) -> None:
-        self.finish_pending(trainer)  # one save at a time, in order
+    def save(self, host: CheckpointHost) -> None:
+        self.finish_pending(host)  # one save at a time, in order
         start = time.perf_counter()
         try:
-            self._save(trainer)
+            self._save(host)
         except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
             self.last_saved = None
-            return self._abandon(trainer.state.iteration, err)
+            return self._abandon(host.training.progress.iteration, err)
         if self.rank == 0:  # the save's cost to training (scripts/bench/effective_throughput.py)
-            logger.info(f"checkpoint stall: iteration {trainer.state.iteration}, "
+            logger.info(f"checkpoint stall: iteration {host.training.progress.iteration}, "
                         f"{(time.perf_counter() - start) * 1e3:.1f} ms"
                         f"{' (async: the write goes on in the background)' if self.async_save else ''}")
 
@@ -256,67 +251,67 @@ class Checkpointer:
         logger.warning(f"checkpoint of iteration {iteration} abandoned ({why}); the last good "
                        "checkpoint stays")
 
-    def _save(self, trainer) -> None:
-        iteration = trainer.state.iteration
+    def _save(self, host: CheckpointHost) -> None:
+        iteration = host.training.progress.iteration
         if self.last_saved == iteration:
             return
         assert self.config.save is not None  # saves happen only with --save
         save_dir = Path(self.config.save)
         tmp, final = save_dir / f".tmp_{iter_dir_name(iteration)}", save_dir / iter_dir_name(iteration)
-        coord, live = trainer.groups.coord, live_replicas_of(trainer)
+        coord, live = host.training.groups.coord, host.live_replicas
         is_writer = self.rank == writer_rank(self.topology, live, coord.tp, coord.pp)
         is_leader = self.rank == writer_rank(self.topology, live, 0, 0)
         if is_leader:
             for leftover in save_dir.glob(".tmp_iter_*"):  # saves that crashed or were abandoned
                 shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir(parents=True)
-        trainer.barrier(f"ckpt/{iteration}/prepared")
-        trainer.weights_ready()
+        host.barrier(f"ckpt/{iteration}/prepared")
+        host.weights_ready()
         # on every rank: the distributed optimizer gathers its instance's shards (a collective)
-        optimizer_state = trainer.optimizer.state_dict() if self.config.save_optim else None
+        optimizer_state = host.training.optimizer.state_dict() if self.config.save_optim else None
         self.last_saved = iteration
         pending = None
         if self.format is CkptFormat.TORCH and is_writer:
-            self._write_rank_file(trainer, tmp / rank_dir_name(coord.tp, coord.pp, self.topology.pp),
+            self._write_rank_file(host, tmp / rank_dir_name(coord.tp, coord.pp, self.topology.pp),
                                   optimizer_state)
         elif self.format is CkptFormat.TORCH_DIST and is_writer:
             pending = PendingSave(iteration, tmp, final, is_leader,
-                                  self._plan_torch_dist(trainer, tmp, optimizer_state, is_leader))
+                                  self._plan_torch_dist(host, tmp, optimizer_state, is_leader))
         if is_leader and self.format is CkptFormat.TORCH:
-            write_atomically(tmp / METADATA_FILE, self._metadata(trainer).encode())
+            write_atomically(tmp / METADATA_FILE, self._metadata(host).encode())
         if self.async_save:  # torch_dist only (validated): the writers go on in the background
             if pending is None:
-                trainer.faults.at("checkpoint", iteration)
+                host.faults.at("checkpoint", iteration)
             else:
-                pending.written = self._in_background(pending, trainer.faults)
+                pending.written = self._in_background(pending, host.faults)
                 self.pending = pending
             return
         if pending is None:
-            trainer.faults.at("checkpoint", iteration)  # iter=I in --inject-fault: "saving I"
+            host.faults.at("checkpoint", iteration)  # iter=I in --inject-fault: "saving I"
         else:
-            pending.run(trainer.faults)
-        trainer.barrier(f"ckpt/{iteration}/written")
+            pending.run(host.faults)
+        host.barrier(f"ckpt/{iteration}/written")
         if pending is not None:
             self._land(pending)
         elif is_leader:
             self._commit(tmp, final, iteration)
-        trainer.barrier(f"ckpt/{iteration}/committed")
+        host.barrier(f"ckpt/{iteration}/committed")
         if self.rank == 0:
             logger.info(f"saved checkpoint {final} (iteration {iteration})")
 
-    def _plan_torch_dist(self, trainer, tmp: Path, optimizer_state: dict | None,
+    def _plan_torch_dist(self, host: CheckpointHost, tmp: Path, optimizer_state: dict | None,
                          is_leader: bool) -> ckd.ShardedWrite:
         """The writing replica's collective part: Megatron's layout, and DCP's write plan."""
         config = self.config
-        state = ckd.checkpoint_state(trainer, config.megatron_args, optimizer_state,
+        state = ckd.checkpoint_state(host.training, config.megatron_args, optimizer_state,
                                      rng_state() if config.save_rng else None)
         sharded, common = ckd.sharded_and_common(state)
         if self.async_save:
             sharded = ckd.to_host(sharded)  # what the training loop waits for
         if is_leader:
             ckd.write_common(tmp, common)
-        return ckd.ShardedWrite(sharded, tmp, trainer.groups.replica,
-                                next(trainer.model.parameters()).device)
+        return ckd.ShardedWrite(sharded, tmp, host.training.groups.replica,
+                                next(host.training.model.parameters()).device)
 
     def _in_background(self, pending: PendingSave, faults) -> Callable[[], object]:
         """Start the write; return what waits for it. --use-persistent-ckpt-worker: on the one
@@ -342,7 +337,7 @@ class Checkpointer:
         if pending.is_leader:
             self._commit(pending.tmp, pending.final, pending.iteration)
 
-    def finish_pending(self, trainer) -> None:
+    def finish_pending(self, host: CheckpointHost) -> None:
         """Land the --async-save in flight on this rank, if any (its writing replica's ranks
         reach here together: at the next save, the last iteration or an exit)."""
         pending, self.pending = self.pending, None
@@ -361,22 +356,23 @@ class Checkpointer:
         thread may still write into the temp directory, which the next save removes)."""
         self.pending = None
 
-    def _write_rank_file(self, trainer, directory: Path, optimizer_state: dict | None) -> None:
+    def _write_rank_file(self, host: CheckpointHost, directory: Path,
+                         optimizer_state: dict | None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / RANK_FILE, "wb") as f:
-            torch.save(rank_state(trainer, self.config, optimizer_state), f)
+            torch.save(rank_state(host.training, self.config, optimizer_state), f)
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(directory)
 
-    def _metadata(self, trainer) -> str:
+    def _metadata(self, host: CheckpointHost) -> str:
         topo = self.topology
         return json.dumps({
-            "format": FORMAT, "iteration": trainer.state.iteration,
-            "consumed_samples": trainer.state.consumed_samples,
+            "format": FORMAT, "iteration": host.training.progress.iteration,
+            "consumed_samples": host.training.progress.consumed_samples,
             "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
-            "live_replicas": sorted(live_replicas_of(trainer)),
-            "writers": {rank_dir_name(t, p, topo.pp): writer_rank(topo, live_replicas_of(trainer), t, p)
+            "live_replicas": sorted(host.live_replicas),
+            "writers": {rank_dir_name(t, p, topo.pp): writer_rank(topo, host.live_replicas, t, p)
                         for t in range(topo.tp) for p in range(topo.pp)},
             "has_optimizer": self.config.save_optim, "has_rng": self.config.save_rng,
         }, indent=1, sort_keys=True)

@@ -13,47 +13,49 @@ replica's weights are bitwise identical.
 from __future__ import annotations
 
 import io
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from megatron.training.checkpoint_state import cpu_tracker
+from megatron.training.checkpoint_state import TrainingState, cpu_tracker
+from megatron.training.initialize import ParallelGroups
 
 
-def live_state(trainer) -> dict:
+def live_state(training: TrainingState, timings: Mapping[int, float | None]) -> dict:
     return {
-        "model": trainer.model.state_dict(),
+        "model": training.model.state_dict(),
         # the distributed optimizer's shards come by re-sharding when the groups are rebuilt
-        "optimizer": trainer.optimizer.replicated_state_dict(),
-        "opt_param_scheduler": trainer.scheduler.state_dict(),
-        "iteration": trainer.state.iteration,
-        "consumed_samples": trainer.state.consumed_samples,
-        "skipped_iterations": trainer.state.skipped_iterations,
-        "timings": {int(r): t for r, t in trainer.replica.timings.items()},
+        "optimizer": training.optimizer.replicated_state_dict(),
+        "opt_param_scheduler": training.scheduler.state_dict(),
+        "iteration": training.progress.iteration,
+        "consumed_samples": training.progress.consumed_samples,
+        "skipped_iterations": training.progress.skipped_iterations,
+        "timings": {int(r): t for r, t in timings.items()},
         "rng_state": {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()},
     }
 
 
-def apply_live_state(trainer, state: dict) -> None:
-    trainer.model.load_state_dict(state["model"], strict=True)
-    trainer.optimizer.load_replicated_state_dict(state["optimizer"])
+def apply_live_state(training: TrainingState, state: dict) -> dict[int, float | None]:
+    """Take the donor's state on; returns its microbatch timings (the trainer's to adopt)."""
+    training.model.load_state_dict(state["model"], strict=True)
+    training.optimizer.load_replicated_state_dict(state["optimizer"])
     # megatron-core's scheduler *adds* the saved step count to its own (made for fresh ones, as
     # at a checkpoint load): a spare that trained before its replica broke must start from 0
-    trainer.scheduler.num_steps = 0
-    trainer.scheduler.load_state_dict(state["opt_param_scheduler"])
-    trainer.state.iteration = state["iteration"]
-    trainer.state.consumed_samples = state["consumed_samples"]
-    trainer.state.skipped_iterations = state["skipped_iterations"]
-    trainer.replica.adopt_timings(state["timings"])
+    training.scheduler.num_steps = 0
+    training.scheduler.load_state_dict(state["opt_param_scheduler"])
+    training.progress.iteration = state["iteration"]
+    training.progress.consumed_samples = state["consumed_samples"]
+    training.progress.skipped_iterations = state["skipped_iterations"]
     torch.set_rng_state(state["rng_state"]["torch_cpu"])
     cpu_tracker().set_states(state["rng_state"]["tracker"])
-    trainer.grads.zero()  # whatever a spare had accumulated when its replica broke
+    return state["timings"]
 
 
-def _peer(trainer, replica: int) -> int:
+def _peer(groups: ParallelGroups, replica: int) -> int:
     """The data-parallel group index of `replica`'s rank in this rank's (tp, pp) slot."""
-    topo, c = trainer.groups.topology, trainer.groups.coord
-    return dist.get_group_rank(trainer.groups.dp, topo.rank(c.tp, replica, c.pp))
+    topo, c = groups.topology, groups.coord
+    return dist.get_group_rank(groups.dp, topo.rank(c.tp, replica, c.pp))
 
 
 def _strip(obj, tensors: list[torch.Tensor]):
@@ -84,23 +86,24 @@ _TENSOR = "__recover_tensor__"
 CHUNK = 1 << 24
 
 
-def send_state(trainer, to_replica: int) -> int:
-    """Donor side: a small serialized skeleton (sizes, dtypes, the non-tensor state), then every
-    tensor as it is -- no pickling of the weights. Returns the bytes sent. PeerFailure if the
-    joiner or the group fails."""
-    trainer.weights_ready()
+def send_state(training: TrainingState, timings: Mapping[int, float | None],
+               to_replica: int) -> int:
+    """Donor side (its weights ready): a small serialized skeleton (sizes, dtypes, the
+    non-tensor state), then every tensor as it is -- no pickling of the weights. Returns the
+    bytes sent. PeerFailure if the joiner or the group fails."""
     tensors: list[torch.Tensor] = []
-    skeleton = _strip(live_state(trainer), tensors)
+    skeleton = _strip(live_state(training, timings), tensors)
     buffer = io.BytesIO()
     torch.save({"skeleton": skeleton, "specs": [(str(t.dtype), tuple(t.shape), t.device.type)
                                                 for t in tensors]}, buffer)
-    header = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(trainer.device)
-    size = torch.tensor([header.numel()], dtype=torch.int64, device=trainer.device)
-    group, peer = trainer.groups.dp, _peer(trainer, to_replica)
+    device = training.device
+    header = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+    size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
+    group, peer = training.groups.dp, _peer(training.groups, to_replica)
     dist.send(size, group=group, group_dst=peer)
     dist.send(header, group=group, group_dst=peer)
     for dtype in _dtypes(tensors):  # one buffer per dtype: few large sends, one copy
-        flat = torch.cat([t.reshape(-1).to(trainer.device) for t in tensors if t.dtype == dtype])
+        flat = torch.cat([t.reshape(-1).to(device) for t in tensors if t.dtype == dtype])
         for chunk in flat.split(CHUNK):
             dist.send(chunk, group=group, group_dst=peer)
     return header.numel() + sum(t.numel() * t.element_size() for t in tensors)
@@ -111,20 +114,22 @@ def _dtypes(tensors: list[torch.Tensor]) -> list[torch.dtype]:
     return list(dict.fromkeys(t.dtype for t in tensors if t.numel()))
 
 
-def receive_state(trainer, from_replica: int) -> int:
-    """Joiner side: receive the donor's state and take it on; returns the bytes received."""
-    group, peer = trainer.groups.dp, _peer(trainer, from_replica)
-    size = torch.zeros(1, dtype=torch.int64, device=trainer.device)
+def receive_state(training: TrainingState, from_replica: int
+                  ) -> tuple[int, dict[int, float | None]]:
+    """Joiner side: receive the donor's state and take it on; returns the bytes received and
+    the donor's microbatch timings."""
+    group, peer = training.groups.dp, _peer(training.groups, from_replica)
+    size = torch.zeros(1, dtype=torch.int64, device=training.device)
     dist.recv(size, group=group, group_src=peer)
-    header = torch.empty(int(size.item()), dtype=torch.uint8, device=trainer.device)
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=training.device)
     dist.recv(header, group=group, group_src=peer)
     meta = torch.load(io.BytesIO(header.cpu().numpy().tobytes()), weights_only=True)
     tensors = [torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
-                           device=trainer.device) for dtype, shape, _ in meta["specs"]]
+                           device=training.device) for dtype, shape, _ in meta["specs"]]
     for dtype in _dtypes(tensors):
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype and t.numel()]
         flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=dtype,
-                           device=trainer.device)
+                           device=training.device)
         for chunk in flat.split(CHUNK):
             dist.recv(chunk, group=group, group_src=peer)
         # copies, not views: a view would pin the whole buffer (weights included) for as long
@@ -133,5 +138,5 @@ def receive_state(trainer, from_replica: int) -> int:
             tensors[i] = part.view(tensors[i].shape).clone()
         del flat
     tensors = [t.cpu() if where == "cpu" else t for t, (_, _, where) in zip(tensors, meta["specs"])]
-    apply_live_state(trainer, _dress(meta["skeleton"], tensors))
-    return header.numel() + sum(t.numel() * t.element_size() for t in tensors)
+    timings = apply_live_state(training, _dress(meta["skeleton"], tensors))
+    return header.numel() + sum(t.numel() * t.element_size() for t in tensors), timings

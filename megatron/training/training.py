@@ -10,12 +10,14 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.training.checkpoint_state import TrainingState, TrainState
+from megatron.training.checkpointing import Checkpointer
 from megatron.training.config import ModelConfig, StepConfig, TrainingConfig
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
@@ -40,13 +42,6 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iterations: int = 0  # fp16 overflows: no optimizer step (Megatron's log line counts them)
-
-
-@dataclass
 class Trainer:
     config: TrainingConfig
     step_config: StepConfig
@@ -61,7 +56,7 @@ class Trainer:
     link: StageLink | ChunkP2P
     faults: FaultInjector
     metrics: MetricsWriter
-    checkpointer: Any = None  # megatron.training.checkpointing.Checkpointer (it imports us)
+    checkpointer: Checkpointer | None = None
     agreement: StoreAgreement | None = None  # recovery on
     log_failure: Callable[[PeerFailure, str], None] | None = None  # printed by every rank
     # where this rank is, for the coordinator's progress verdict (MembershipClient.mark)
@@ -121,6 +116,19 @@ class Trainer:
     def weights_ready(self) -> None:
         self.replica.weights_ready()
 
+    # -- what checkpoints and joins read and write ----------------------------------------------
+    @property
+    def training(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
+                             self.device)
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return list(self.live.live_replicas)
+
+    def close_metrics(self) -> None:
+        self.metrics.close()
+
     def grow_back_with(self, membership: Membership) -> None:
         """Spares and replacement processes rejoin (recovery on, with the coordinator)."""
         assert self.agreement is not None
@@ -135,10 +143,14 @@ class Trainer:
         return self.replica.rebuild(live_replicas, epoch, key)
 
     def send_state(self, replica: int) -> int:
-        return send_state(self, replica)
+        self.weights_ready()
+        return send_state(self.training, self.replica.timings, replica)
 
     def receive_state(self, replica: int) -> int:
-        return receive_state(self, replica)
+        received, timings = receive_state(self.training, replica)
+        self.replica.adopt_timings(timings)  # every replica plans alike from the next iteration
+        self.grads.zero()  # whatever a spare had accumulated when its replica broke
+        return received
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(live=self.live, replica=self.replica,

@@ -32,8 +32,7 @@ from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
 from megatron.training.config_io import CheckpointConfig  # noqa: E402
 from megatron.training.model import build_model  # noqa: E402
 from megatron.training.optimizer_setup import build_optimizer, build_scheduler  # noqa: E402
-from megatron.training.training import TrainState  # noqa: E402
-from recover_patches.recovery.iteration import LiveReplicas  # noqa: E402
+from megatron.training.checkpoint_state import TrainingState, TrainState  # noqa: E402
 from recover_patches.pipeline.rng import install_rng_tracker  # noqa: E402
 from recover_patches.topology import Topology  # noqa: E402
 
@@ -58,7 +57,7 @@ class BenchTrainer:
         self.scheduler = build_scheduler(self.optimizer, ScheduleConfig.from_args(args))
         self.optimizer.step([torch.full_like(p, 1e-3, dtype=torch.float32)  # Adam state exists
                              for p in self.optimizer.model_params])
-        self.state, self.live = TrainState(iteration=1), LiveReplicas.solo()
+        self.state, self.device = TrainState(iteration=1), device
         self.faults = self
 
     def at(self, phase, iteration, microbatch=None) -> None:  # no fault injection here
@@ -68,6 +67,21 @@ class BenchTrainer:
         dist.barrier()
 
     def weights_ready(self) -> None:
+        pass
+
+    def any_rank(self, flag: bool, key: str) -> bool:
+        return flag
+
+    @property
+    def training(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
+                             self.device)
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return [0]
+
+    def close_metrics(self) -> None:
         pass
 
     def parameters(self) -> int:
