@@ -122,17 +122,18 @@ def _check_inputs(args, rank: int, world: int) -> tuple:
     the data, the fault specs, --load. One line and exit 2 each."""
     from megatron.training.arguments_errors import UserError
     from megatron.training.checkpointing import Checkpointer
-    from megatron.training.config_io import CheckpointConfig, TokenizerConfig
-    from megatron.training.config_io import DataConfig
+    from megatron.training.config_io import CheckpointConfig, DataConfig, TokenizerConfig
     from megatron.training.datasets import validate_data
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:
         tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
         validate_data(DataConfig.from_args(args))
         faults = FaultInjector.from_specs(args.inject_fault, rank)
+        vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                  args.tensor_model_parallel_size)
         # validates --load before anything runs
-        checkpointer = Checkpointer(CheckpointConfig.from_args(args), rank, world)
+        checkpointer = Checkpointer(CheckpointConfig.from_args(args, vocab), rank, world)
     except UserError as err:  # data, tokenizer, checkpoint: one line, exit 2
         raise _Exit(_user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")) from None
     except FaultSpecError as err:

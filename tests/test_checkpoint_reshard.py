@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import parse_and_validate
+from megatron.training.checkpoint_dist import load_common
 from megatron.training.checkpointing import LATEST_FILE, find_resume_point, read_latest
 from megatron.training.config_io import CheckpointConfig
 from recover_patches.topology import Topology
@@ -47,6 +48,8 @@ def save_resume_again(tmp: Path, saver: tuple[int, int, int], resumer: tuple[int
     saved = train(tmp, "saved", *saver, "--train-iters", "6", "--save", str(first),
                   "--save-interval", "2")
     (first / LATEST_FILE).write_text("2")
+    # Megatron-LM's args, as its tools read them back: the padded vocabulary among them
+    assert load_common(first / "iter_0000002")["args"].padded_vocab_size == 256
     resumed = train(tmp, "resumed", *resumer, "--train-iters", "6", "--load", str(first),
                     "--save", str(second), "--save-interval", "2", "--async-save")
     assert "written in the background" in resumed.stdout and read_latest(second) == 6

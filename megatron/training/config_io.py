@@ -86,7 +86,12 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint format {self.format!r}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
+    def from_args(cls, args: argparse.Namespace, padded_vocab_size: int | None = None
+                  ) -> CheckpointConfig:
+        """`padded_vocab_size`: stored in the payload's args, as Megatron-LM sets it there."""
+        payload = argparse.Namespace(**vars(args))
+        if padded_vocab_size is not None:
+            payload.padded_vocab_size = padded_vocab_size
         return cls(
             save=args.save, load=args.load, save_interval=args.save_interval,
             train_iters=args.train_iters, format=args.ckpt_format, async_save=bool(args.async_save),
@@ -100,7 +105,7 @@ class CheckpointConfig:
             pipeline_parallel=args.pipeline_model_parallel_size,
             tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
-            megatron_args=argparse.Namespace(**vars(args)))
+            megatron_args=payload)
 
 
 @dataclass(frozen=True)
