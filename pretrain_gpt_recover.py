@@ -265,6 +265,9 @@ def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
     return device, groups, tracker, model_config, model, optimizer, grads
 
 
+NUM_WORKERS_DEFAULT = 2  # Megatron-LM's: a run that leaves it alone hears nothing of it
+
+
 def _startup_notes(args, model, grads, topology) -> None:
     from megatron.training.model import memory_note
     memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
@@ -277,6 +280,9 @@ def _startup_notes(args, model, grads, topology) -> None:
     if args.device == "cuda" and args.gradient_accumulation_fusion:
         logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
                     "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
+    if args.num_workers != NUM_WORKERS_DEFAULT:
+        logger.info(f"--num-workers {args.num_workers} has no effect: each rank reads its "
+                    "microbatches by id in the training process, there is no data-loader pool")
 
 
 def _train(args, trainer, membership, incarnation: int) -> int:

@@ -30,8 +30,6 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
                              "reads recompute_granularity",
     "group_query_attention": "turns --num-query-groups on; the model reads num_query_groups",
     "transformer_impl": "resolved by the checks, read into ModelConfig.implementation",
-    "num_workers": "ReCoVer reads microbatches by id in the training process: there is no data-"
-                   "loader worker pool for this performance knob to size",
     "local_rank": "the launcher's LOCAL_RANK wins (Megatron's rule); read as args.local_rank",
     "use_cpu_initialization": "always on: weights are drawn on the CPU by global name",
     "rerun_mode": "only disabled is accepted (the other modes are refused), which is the behaviour",

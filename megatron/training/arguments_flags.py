@@ -199,7 +199,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
     g.add_argument("--data-cache-path", default=None, help="Where dataset index caches are written.")
-    g.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="Data loader worker processes (Megatron-LM). ReCoVer has no loader pool "
+                   "(microbatches are read by id): a value other than 2 is noted at start-up.")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="Restart position ids after each end-of-document token.")
     g.add_argument("--reset-attention-mask", action="store_true",
