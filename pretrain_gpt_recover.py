@@ -80,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     """Parse and check everything a user can get wrong, join the membership, build the trainer,
     train; the exit status says how it ended."""
     try:
-        args, rank, world = _parse(argv)
-        tokenizer, faults, checkpointer = _check_inputs(args, rank, world)
+        args, layout = _parse(argv)
+        tokenizer, faults, checkpointer = _check_inputs(args, layout)
         incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # > 0: a replacement
         membership = _join_membership(args, incarnation)
     except _Exit as done:
         return done.status
-    trainer = _build_trainer(args, membership, incarnation, tokenizer, faults, checkpointer)
+    trainer = _build_trainer(args, layout, membership, incarnation, tokenizer, faults,
+                             checkpointer)
     return _train(args, trainer, membership, incarnation)
 
 
@@ -95,13 +96,14 @@ def _parse(argv: list[str] | None) -> tuple:
     import torch
 
     from megatron.training.arguments import parse_and_validate
+    from megatron.training.config import RunLayout
     from megatron.training.initialize import env_rank_world
     from recover_patches.collectives.standby import standby_id
 
     env_rank, world = env_rank_world()
     configure(None if standby_id() is not None else env_rank, stream="stdout")
-    args = parse_and_validate(argv, world_size=world,
-                              device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = parse_and_validate(argv, world_size=world, device=device)
     if args.coordinator_addr:  # the flags win over the launcher's env
         os.environ["RECOVER_COORDINATOR"] = args.coordinator_addr
     if args.job_token:
@@ -113,11 +115,10 @@ def _parse(argv: list[str] | None) -> tuple:
                 "which needs --recover on. Fix: drop --recover off or start no standby nodes"))
         if (ended := _wait_as_standby(str(standby_id()))) is not None:
             raise _Exit(ended)
-    rank, world = env_rank_world()
-    return args, rank, world
+    return args, RunLayout.from_args(args, world, device)  # a standby's slot is known now
 
 
-def _check_inputs(args, rank: int, world: int) -> tuple:
+def _check_inputs(args, layout) -> tuple:
     """User errors first, before any process group exists or anything is written: the tokenizer,
     the data, the fault specs, --load. One line and exit 2 each."""
     from megatron.training.arguments_errors import UserError
@@ -129,11 +130,12 @@ def _check_inputs(args, rank: int, world: int) -> tuple:
     try:
         tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
         validate_data(DataConfig.from_args(args))
-        faults = FaultInjector.from_specs(args.inject_fault, rank)
+        faults = FaultInjector.from_specs(args.inject_fault, layout.rank)
         vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                   args.tensor_model_parallel_size)
         # validates --load before anything runs
-        checkpointer = Checkpointer(CheckpointConfig.from_args(args, vocab), rank, world)
+        checkpointer = Checkpointer(CheckpointConfig.from_args(args, vocab, layout), layout.rank,
+                                    layout.world_size)
     except UserError as err:  # data, tokenizer, checkpoint: one line, exit 2
         raise _Exit(_user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")) from None
     except FaultSpecError as err:
@@ -174,7 +176,8 @@ def _join_membership(args, incarnation: int):
     return membership
 
 
-def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkpointer):
+def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults,
+                   checkpointer):
     """Groups, model, optimizer, buffers and the trainer around them; with recovery on, the
     commit agreement and growing back."""
     from megatron.training.config import ScheduleConfig, StepConfig, TrainingConfig
@@ -187,7 +190,7 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
     from recover_patches.recovery.agreement import StoreAgreement
 
     device, groups, tracker, model_config, model, optimizer, grads = _build_model_parts(
-        args, membership, incarnation, tokenizer)
+        args, layout, membership, incarnation, tokenizer)
     data = DataConfig.from_args(args)
     train_ds, valid_ds, _ = build_datasets(data, tokenizer)
     recovering = membership is not None and args.recover
@@ -216,7 +219,7 @@ def _build_trainer(args, membership, incarnation: int, tokenizer, faults, checkp
     return trainer
 
 
-def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
+def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) -> tuple:
     """(device, groups, RNG tracker, model config, model, optimizer, gradient buffer), with the
     start-up notes."""
     import torch
@@ -233,8 +236,8 @@ def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    if args.device == "cuda":  # Megatron's rule: one GPU per local rank
-        device = torch.device("cuda", args.local_rank)
+    if layout.device == "cuda":  # Megatron's rule: one GPU per local rank
+        device = torch.device("cuda", layout.local_rank)
         torch.cuda.set_device(device)
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
@@ -261,14 +264,14 @@ def _build_model_parts(args, membership, incarnation: int, tokenizer) -> tuple:
     optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
     grads = build_grad_buffer(groups, optimizer, args.overlap_grad_reduce)
     if rank == 0:
-        _startup_notes(args, model, grads, topology)
+        _startup_notes(args, layout, model, grads, topology)
     return device, groups, tracker, model_config, model, optimizer, grads
 
 
 NUM_WORKERS_DEFAULT = 2  # Megatron-LM's: a run that leaves it alone hears nothing of it
 
 
-def _startup_notes(args, model, grads, topology) -> None:
+def _startup_notes(args, layout, model, grads, topology) -> None:
     from megatron.training.model import memory_note
     memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
         topology.dp // args.num_distributed_optimizer_instances
@@ -277,7 +280,7 @@ def _startup_notes(args, model, grads, topology) -> None:
         logger.info(f"interleaved schedule: {args.virtual_pipeline_model_parallel_size} model "
                     f"chunks per pipeline rank, microbatches in groups of "
                     f"{args.microbatch_group_size_per_vp_stage} (any quota length runs)")
-    if args.device == "cuda" and args.gradient_accumulation_fusion:
+    if layout.device == "cuda" and args.gradient_accumulation_fusion:
         logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
                     "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
     if args.num_workers != NUM_WORKERS_DEFAULT:

@@ -11,6 +11,7 @@ import pytest
 
 from megatron.training.arguments import (
     ArgumentError, global_batch_size_at, parse_and_validate, parse_args, validate_args)
+from megatron.training.config import RunLayout, params_dtype_of
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "scripts" / "configs"
 ARRAY_NAMES = ("MODEL_ARGS", "PARALLEL_ARGS", "BATCH_ARGS", "OPT_ARGS", "DATA_ARGS", "CKPT_ARGS",
@@ -155,9 +156,9 @@ def test_published_config_validates_on_its_gpu_world(name, paths, monkeypatch):
     world = PUBLISHED[name][1]
     args = validate_args(parse_args(config_argv(name, paths)), world, device="cuda")
     dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-    assert args.data_parallel_size == dp
-    assert args.num_microbatches_per_iteration == args.global_batch_size // args.micro_batch_size
-    assert (args.transformer_impl, args.distributed_backend, str(args.params_dtype)) == (
+    assert RunLayout.from_args(args, world, "cuda").data_parallel_size == dp
+    assert args.global_batch_size % args.micro_batch_size == 0
+    assert (args.transformer_impl, args.distributed_backend, str(params_dtype_of(args))) == (
         "local", "nccl", "torch.float16")
 
 
@@ -183,8 +184,10 @@ def test_config_with_cpu_sizes_validates_on_cpu(name, paths):
     argv += ["--num-layers", str(2 * pp), "--hidden-size", str(8 * tp), "--num-attention-heads", str(tp),
              "--seq-length", "32", "--max-position-embeddings", "32"]
     args = validate_args(parse_args(argv), world_size=2 * tp * pp, device="cpu")
-    assert (args.data_parallel_size, args.distributed_backend, args.transformer_impl) == (2, "gloo", "local")
-    assert args.num_microbatches_per_iteration * args.micro_batch_size == args.global_batch_size
+    layout = RunLayout.from_args(args, 2 * tp * pp, "cpu")
+    assert (layout.data_parallel_size, args.distributed_backend, args.transformer_impl) == (
+        2, "gloo", "local")
+    assert args.global_batch_size % args.micro_batch_size == 0
 
 
 # --- defaults and derived values ---------------------------------------------------------------
@@ -196,15 +199,17 @@ def test_defaults_match_megatron():
 
 def test_derived_values():
     args = validate_args(parse_args([a for a in TINY if a not in ("--global-batch-size", "8")]), 4)
-    assert (args.data_parallel_size, args.global_batch_size) == (4, 8)  # micro 2 * DP 4
+    layout = RunLayout.from_args(args, 4, "cpu", environ={})
+    assert (layout.data_parallel_size, args.global_batch_size) == (4, 8)  # micro 2 * DP 4
     assert (args.ffn_hidden_size, args.kv_channels, args.lr_decay_iters) == (256, 16, 10)
     assert args.start_weight_decay == args.end_weight_decay == args.weight_decay
-    assert args.use_cpu_initialization is True and args.local_rank == 0
+    assert args.use_cpu_initialization is True and layout.local_rank == 0
 
 
 def test_microbatches_per_iteration_is_not_divided_by_data_parallel_size():
     args = validate_args(parse_args(TINY + ["--global-batch-size", "6"]), world_size=4)
-    assert (args.data_parallel_size, args.num_microbatches_per_iteration) == (4, 3)
+    megatron = RunLayout.from_args(args, 4, "cpu", environ={}).megatron_fields(args)
+    assert (megatron["data_parallel_size"], megatron["num_microbatches_per_iteration"]) == (4, 3)
 
 
 def test_swiglu_ffn_default_follows_megatron_rounding():
@@ -262,7 +267,8 @@ def test_recover_flags_and_env_defaults(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     args = validate_args(parse_args(TINY + ["--recover", "off", "--local-rank", "1", "--inject-fault",
                                             "kill:rank=1", "--inject-fault", "hang:rank=2"]), 4)
-    assert (args.coordinator_addr, args.job_token, args.local_rank) == ("node0:29400", "s3cret", 3)
+    local_rank = RunLayout.from_args(args, 4, "cpu").local_rank  # the launcher's env wins
+    assert (args.coordinator_addr, args.job_token, local_rank) == ("node0:29400", "s3cret", 3)
     assert args.recover is False and args.inject_fault == ["kill:rank=1", "hang:rank=2"]
     assert parse_args(TINY + ["--coordinator-addr", "h:1"]).coordinator_addr == "h:1"
 
@@ -427,7 +433,10 @@ def test_strictness_choices_are_megatron_cores():
 
 def test_parse_and_validate_returns_validated_args():
     args = parse_and_validate(TINY, world_size=2)
-    assert (args.data_parallel_size, args.num_microbatches_per_iteration) == (2, 4)
+    megatron = RunLayout.from_args(args, 2, "cpu", environ={}).megatron_fields(args)
+    assert (megatron["data_parallel_size"], megatron["num_microbatches_per_iteration"]) == (2, 4)
+    # the layout is not written into the flags (Megatron-LM's checks do write it into theirs)
+    assert not {"world_size", "rank", "data_parallel_size", "device", "params_dtype"} & set(vars(args))
 
 
 # Flags in nearly all of Megatron-LM's GPT functional-test configs, plus the common and rare ones

@@ -49,7 +49,9 @@ def save_resume_again(tmp: Path, saver: tuple[int, int, int], resumer: tuple[int
                   "--save-interval", "2")
     (first / LATEST_FILE).write_text("2")
     # Megatron-LM's args, as its tools read them back: the padded vocabulary among them
-    assert load_common(first / "iter_0000002")["args"].padded_vocab_size == 256
+    saved_args = load_common(first / "iter_0000002")["args"]
+    assert (saved_args.padded_vocab_size, saved_args.data_parallel_size) == (256, saver[0] // (
+        saver[1] * saver[2]))
     resumed = train(tmp, "resumed", *resumer, "--train-iters", "6", "--load", str(first),
                     "--save", str(second), "--save-interval", "2", "--async-save")
     assert "written in the background" in resumed.stdout and read_latest(second) == 6

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from megatron.training.arguments import parse_and_validate
-from megatron.training.config import (BatchSchedule, ModelConfig, OptimizerSetup, ScheduleConfig,
-                                      StepConfig, TrainingConfig)
+from megatron.training.config import (BatchSchedule, ModelConfig, OptimizerSetup, RunLayout,
+                                      ScheduleConfig, StepConfig, TrainingConfig)
 from megatron.training.config_io import CheckpointConfig, DataConfig
 from tests._launch_util import TINY_GPT
 
@@ -74,3 +75,15 @@ def test_a_sample_based_schedule_keeps_its_warmup_and_decay_samples():
                                "--lr-decay-samples", "48"], world_size=1)
     schedule = ScheduleConfig.from_args(args)
     assert (schedule.warmup_steps, schedule.decay_steps, schedule.wd_incr_steps) == (16, 48, 64)
+
+
+def test_the_run_layout_is_derived_once_and_megatrons_checkpoints_still_carry_it():
+    args = flags("--local-rank", "1", "--bf16", world=4)
+    assert RunLayout.from_args(args, 4, "cpu", environ={}).local_rank == 1  # the flag, no env
+    layout = RunLayout.from_args(args, 4, "cpu", environ={"RANK": "3", "LOCAL_RANK": "2"})
+    assert (layout.rank, layout.local_rank, layout.data_parallel_size) == (3, 2, 4)  # env wins
+    with pytest.raises(ValueError, match="rank 4 of 4"):
+        RunLayout.from_args(args, 4, "cpu", environ={"RANK": "4"})
+    saved = CheckpointConfig.from_args(args, 256, layout).megatron_args
+    assert (saved.data_parallel_size, saved.rank, saved.params_dtype) == (4, 3, torch.bfloat16)
+    assert saved.padded_vocab_size == 256 and not hasattr(args, "data_parallel_size")

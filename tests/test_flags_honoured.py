@@ -8,8 +8,8 @@ import argparse
 import re
 
 from megatron.training.arguments import build_parser, parse_and_validate
-from megatron.training.config import (OptimizerSetup, ModelConfig, ScheduleConfig, StepConfig,
-                                      TrainingConfig)
+from megatron.training.config import (ModelConfig, OptimizerSetup, RunLayout, ScheduleConfig,
+                                      StepConfig, TrainingConfig)
 from megatron.training.config_io import (CheckpointConfig, DataConfig, TensorBoardConfig,
                                          TokenizerConfig, WandbConfig)
 from tests._launch_util import REPO, TINY_GPT
@@ -30,7 +30,6 @@ HONOURED_BY_THE_ARGUMENT_CHECKS = {
                              "reads recompute_granularity",
     "group_query_attention": "turns --num-query-groups on; the model reads num_query_groups",
     "transformer_impl": "resolved by the checks, read into ModelConfig.implementation",
-    "local_rank": "the launcher's LOCAL_RANK wins (Megatron's rule); read as args.local_rank",
     "use_cpu_initialization": "always on: weights are drawn on the CPU by global name",
     "rerun_mode": "only disabled is accepted (the other modes are refused), which is the behaviour",
     "num_layers_per_virtual_pipeline_stage": "turned into args.virtual_pipeline_model_parallel_size "
@@ -81,6 +80,7 @@ def read_by_the_typed_configs(args: argparse.Namespace) -> set[str]:
     TokenizerConfig.from_args(recording)
     TensorBoardConfig.from_args(recording)
     WandbConfig.from_args(recording)
+    RunLayout.from_args(recording, 1, "cpu", environ={})  # --local-rank when the env has none
     return recording._read
 
 

@@ -4,9 +4,10 @@ Attribute names are Megatron-LM's argparse dests (args.num_layers, args.micro_ba
 code written against Megatron's `args` reads ours the same way. The flags themselves are declared in
 `arguments_flags` / `arguments_recover` / `arguments_unsupported`, the rules in `arguments_validate_*`.
 
-Derived by `validate_args` (beyond Megatron-LM's usual ffn/kv/lr-decay defaults):
-  world_size, rank, local_rank, data_parallel_size, device, params_dtype,
-  num_microbatches_per_iteration = global_batch_size // micro_batch_size   (M, NOT divided by DP)
+Resolved by `validate_args` as Megatron-LM resolves them: the ffn/kv/lr-decay/global-batch
+defaults and the CPU fallbacks. What Megatron-LM also writes into its args -- world_size, rank,
+local_rank, data_parallel_size, device, params_dtype -- is `config.RunLayout` (and
+`config.params_dtype_of`) here; checkpoints still store them in Megatron's `args`.
 Deviations from Megatron-LM, each documented in the flag's help: --ckpt-format defaults to torch;
 on CPU --distributed-backend nccl means gloo; --rampup-batch-size is allowed with --train-iters;
 args.recover is a bool; args.attention_backend stays a string.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import os
 import re
 import sys
 from typing import NoReturn
@@ -89,24 +91,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu") -> argparse.Namespace:
-    """Check the flags against each other and the job, fill derived values; raise ArgumentError."""
+    """Check the flags against each other and the job, resolve Megatron's defaults (the run's
+    layout is not written here: `config.RunLayout`); raise ArgumentError."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     reject_unsupported_values(args)  # also for namespaces that did not come from parse_args
-    validate_parallel(args, world_size)
+    dp = validate_parallel(args, world_size)
     validate_model_shape(args)
     validate_device_flags(args, device)
-    validate_pipeline_backend(args)
-    validate_batch(args)
+    validate_pipeline_backend(args, device)
+    validate_batch(args, dp)
     validate_training_length(args)
     validate_lr_and_weight_decay(args)
     warnings = validate_data(args)
     validate_tokenizer(args)
     validate_checkpointing(args)
     validate_logging(args)
-    validate_recover(args)
+    validate_recover(args, dp)
     # Printed only once everything passed, so a failing run shows exactly one error line.
-    if args.rank == 0:
+    if os.environ.get("RANK", "0") == "0":
         for line in warnings:
             logger.warning(line)
     return args

@@ -126,11 +126,10 @@ def validate_logging(args: argparse.Namespace) -> None:
                                           "was given", "pass --tensorboard-dir DIR or drop the flag")
 
 
-def validate_recover(args: argparse.Namespace) -> None:
+def validate_recover(args: argparse.Namespace, dp: int) -> None:
     if not args.recover_timeout >= 1:  # the heartbeat must move several times within it
         raise ArgumentError("--recover-timeout", f"--recover-timeout {args.recover_timeout:g} is "
                             "below 1 second", "pass --recover-timeout 1 or more (default 10)")
-    dp = args.data_parallel_size
     if not 1 <= args.recover_min_replicas <= dp:
         raise ArgumentError("--recover-min-replicas", f"--recover-min-replicas "
                             f"{args.recover_min_replicas} must be between 1 and the {dp} "

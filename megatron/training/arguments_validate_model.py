@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_validate_pipeline import validate_pipeline_split
@@ -21,7 +20,8 @@ def _require_positive(args: argparse.Namespace, dest: str, fix: str) -> None:
         raise ArgumentError(flag, f"{flag} must be >= 1, got {value}", fix)
 
 
-def validate_parallel(args: argparse.Namespace, world_size: int) -> None:
+def validate_parallel(args: argparse.Namespace, world_size: int) -> int:
+    """The layout's checks; returns the data-parallel size (replicas)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _require_positive(args, "tensor_model_parallel_size", "pass a positive --tensor-model-parallel-size")
     _require_positive(args, "pipeline_model_parallel_size",
@@ -32,20 +32,13 @@ def validate_parallel(args: argparse.Namespace, world_size: int) -> None:
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} * "
             f"--pipeline-model-parallel-size {pp} = {tp * pp} (one model replica)",
             f"launch a multiple of {tp * pp} ranks or change the TP/PP sizes")
-    args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
-    validate_distributed_optimizer(args)
-    args.rank = int(os.environ.get("RANK", "0"))
-    # Megatron-LM semantics: the launcher's LOCAL_RANK wins over the (legacy) flag.
-    env_local_rank = os.environ.get("LOCAL_RANK")
-    if env_local_rank is not None:
-        args.local_rank = int(env_local_rank)
-    elif args.local_rank is None:
-        args.local_rank = 0
+    dp = world_size // (tp * pp)
+    validate_distributed_optimizer(args, dp)
+    return dp
 
 
-def validate_distributed_optimizer(args: argparse.Namespace) -> None:
-    k, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+def validate_distributed_optimizer(args: argparse.Namespace, dp: int) -> None:
+    k = args.num_distributed_optimizer_instances
     flag = "--num-distributed-optimizer-instances"
     if k < 1:
         raise ArgumentError(flag, f"{flag} must be >= 1, got {k}", f"pass {flag} 1 or more")
@@ -157,7 +150,6 @@ def validate_device_flags(args: argparse.Namespace, device: str) -> None:
     fused kernels (they are CUDA-only); a GPU runs NCCL and whatever megatron-core supports."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    args.device = device
     on_cpu = device == "cpu"
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split without TP
@@ -218,9 +210,6 @@ def _resolve_precision(args: argparse.Namespace) -> None:
                                 "be >= 1", "drop them (defaults 1000 and 2)")
     # Megatron-LM turns this on for bf16; ReCoVer always accumulates and reduces in fp32.
     args.accumulate_allreduce_grads_in_fp32 = True
-    import torch  # late: importing torch costs seconds and parsing alone must stay cheap
-
-    args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
 
 
 def _validate_attention(args: argparse.Namespace) -> None:

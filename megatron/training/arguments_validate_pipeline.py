@@ -151,12 +151,12 @@ def _validate_interleaved(args, pp: int, vp: int, accounted: int, uneven: bool) 
                             f"the pipeline size {pp}", f"pass {pp} or more (or drop the flag)")
 
 
-def validate_pipeline_backend(args: argparse.Namespace) -> None:
+def validate_pipeline_backend(args: argparse.Namespace, device: str) -> None:
     """After the device flags: on NCCL the interleaved schedule needs its p2p channels as groups
     of their own (p2p.ChunkP2P: NCCL ignores tags and runs a group's operations on one stream).
     ReCoVer's groups can be that; torch's own groups, used without the coordinator, are named by
     their ranks, so two groups of the same two ranks cannot exist."""
-    if args.virtual_pipeline_model_parallel_size is not None and args.device == "cuda" and \
+    if args.virtual_pipeline_model_parallel_size is not None and device == "cuda" and \
             not (args.coordinator_addr or os.environ.get(COORDINATOR_ENV)):
         raise ArgumentError(_VP_FLAGS.split(" / ")[0], "the interleaved schedule on a GPU needs "
                             "ReCoVer's launcher (its p2p channels are groups of their own, which "

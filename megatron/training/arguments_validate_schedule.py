@@ -12,13 +12,13 @@ import argparse
 from megatron.training.arguments_errors import ArgumentError
 
 
-def validate_batch(args: argparse.Namespace) -> None:
+def validate_batch(args: argparse.Namespace, dp: int) -> None:
     micro = args.micro_batch_size
     if micro < 1:
         raise ArgumentError("--micro-batch-size", f"--micro-batch-size must be >= 1, got {micro}",
                             "pass a positive --micro-batch-size")
     if args.global_batch_size is None:
-        args.global_batch_size = micro * args.data_parallel_size
+        args.global_batch_size = micro * dp
     if args.global_batch_size < 1:
         raise ArgumentError("--global-batch-size", "--global-batch-size must be >= 1",
                             "pass a positive --global-batch-size")
@@ -26,7 +26,6 @@ def validate_batch(args: argparse.Namespace) -> None:
         raise ArgumentError(
             "--global-batch-size", f"--global-batch-size {args.global_batch_size} is not divisible by "
             f"--micro-batch-size {micro}", "make the global batch a multiple of the micro batch")
-    args.num_microbatches_per_iteration = args.global_batch_size // micro
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
 

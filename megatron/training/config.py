@@ -10,14 +10,54 @@ same way from a parsed command line.
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
 IMPLEMENTATIONS = ("local", "transformer_engine")
+DEVICES = ("cpu", "cuda")
+
+
+def params_dtype_of(args: argparse.Namespace) -> torch.dtype:
+    """The training dtype the precision flags ask for (Megatron's `params_dtype`)."""
+    return torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where this process runs, derived once from the launcher's environment and the flags: the
+    values Megatron-LM's checks write into its args (they stay out of ours)."""
+    world_size: int
+    rank: int
+    local_rank: int  # its GPU on the node: the launcher's LOCAL_RANK wins over --local-rank
+    data_parallel_size: int  # replicas: world / (TP x PP)
+    device: str
+
+    def __post_init__(self):
+        if self.device not in DEVICES or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"device {self.device!r}, rank {self.rank} of {self.world_size}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, world_size: int, device: str,
+                  environ: Mapping[str, str] = os.environ) -> RunLayout:
+        local = environ.get("LOCAL_RANK")
+        return cls(world_size, int(environ.get("RANK", "0")),
+                   int(local) if local is not None else (args.local_rank or 0),
+                   world_size // (args.tensor_model_parallel_size
+                                  * args.pipeline_model_parallel_size), device)
+
+    def megatron_fields(self, args: argparse.Namespace) -> dict:
+        """What Megatron-LM's args hold of these (its checkpoints store them in `args`)."""
+        return {"world_size": self.world_size, "rank": self.rank, "local_rank": self.local_rank,
+                "data_parallel_size": self.data_parallel_size, "device": self.device,
+                "params_dtype": params_dtype_of(args),
+                "num_microbatches_per_iteration": args.global_batch_size // args.micro_batch_size}
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
@@ -105,8 +145,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         use_cpu_initialization=True,
         fp16=args.fp16,
         bf16=args.bf16,
-        params_dtype=args.params_dtype,
-        pipeline_dtype=args.params_dtype,
+        params_dtype=params_dtype_of(args),
+        pipeline_dtype=params_dtype_of(args),
         # Fused kernels are CUDA-only (forced off on CPU by the argument checks).
         bias_activation_fusion=args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # config.py imports megatron-core: not for a parse
+    from megatron.training.config import RunLayout
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,15 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint format {self.format!r}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, padded_vocab_size: int | None = None
-                  ) -> CheckpointConfig:
-        """`padded_vocab_size`: stored in the payload's args, as Megatron-LM sets it there."""
+    def from_args(cls, args: argparse.Namespace, padded_vocab_size: int | None = None,
+                  layout: RunLayout | None = None) -> CheckpointConfig:
+        """`padded_vocab_size` and the `layout` go into the payload's args, where Megatron-LM
+        keeps them."""
         payload = argparse.Namespace(**vars(args))
         if padded_vocab_size is not None:
             payload.padded_vocab_size = padded_vocab_size
+        if layout is not None:
+            vars(payload).update(layout.megatron_fields(args))
         return cls(
             save=args.save, load=args.load, save_interval=args.save_interval,
             train_iters=args.train_iters, format=args.ckpt_format, async_save=bool(args.async_save),
