@@ -227,6 +227,7 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     from megatron.training.initialize import (build_groups, init_default_group,
                                               resilient_group_factory, torch_group_factory)
     from megatron.training.config import ModelConfig, OptimizerSetup
+    from megatron.training.config_rules import model_chunks_of
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer
     from megatron.training.tokenizer import padded_vocab_size
@@ -252,7 +253,7 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
         membership, args.recover_timeout, args.distributed_backend, connect=incarnation == 0))
     groups = build_groups(topology, rank, make_group, args.num_distributed_optimizer_instances
                           if args.use_distributed_optimizer else None,
-                          channels=None if args.virtual_pipeline_model_parallel_size is None
+                          channels=None if model_chunks_of(args) is None
                           else "shared" if membership is None else "groups",
                           resilient=membership is not None)
     tracker = install_rng_tracker(device, args.seed)
@@ -268,24 +269,14 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     return device, groups, tracker, model_config, model, optimizer, grads
 
 
-NUM_WORKERS_DEFAULT = 2  # Megatron-LM's: a run that leaves it alone hears nothing of it
-
-
 def _startup_notes(args, layout, model, grads, topology) -> None:
+    from megatron.training.config_rules import megatron_differences
     from megatron.training.model import memory_note
     memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
         topology.dp // args.num_distributed_optimizer_instances
         if args.use_distributed_optimizer else 1))
-    if args.virtual_pipeline_model_parallel_size is not None:
-        logger.info(f"interleaved schedule: {args.virtual_pipeline_model_parallel_size} model "
-                    f"chunks per pipeline rank, microbatches in groups of "
-                    f"{args.microbatch_group_size_per_vp_stage} (any quota length runs)")
-    if layout.device == "cuda" and args.gradient_accumulation_fusion:
-        logger.info("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
-                    "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence this)")
-    if args.num_workers != NUM_WORKERS_DEFAULT:
-        logger.info(f"--num-workers {args.num_workers} has no effect: each rank reads its "
-                    "microbatches by id in the training process, there is no data-loader pool")
+    for line in megatron_differences(args, layout.device):
+        logger.info(line)
 
 
 def _train(args, trainer, membership, incarnation: int) -> int:

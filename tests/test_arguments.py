@@ -12,6 +12,7 @@ import pytest
 from megatron.training.arguments import (
     ArgumentError, global_batch_size_at, parse_and_validate, parse_args, validate_args)
 from megatron.training.config import RunLayout, params_dtype_of
+from megatron.training.config_rules import model_chunks_of
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "scripts" / "configs"
 ARRAY_NAMES = ("MODEL_ARGS", "PARALLEL_ARGS", "BATCH_ARGS", "OPT_ARGS", "DATA_ARGS", "CKPT_ARGS",
@@ -593,19 +594,20 @@ def test_pipeline_split_flags_are_checked_in_one_line(extra, world, device, flag
 def test_pipeline_split_flags_are_taken_with_megatrons_meaning():
     by_layers = validate_args(parse_args(TINY + PP2 + [
         "--num-layers-per-virtual-pipeline-stage", "1"]), 2)
-    assert by_layers.virtual_pipeline_model_parallel_size == 2  # 4 layers / PP 2 / 1 per chunk
+    assert model_chunks_of(by_layers) == 2  # 4 layers / PP 2 / 1 per chunk
     assert by_layers.microbatch_group_size_per_vp_stage == 2  # Megatron's default: PP
     assert by_layers.overlap_p2p_comm
     one_chunk = validate_args(parse_args(TINY + PP2 + [
         "--num-layers-per-virtual-pipeline-stage", "2", "--no-overlap-p2p-communication"]), 2)
-    assert one_chunk.virtual_pipeline_model_parallel_size is None  # VP 1 is Megatron's None
+    assert model_chunks_of(one_chunk) is None  # VP 1 is Megatron's None
     assert not one_chunk.overlap_p2p_comm
     uneven = validate_args(parse_args(TINY + PP2 + [
         "--num-virtual-stages-per-pipeline-rank", "2", "--decoder-last-pipeline-num-layers", "2",
         "--microbatch-group-size-per-virtual-pipeline-stage", "3"]), 2)
-    assert uneven.virtual_pipeline_model_parallel_size == 2
+    assert model_chunks_of(uneven) == 2
     assert uneven.microbatch_group_size_per_vp_stage == 3
     counted = validate_args(parse_args(TINY + [  # (4 + 2) layers over PP 3: taken, no chunks
         "--pipeline-model-parallel-size", "3", "--num-layers", "4",
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]), 3)
-    assert counted.virtual_pipeline_model_parallel_size is None and not counted.overlap_p2p_comm
+    assert model_chunks_of(counted) is None
+    assert "virtual_pipeline_model_parallel_size" not in vars(counted)  # derived, not written

@@ -11,6 +11,7 @@ from megatron.training.arguments import parse_and_validate
 from megatron.training.config import (BatchSchedule, ModelConfig, OptimizerSetup, RunLayout,
                                       ScheduleConfig, StepConfig, TrainingConfig)
 from megatron.training.config_io import CheckpointConfig, DataConfig
+from megatron.training.config_rules import megatron_differences
 from tests._launch_util import TINY_GPT
 
 
@@ -87,3 +88,18 @@ def test_the_run_layout_is_derived_once_and_megatrons_checkpoints_still_carry_it
     saved = CheckpointConfig.from_args(args, 256, layout).megatron_args
     assert (saved.data_parallel_size, saved.rank, saved.params_dtype) == (4, 3, torch.bfloat16)
     assert saved.padded_vocab_size == 256 and not hasattr(args, "data_parallel_size")
+
+
+def test_where_megatron_would_differ_is_said_once_per_flag():
+    """Flags ReCoVer takes in its only mode, or that change nothing, say so at start-up."""
+    quiet = megatron_differences(flags(), "cpu")
+    assert len(quiet) == 1 and "--rerun-mode disabled" in quiet[0]  # the one default it differs on
+    said = " | ".join(megatron_differences(flags(
+        "--fp16", "--eod-mask-loss", "--save", "ck", "--save-interval", "2", "--use-mcore-models",
+        "--no-overlap-p2p-communication", "--num-workers", "4"), "cuda"))
+    for flag in ("--accumulate-allreduce-grads-in-fp32", "--calculate-per-token-loss",
+                 "--no-ckpt-fully-parallel-save", "--use-mcore-models",
+                 "--no-overlap-p2p-communication", "--num-workers 4"):
+        assert flag in said, flag
+    assert "--calculate-per-token-loss" not in " ".join(megatron_differences(flags(
+        "--eod-mask-loss", "--calculate-per-token-loss"), "cpu"))

@@ -10,34 +10,14 @@ import re
 from megatron.training.arguments import build_parser, parse_and_validate
 from megatron.training.config import (ModelConfig, OptimizerSetup, RunLayout, ScheduleConfig,
                                       StepConfig, TrainingConfig)
+from megatron.training.config_rules import megatron_differences
 from megatron.training.config_io import (CheckpointConfig, DataConfig, TensorBoardConfig,
                                          TokenizerConfig, WandbConfig)
 from tests._launch_util import REPO, TINY_GPT
 
 # dest -> why no typed config and not the entry point reads it. Keep this list short and true: a
 # flag belongs here only if its whole meaning is carried out by the argument checks.
-HONOURED_BY_THE_ARGUMENT_CHECKS = {
-    "context_parallel_size": "only 1 is accepted (anything else is refused), which is the behaviour",
-    "optimizer": "only adam is accepted (sgd is refused)",
-    "ckpt_fully_parallel_save": "refused when set; --no-ckpt-fully-parallel-save (one replica "
-                                "writes) is ReCoVer's only behaviour",
-    "ckpt_assume_constant_structure": "refused when set",
-    "cross_entropy_loss_fusion": "refused when set",
-    "use_mcore_models": "a no-op in Megatron-LM too: megatron-core models are the only kind",
-    "calculate_per_token_loss": "ReCoVer always divides by the global token count (its only mode)",
-    "accumulate_allreduce_grads_in_fp32": "always on: the main-grad buffer is fp32 (set by the checks)",
-    "recompute_activations": "means --recompute-granularity selective (Megatron's rule); the model "
-                             "reads recompute_granularity",
-    "group_query_attention": "turns --num-query-groups on; the model reads num_query_groups",
-    "transformer_impl": "resolved by the checks, read into ModelConfig.implementation",
-    "use_cpu_initialization": "always on: weights are drawn on the CPU by global name",
-    "rerun_mode": "only disabled is accepted (the other modes are refused), which is the behaviour",
-    "num_layers_per_virtual_pipeline_stage": "turned into args.virtual_pipeline_model_parallel_size "
-                                             "by the checks; the model, link and schedule read it",
-    "num_virtual_stages_per_pipeline_rank": "likewise: virtual_pipeline_model_parallel_size",
-    "overlap_p2p_comm": "--no-overlap-p2p-communication is refused with model chunks (the "
-                        "interleaved schedule's sends are always asynchronous); without them it "
-                        "means nothing in Megatron-LM either",
+HONOURED_BY_THE_ARGUMENT_CHECKS: dict[str, str] = {
 }
 
 
@@ -81,6 +61,7 @@ def read_by_the_typed_configs(args: argparse.Namespace) -> set[str]:
     TensorBoardConfig.from_args(recording)
     WandbConfig.from_args(recording)
     RunLayout.from_args(recording, 1, "cpu", environ={})  # --local-rank when the env has none
+    megatron_differences(recording, "cuda")  # the start-up lines
     return recording._read
 
 
@@ -95,7 +76,8 @@ BRANCHES = [validated(),
             validated("--group-query-attention", "--num-query-groups", "2",
                       "--recompute-granularity", "full", "--recompute-method", "uniform",
                       "--recompute-num-layers", "1"),
-            validated(length=("--train-samples", "64"))]
+            validated(length=("--train-samples", "64")),
+            validated("--eod-mask-loss", "--fp16", "--save", "ck", "--save-interval", "2")]
 
 
 def read_by_the_entry_point() -> set[str]:

@@ -92,8 +92,6 @@ def _add_kernel_and_recompute_args(g) -> None:
                         "--recompute-num-layers layers of each pipeline stage.")
     g.add_argument("--recompute-num-layers", type=int, default=1,
                    help="Layers per recompute group (uniform) or recomputed per stage (block).")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="Fused cross entropy (not supported: refused).")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -267,9 +265,6 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
                    dest="ckpt_fully_parallel_save",
                    help="One replica writes the checkpoint: what ReCoVer always does.")
-    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
-                   help="Refused: ReCoVer plans every save (the writing replica changes after a "
-                        "failure), it does not cache the plan.")
 
 
 def add_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -41,6 +41,11 @@ UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
         ("--fp8-format", 1),
         ("--use-flash-attn", 0),
     )
+) + (
+    RefusedFlag("--cross-entropy-loss-fusion", 0, _NOT_YET,
+                "drop the flag (the vocab-parallel cross entropy is always unfused)"),
+    RefusedFlag("--ckpt-assume-constant-structure", 0, "is not supported: every save is planned "
+                "(the writing replica changes after a failure)", "drop the flag"),
 )
 
 
@@ -69,18 +74,11 @@ def reject_unsupported_values(args: argparse.Namespace) -> None:
     if args.optimizer != "adam":
         raise ArgumentError("--optimizer", f"--optimizer {args.optimizer} {_NOT_YET}",
                             "use --optimizer adam")
-    if args.cross_entropy_loss_fusion:
-        raise ArgumentError("--cross-entropy-loss-fusion", f"--cross-entropy-loss-fusion {_NOT_YET}",
-                            "drop the flag (the vocab-parallel cross entropy is always unfused)")
     if args.ckpt_fully_parallel_save:
         raise ArgumentError("--ckpt-fully-parallel-save", "--ckpt-fully-parallel-save is not "
                             "supported: the lowest live replica writes the whole checkpoint so "
                             "that any surviving replica can land a save",
                             "drop the flag (or pass --no-ckpt-fully-parallel-save)")
-    if args.ckpt_assume_constant_structure:
-        raise ArgumentError("--ckpt-assume-constant-structure", "--ckpt-assume-constant-structure "
-                            "is not supported: every save is planned (the writing replica changes "
-                            "after a failure)", "drop the flag")
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ArgumentError("--async-save", "--async-save needs --ckpt-format torch_dist",
                             "drop --ckpt-format torch (torch_dist is the default) or --async-save")

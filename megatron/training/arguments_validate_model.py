@@ -7,6 +7,7 @@ import importlib.util
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_validate_pipeline import validate_pipeline_split
+from megatron.training.config_rules import recompute_granularity_of
 
 DEVICES = ("cpu", "cuda")
 
@@ -89,12 +90,11 @@ def validate_model_shape(args: argparse.Namespace) -> None:
 def _validate_recompute(args: argparse.Namespace) -> None:
     """Megatron-LM's rules: --recompute-activations means selective; full needs a method; a method
     only goes with full."""
-    if args.recompute_activations:
-        args.recompute_granularity = "selective"
-    if args.recompute_granularity == "full" and args.recompute_method is None:
+    granularity = recompute_granularity_of(args)
+    if granularity == "full" and args.recompute_method is None:
         raise ArgumentError("--recompute-method", "--recompute-granularity full needs "
                             "--recompute-method", "pass --recompute-method uniform (or block)")
-    if args.recompute_method is not None and args.recompute_granularity != "full":
+    if args.recompute_method is not None and granularity != "full":
         raise ArgumentError("--recompute-method", "--recompute-method goes with "
                             "--recompute-granularity full only",
                             "add --recompute-granularity full or drop --recompute-method")
@@ -208,8 +208,8 @@ def _resolve_precision(args: argparse.Namespace) -> None:
         if args.loss_scale_window < 1 or args.hysteresis < 1:
             raise ArgumentError("--loss-scale-window", "--loss-scale-window and --hysteresis must "
                                 "be >= 1", "drop them (defaults 1000 and 2)")
-    # Megatron-LM turns this on for bf16; ReCoVer always accumulates and reduces in fp32.
-    args.accumulate_allreduce_grads_in_fp32 = True
+    # Megatron-LM turns --accumulate-allreduce-grads-in-fp32 on for bf16; ReCoVer always
+    # accumulates and reduces in fp32 (said at start-up for fp16: config_rules)
 
 
 def _validate_attention(args: argparse.Namespace) -> None:

@@ -1,8 +1,8 @@
 """How the layers split over pipeline stages and model chunks: Megatron-LM's flags and rules.
 
 --num-layers-per-virtual-pipeline-stage N or --num-virtual-stages-per-pipeline-rank V give each
-pipeline rank V model chunks (args.virtual_pipeline_model_parallel_size: None for one, as in
-Megatron) and the interleaved schedule. --decoder-first/last-pipeline-num-layers make the end
+pipeline rank V model chunks (`config_rules.model_chunks_of`: None for one, as Megatron's
+virtual_pipeline_model_parallel_size) and the interleaved schedule. --decoder-first/last-pipeline-num-layers make the end
 stages uneven; --account-for-embedding/loss-in-pipeline-split count the embedding / loss as a
 layer. megatron-core builds each chunk from these (`get_num_layers_to_build`); here every rule it
 would assert on is one line naming the flag.
@@ -15,6 +15,7 @@ import os
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_recover import COORDINATOR_ENV
+from megatron.training.config_rules import layers_to_split, model_chunks_of
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
@@ -64,8 +65,7 @@ def validate_pipeline_split(args: argparse.Namespace) -> None:
                         ("--decoder-last-pipeline-num-layers", last)):
         if value is not None and value < 1:
             raise ArgumentError(flag, f"{flag} must be >= 1, got {value}", f"pass {flag} 1 or more")
-    accounted = args.num_layers + int(args.account_for_embedding_in_pipeline_split) \
-        + int(args.account_for_loss_in_pipeline_split)
+    accounted = layers_to_split(args)
     if uneven:
         _validate_uneven(args, pp, first, last, chunks or 1)
     elif accounted % pp:
@@ -84,9 +84,7 @@ def validate_pipeline_split(args: argparse.Namespace) -> None:
                                 f"virtual-pipeline-stage {per_layer} does not divide the "
                                 f"{accounted // pp} layers of a pipeline stage",
                                 "pass a divisor of the layers per stage")
-        chunks = accounted // pp // per_layer
-    vp = chunks if chunks is not None and chunks > 1 else None
-    args.virtual_pipeline_model_parallel_size = vp
+    vp = model_chunks_of(args)
     if args.overlap_p2p_comm_warmup_flush and (vp is None or not args.overlap_p2p_comm):
         raise ArgumentError("--overlap-p2p-communication-warmup-flush", "--overlap-p2p-"
                             "communication-warmup-flush overlaps the interleaved schedule's p2p "
@@ -94,8 +92,7 @@ def validate_pipeline_split(args: argparse.Namespace) -> None:
                             f"add {_VP_FLAGS} and drop --no-overlap-p2p-communication, or drop it")
     if vp is not None:
         _validate_interleaved(args, pp, vp, accounted, uneven)
-    else:
-        args.overlap_p2p_comm = False  # Megatron's rule: only the interleaved schedule overlaps
+    else:  # Megatron's rule: only the interleaved schedule overlaps p2p (the entry point says so)
         if args.microbatch_group_size_per_vp_stage is not None:
             raise ArgumentError("--microbatch-group-size-per-virtual-pipeline-stage",
                                 "--microbatch-group-size-per-virtual-pipeline-stage groups "
@@ -156,7 +153,7 @@ def validate_pipeline_backend(args: argparse.Namespace, device: str) -> None:
     of their own (p2p.ChunkP2P: NCCL ignores tags and runs a group's operations on one stream).
     ReCoVer's groups can be that; torch's own groups, used without the coordinator, are named by
     their ranks, so two groups of the same two ranks cannot exist."""
-    if args.virtual_pipeline_model_parallel_size is not None and device == "cuda" and \
+    if model_chunks_of(args) is not None and device == "cuda" and \
             not (args.coordinator_addr or os.environ.get(COORDINATOR_ENV)):
         raise ArgumentError(_VP_FLAGS.split(" / ")[0], "the interleaved schedule on a GPU needs "
                             "ReCoVer's launcher (its p2p channels are groups of their own, which "

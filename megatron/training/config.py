@@ -20,6 +20,8 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron.training.config_rules import model_chunks_of, recompute_granularity_of
+
 IMPLEMENTATIONS = ("local", "transformer_engine")
 DEVICES = ("cpu", "cuda")
 
@@ -53,11 +55,15 @@ class RunLayout:
                                   * args.pipeline_model_parallel_size), device)
 
     def megatron_fields(self, args: argparse.Namespace) -> dict:
-        """What Megatron-LM's args hold of these (its checkpoints store them in `args`)."""
+        """What Megatron-LM's checks write into its args and ours leave out: the layout and the
+        settings derived from several flags (its checkpoints store them in `args`)."""
         return {"world_size": self.world_size, "rank": self.rank, "local_rank": self.local_rank,
                 "data_parallel_size": self.data_parallel_size, "device": self.device,
                 "params_dtype": params_dtype_of(args),
-                "num_microbatches_per_iteration": args.global_batch_size // args.micro_batch_size}
+                "num_microbatches_per_iteration": args.global_batch_size // args.micro_batch_size,
+                "virtual_pipeline_model_parallel_size": model_chunks_of(args),
+                "recompute_granularity": recompute_granularity_of(args),
+                "accumulate_allreduce_grads_in_fp32": True}
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
@@ -113,7 +119,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         kv_channels=args.kv_channels,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,  # 1: more is refused by the checks
+        virtual_pipeline_model_parallel_size=model_chunks_of(args),
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
@@ -136,7 +143,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         deterministic_mode=args.deterministic_mode,
         # megatron-core's recompute saves and restores the RNG states (our tracker's included), so
         # a recomputed forward draws the same dropout masks
-        recompute_granularity=args.recompute_granularity,
+        recompute_granularity=recompute_granularity_of(args),
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers if args.recompute_method else None,
         # Initialised on the CPU (Megatron's --use-cpu-initialization) on every device, then moved:
@@ -153,7 +160,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         masked_softmax_fusion=args.masked_softmax_fusion,
         apply_rope_fusion=args.rope_fusion,
         persist_layer_norm=False,
-        # Gradients accumulate into ReCoVer's main-grad buffer through a hook (recovery/grad_buffer).
+        # Gradients accumulate into ReCoVer's main-grad buffer by a hook (recovery/grad_buffer).
         gradient_accumulation_fusion=False,
     )
 
@@ -176,8 +183,9 @@ class OptimizerSetup:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OptimizerSetup:
         adam = OptimizerConfig(
-            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+            weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
             clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
@@ -318,7 +326,7 @@ class StepConfig:
     def from_args(cls, args: argparse.Namespace, recovering: bool) -> StepConfig:
         return cls(drop_lost=args.recover_policy == "drop",
                    even_balance=args.recover_balance == "even",
-                   chunks=args.virtual_pipeline_model_parallel_size or 1,
+                   chunks=model_chunks_of(args) or 1,
                    vp_group=args.microbatch_group_size_per_vp_stage or 0,
                    overlap_warmup_flush=bool(args.overlap_p2p_comm_warmup_flush),
                    weight_check_interval=args.check_weight_hash_across_dp_replicas_interval or 0,

@@ -1,0 +1,73 @@
+"""Megatron-LM's rules that give a setting from several flags, read alike by the argument checks
+and by the typed configuration (`config.py`). Light on purpose: the checks run before anything
+imports megatron-core or torch. Call them on validated flags."""
+from __future__ import annotations
+
+import argparse
+
+
+def recompute_granularity_of(args: argparse.Namespace) -> str | None:
+    """--recompute-activations means --recompute-granularity selective."""
+    return "selective" if args.recompute_activations else args.recompute_granularity
+
+
+def layers_to_split(args: argparse.Namespace) -> int:
+    """The layers the pipeline split divides: the embedding and the loss count when asked."""
+    return args.num_layers + int(args.account_for_embedding_in_pipeline_split) \
+        + int(args.account_for_loss_in_pipeline_split)
+
+
+def model_chunks_of(args: argparse.Namespace) -> int | None:
+    """Model chunks per pipeline rank (the interleaved schedule): --num-virtual-stages-per-
+    pipeline-rank, or a stage's layers over --num-layers-per-virtual-pipeline-stage; None for one
+    chunk, as Megatron-LM's virtual_pipeline_model_parallel_size."""
+    chunks = args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        chunks = layers_to_split(args) // args.pipeline_model_parallel_size \
+            // args.num_layers_per_virtual_pipeline_stage
+    return chunks if chunks is not None and chunks > 1 else None
+
+
+NUM_WORKERS_DEFAULT = 2  # Megatron-LM's: a run that leaves it alone hears nothing of it
+
+
+def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
+    """Where this run does not do what Megatron-LM would with the same flags, one line each
+    naming the flag and why (said once at start-up). A flag that changes nothing says so."""
+    chunks = model_chunks_of(args)
+    lines = []
+    if chunks is not None:
+        lines.append(f"interleaved schedule: {chunks} model chunks per pipeline rank, "
+                     f"microbatches in groups of {args.microbatch_group_size_per_vp_stage} (any "
+                     "quota length runs)")
+    elif not args.overlap_p2p_comm:
+        lines.append("--no-overlap-p2p-communication has no effect without model chunks (as in "
+                     "Megatron-LM: only the interleaved schedule overlaps its p2p)")
+    if device == "cuda" and args.gradient_accumulation_fusion:
+        lines.append("gradient accumulation fusion is off: gradients accumulate into ReCoVer's "
+                     "fp32 main-grad buffer (pass --no-gradient-accumulation-fusion to silence "
+                     "this)")
+    if device == "cuda" and not args.use_cpu_initialization:
+        lines.append("weights are initialised on the CPU, as with --use-cpu-initialization "
+                     "(ReCoVer's only mode: every layout draws the same weights by name)")
+    if args.fp16 and not args.accumulate_allreduce_grads_in_fp32:
+        lines.append("gradients are accumulated and reduced in fp32, as with "
+                     "--accumulate-allreduce-grads-in-fp32: ReCoVer's only mode")
+    if args.eod_mask_loss and not args.calculate_per_token_loss:
+        lines.append("the loss is averaged over the global batch's tokens, as with "
+                     "--calculate-per-token-loss (ReCoVer's only mode: a recomputed microbatch "
+                     "must weigh the same wherever it runs)")
+    if args.save and args.ckpt_fully_parallel_save is None:
+        lines.append("checkpoints are written by the lowest live replica, as with "
+                     "--no-ckpt-fully-parallel-save (Megatron-LM's default of sharing the "
+                     "writing is not supported yet)")
+    if args.rerun_mode == "disabled":  # the only mode accepted
+        lines.append("--rerun-mode disabled: there is no rerun state machine yet (Megatron-LM's "
+                     "default is validate_results)")
+    if args.use_mcore_models:
+        lines.append("--use-mcore-models changes nothing: megatron-core models are the only kind "
+                     "(as in current Megatron-LM)")
+    if args.num_workers != NUM_WORKERS_DEFAULT:
+        lines.append(f"--num-workers {args.num_workers} has no effect: each rank reads its "
+                     "microbatches by id in the training process, there is no data-loader pool")
+    return lines
