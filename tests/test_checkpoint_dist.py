@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron.training.arguments import parse_and_validate
@@ -24,9 +23,10 @@ from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
 from megatron.training.config_io import CheckpointConfig
 from megatron.training.model import build_model
 from megatron.training.optimizer_setup import build_optimizer, build_scheduler
-from megatron.training.checkpoint_state import TrainingState, TrainState
+from megatron.training.checkpoint_state import TrainState
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Topology
+from tests._checkpoint_host import OneProcessHost
 from tests._launch_util import TINY_GPT
 
 VOCAB = 256
@@ -47,7 +47,7 @@ class Metrics:
         pass
 
 
-class GPTTrainer:
+class GPTTrainer(OneProcessHost):
     """What the Checkpointer touches of the Trainer, around the real GPT, AdamW and schedule."""
 
     def __init__(self, args: Namespace):
@@ -59,27 +59,6 @@ class GPTTrainer:
         self.optimizer = build_optimizer(self.model, OptimizerSetup.from_args(args), self.groups)
         self.scheduler = build_scheduler(self.optimizer, ScheduleConfig.from_args(args))
         self.state, self.faults, self.metrics = TrainState(), Faults(), Metrics()
-
-    def barrier(self, key: str) -> None:
-        dist.barrier()
-
-    def any_rank(self, flag: bool, key: str) -> bool:
-        return flag
-
-    def weights_ready(self) -> None:
-        pass
-
-    @property
-    def training(self) -> TrainingState:
-        return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
-                             torch.device("cpu"))
-
-    @property
-    def live_replicas(self) -> list[int]:
-        return [0]
-
-    def close_metrics(self) -> None:
-        self.metrics.close()
 
     def train_step(self) -> float:
         tokens = torch.randint(0, VOCAB, (2, 33))  # the global RNG: restored by the checkpoint

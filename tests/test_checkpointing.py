@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.checkpointing import (
@@ -24,9 +23,10 @@ from megatron.training.checkpointing import (
     rank_dir_name, read_latest, writer_rank)
 from megatron.training.config_io import CheckpointConfig
 from megatron.training.optimizer import MainParamsAdamW
-from megatron.training.checkpoint_state import TrainingState, TrainState
+from megatron.training.checkpoint_state import TrainState
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
+from tests._checkpoint_host import OneProcessHost
 from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
 
 
@@ -74,7 +74,7 @@ def make_args(tmp: Path, **over) -> CheckpointConfig:
     return CheckpointConfig.from_args(Namespace(**{**base, **over}))
 
 
-class TinyTrainer:
+class TinyTrainer(OneProcessHost):
     """The Trainer attributes the Checkpointer touches, around a real model/optimizer/scheduler."""
 
     def __init__(self, faults: Faults | None = None, dtype: torch.dtype = torch.float32):
@@ -90,27 +90,6 @@ class TinyTrainer:
         self.state, self.faults, self.metrics = TrainState(), faults or Faults(), Metrics()
         self.tracker = install_rng_tracker()
         self.tracker.add("model-parallel-rng", 7)
-
-    def barrier(self, key: str) -> None:  # the real Trainer's, recovery off
-        dist.barrier()
-
-    def any_rank(self, flag: bool, key: str) -> bool:
-        return flag
-
-    def weights_ready(self) -> None:  # the real Trainer's without the distributed optimizer
-        pass
-
-    @property
-    def training(self) -> TrainingState:
-        return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
-                             torch.device("cpu"))
-
-    @property
-    def live_replicas(self) -> list[int]:
-        return [0]
-
-    def close_metrics(self) -> None:
-        self.metrics.close()
 
     def train_step(self) -> float:
         """One iteration whose result depends on weights, Adam moments, LR and both RNG streams."""
