@@ -184,4 +184,10 @@ def test_a_standby_node_takes_over_a_lost_nodes_ranks(tmp_path, reference):
     assert sorted(rank for join in joins(run) for rank in join["joined"]) == [2, 3]
     for rank in (2, 3):
         assert f"takes rank {rank}" in stderr, stderr[-4000:]  # the coordinator's assignment
-    assert "no heartbeat" in stderr and "all 2 standby process(es) exited 0" in out["standby"][1]
+    # Only liveness can tell (the node's launcher died too, no exit is reported): a silent
+    # heartbeat, or a progress mark that stopped while a survivor waited for it, whichever the
+    # coordinator's sweep sees first.
+    by_liveness = re.findall(r"rank ([23]): no (?:heartbeat|progress)", stderr)
+    assert sorted(set(by_liveness)) == ["2", "3"], stderr[-4000:]
+    assert not re.search(r"rank [23]: process exited", stderr), stderr[-4000:]
+    assert "all 2 standby process(es) exited 0" in out["standby"][1]
