@@ -22,7 +22,7 @@ import warnings
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
 
-from recover_patches.log import configure
+from recover_patches.log import configure, set_level
 
 EXIT_USER_ERROR, EXIT_RESTART = 2, 3
 logger = logging.getLogger(__name__)
@@ -104,6 +104,10 @@ def _parse(argv: list[str] | None) -> tuple:
     configure(None if standby_id() is not None else env_rank, stream="stdout")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = parse_and_validate(argv, world_size=world, device=device)
+    level = os.environ.get("MEGATRON_LOGGING_LEVEL")  # the flag wins, as in Megatron-LM
+    level = args.logging_level if args.logging_level is not None else level
+    if level is not None:
+        set_level(int(level))
     if args.coordinator_addr:  # the flags win over the launcher's env
         os.environ["RECOVER_COORDINATOR"] = args.coordinator_addr
     if args.job_token:

@@ -57,10 +57,22 @@ class _CurrentStream(logging.StreamHandler):
         pass
 
 
-def configure(rank: int | None = None, stream: str = "stderr", level: int = logging.INFO) -> None:
+_level = [logging.INFO]  # set_level's choice, kept by later configure calls
+
+
+def set_level(level: int) -> None:
+    """Megatron-LM's --logging-level: the root logger's level, and ReCoVer's loggers' too."""
+    _level[0] = level
+    logging.getLogger().setLevel(level)
+    for package in PACKAGES:
+        logging.getLogger(package).setLevel(level)
+
+
+def configure(rank: int | None = None, stream: str = "stderr", level: int | None = None) -> None:
     """Send this process's records to sys.<stream> with the rank prefix. Ranks use stdout (where
     Megatron prints); the launcher and the coordinator stderr. Calling it again (a forked rank, a
     standby that got its rank) replaces the previous set-up."""
+    level = _level[0] if level is None else level
     handler = _CurrentStream(stream)
     handler.setFormatter(LineFormatter(rank))
     for package in PACKAGES:

@@ -428,7 +428,7 @@ def test_checkpoint_flags_taken():
 
 def test_strictness_choices_are_megatron_cores():
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    from megatron.training.arguments_flags import STRICTNESS
+    from megatron.training.arguments_flags_checkpoint import STRICTNESS
     assert set(STRICTNESS) == {s.value for s in StrictHandling}
 
 

@@ -52,7 +52,8 @@ class GPTTrainer(OneProcessHost):
 
     def __init__(self, args: Namespace):
         self.args = args
-        self.groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory)
+        self.groups = build_groups(Topology(1, 1, 1), 0, torch_group_factory,
+                                   1 if args.use_distributed_optimizer else None)
         self.tracker = install_rng_tracker("cpu", args.seed)
         self.model = build_model(ModelConfig.from_args(args, VOCAB), self.groups.pg_collection(),
                                  0, 0)

@@ -69,7 +69,8 @@ def make_args(tmp: Path, **over) -> CheckpointConfig:
                 no_load_optim=None, no_load_rng=None, finetune=False, exit_signal_handler=False,
                 use_tp_pp_dp_mapping=False, exit_interval=None, exit_duration_in_mins=None,
                 ckpt_format="torch", async_save=False, dist_ckpt_strictness="assume_ok_unexpected",
-                use_persistent_ckpt_worker=False, num_layers=None, hidden_size=None,
+                use_persistent_ckpt_worker=False, dist_ckpt_optim_fully_reshardable=False,
+                use_distributed_optimizer=False, num_layers=None, hidden_size=None,
                 num_attention_heads=None, ffn_hidden_size=None)
     return CheckpointConfig.from_args(Namespace(**{**base, **over}))
 

@@ -25,8 +25,11 @@ from typing import NoReturn
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_flags import (
-    add_batch_args, add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-    add_optimizer_args, add_parallel_args, add_precision_args)
+    add_batch_args, add_data_args, add_logging_args, add_model_args, add_optimizer_args,
+    add_parallel_args, add_precision_args)
+from megatron.training.arguments_flags_checkpoint import add_checkpoint_args
+from megatron.training.arguments_flags_numerics import add_numerics_args
+from megatron.training.arguments_megatron import add_megatron_refusals
 from megatron.training.arguments_recover import add_recover_args, apply_recover_env_defaults
 from megatron.training.arguments_unsupported import add_refused_args, reject_unsupported_values
 from megatron.training.arguments_validate_io import (
@@ -52,7 +55,9 @@ class OneLineParser(argparse.ArgumentParser):
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
         if unknown:
             flag = unknown.group(1).split("=")[0]
-            close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
+            accepted = [f for f, action in self._option_string_actions.items()
+                        if action.default is not argparse.SUPPRESS]  # not a refused flag
+            close = difflib.get_close_matches(flag, accepted, n=1)
             raise ArgumentError(flag, f"unknown flag {flag}",
                                 f"did you mean {close[0]}?" if close else
                                 f"drop it ({self.prog} --help lists every flag)")
@@ -77,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resilient GPT pre-training: Megatron-LM pretrain_gpt.py flags plus ReCoVer's.")
     for add_group in (add_model_args, add_parallel_args, add_batch_args, add_optimizer_args,
                       add_data_args, add_checkpoint_args, add_logging_args, add_precision_args,
-                      add_recover_args, add_refused_args):
+                      add_numerics_args, add_recover_args, add_refused_args):
         add_group(parser)
+    add_megatron_refusals(parser)  # last: every Megatron-LM flag not declared above
     return parser
 
 

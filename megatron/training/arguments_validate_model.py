@@ -7,7 +7,7 @@ import importlib.util
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_validate_pipeline import validate_pipeline_split
-from megatron.training.config_rules import recompute_granularity_of
+from megatron.training.config_rules import position_embedding_type_of, recompute_granularity_of
 
 DEVICES = ("cpu", "cuda")
 
@@ -117,7 +117,7 @@ def _derive_kv_channels(args: argparse.Namespace) -> None:
         raise ArgumentError("--kv-channels", f"--kv-channels must be >= 1, got {args.kv_channels}",
                             "drop --kv-channels (default hidden-size // num-attention-heads)")
     # Rotary embeddings rotate channel pairs, so every head needs an even channel count.
-    if args.position_embedding_type == "rope" and args.kv_channels % 2 != 0:
+    if position_embedding_type_of(args) == "rope" and args.kv_channels % 2 != 0:
         raise ArgumentError("--kv-channels", f"rope needs an even per-head size, got kv-channels "
                             f"{args.kv_channels}", "choose --hidden-size / --num-attention-heads "
                             "(or --kv-channels) giving an even per-head size")
@@ -161,7 +161,7 @@ def validate_device_flags(args: argparse.Namespace, device: str) -> None:
     if on_cpu:
         args.use_cpu_initialization = True  # there is no GPU to initialise on
         for dest in ("rope_fusion", "masked_softmax_fusion", "bias_gelu_fusion",
-                     "bias_dropout_fusion"):
+                     "bias_swiglu_fusion", "bias_dropout_fusion"):
             setattr(args, dest, False)
     _resolve_transformer_impl(args, on_cpu)
     _resolve_precision(args)

@@ -45,6 +45,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
+from megatron.training import checkpoint_dist_optimizer as dopt
 from megatron.training.model import checkpoint_keys, model_chunks
 
 if TYPE_CHECKING:  # it imports this module
@@ -133,10 +134,12 @@ def with_megatron_args(args: argparse.Namespace, iteration: int,
     return saved
 
 
-def checkpoint_state(training: TrainingState, megatron_args: argparse.Namespace, optimizer_state: dict | None,
-                     rng: dict | None) -> dict:
+def checkpoint_state(training: TrainingState, megatron_args: argparse.Namespace,
+                     optimizer_state: dict | None, rng: dict | None,
+                     fully_reshardable: bool = False) -> dict:
     """This rank's whole checkpoint in Megatron's torch_dist layout (with ShardedTensors);
-    `megatron_args`: the run's flags, stored under "args" as Megatron stores them."""
+    `megatron_args`: the run's flags, stored under "args" as Megatron stores them;
+    `fully_reshardable`: the optimizer in the distributed optimizer's layout of that name."""
     model_sd = model_sharded(training)
     st = training.progress
     state: dict = {
@@ -145,29 +148,42 @@ def checkpoint_state(training: TrainingState, megatron_args: argparse.Namespace,
         "recover": {"consumed_samples": st.consumed_samples,
                     "topology": vars(training.groups.topology).copy()}}
     if optimizer_state is not None:
-        state["optimizer"] = optimizer_sharded(optimizer_state, model_sd,
-                                               training.optimizer.model_params)
+        state["optimizer"] = _optimizer_layout(optimizer_state, model_sd,
+                                               training.optimizer.model_params, fully_reshardable)
+        if fully_reshardable:
+            state[dopt.CONTENT_METADATA] = dopt.content_metadata()
         state["opt_param_scheduler"] = training.scheduler.state_dict()
     if rng is not None:
         state["rng_state"] = rng_sharded(training, rng)
     return state
 
 
+def _optimizer_layout(optimizer_state: dict, model_sd: dict, params: list[torch.Tensor],
+                      fully_reshardable: bool) -> dict:
+    if fully_reshardable:
+        return dopt.fully_reshardable(optimizer_state, _by_param(model_sd, params), params)
+    return optimizer_sharded(optimizer_state, model_sd, params)
+
+
 def load_template(training: TrainingState, with_optimizer: bool, moments: bool,
-                  rng: dict | None) -> dict:
-    """What this rank reads: its layout's slices of the model (and Adam, and its RNG)."""
+                  rng: dict | None, fully_reshardable: bool = False) -> dict:
+    """What this rank reads: its layout's slices of the model (and Adam, and its RNG), the
+    optimizer in the layout the checkpoint has."""
     model_sd = model_sharded(training)
     template: dict = dict(model_sd)
     if with_optimizer:
         params = training.optimizer.model_params
-        template["optimizer"] = optimizer_sharded(
-            optimizer_template(params, training.optimizer.param_groups, moments), model_sd, params)
+        empty = optimizer_template(params, training.optimizer.param_groups, moments)
+        template["optimizer"] = (
+            dopt.fully_reshardable(empty, _by_param(model_sd, params), params, loading=True)
+            if fully_reshardable else optimizer_sharded(empty, model_sd, params))
     if rng is not None:
         template["rng_state"] = rng_sharded(training, rng)
     return template
 
 
-def as_rank_state(loaded: dict) -> dict:
+def as_rank_state(loaded: dict, params: list[torch.Tensor] | None = None,
+                  group_sizes: list[int] | None = None) -> dict:
     """A loaded torch_dist checkpoint in the shape `checkpoint_state.apply_rank_state` takes (the
     torch format's). Consumed samples: ReCoVer's own record, else Megatron's args."""
     recover = loaded.get("recover") or {}
@@ -175,7 +191,11 @@ def as_rank_state(loaded: dict) -> dict:
     consumed = recover.get("consumed_samples", getattr(saved_args, "consumed_train_samples", 0))
     state = {"iteration": int(loaded["iteration"]), "consumed_samples": int(consumed),
              **{key: value for key, value in loaded.items() if re.fullmatch(r"model\d*", key)}}
-    if "optimizer" in loaded:
+    if "optimizer" in loaded and "param_state" in loaded["optimizer"]:  # fully_reshardable
+        assert params is not None and group_sizes is not None, "a fully_reshardable optimizer"
+        state["optimizer"] = dopt.unsharded(loaded["optimizer"], params, group_sizes)
+        state["opt_param_scheduler"] = loaded["opt_param_scheduler"]
+    elif "optimizer" in loaded:
         optimizer = loaded["optimizer"]
         inner = optimizer["optimizer"]
         step = inner["state"].pop("common_step", None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.training import checkpoint_dist as ckd
+from megatron.training.checkpoint_dist_optimizer import is_fully_reshardable
 from megatron.training.arguments_errors import UserError
 from megatron.training.config_io import CheckpointConfig
 from recover_patches.topology import Topology
@@ -53,6 +54,7 @@ class ResumePoint:
     has_rng: bool
     by_recover: bool  # False: stock Megatron-LM wrote it (no ReCoVer records)
     adam_started: bool = True  # torch_dist: it holds Adam's moments (fp16 may save before any)
+    fully_reshardable: bool = False  # torch_dist: the optimizer in Megatron's fully_reshardable
 
 
 def read_latest(load_dir: Path) -> int | None:
@@ -155,7 +157,8 @@ def _torch_dist_point(directory: Path, iteration: int, shape: dict[str, int | No
         topo.get("pp", getattr(saved_args, "pipeline_model_parallel_size", 1)),
         has_optimizer=any(k.startswith("optimizer.") for k in keys),
         has_rng=any(k.startswith("rng_state") for k in keys), by_recover=bool(recover),
-        adam_started=any(k.startswith("optimizer.state.exp_avg.") for k in keys))
+        adam_started=any(k.startswith("optimizer.state.exp_avg.") for k in keys),
+        fully_reshardable=is_fully_reshardable(common))
 
 
 def check_compatible(point: ResumePoint, topology: Topology, config: CheckpointConfig) -> None:

@@ -187,13 +187,16 @@ class Checkpointer:
         same_layout = (point.tp, point.pp) == (self.topology.tp, self.topology.pp)
         read_rng = same_layout and point.by_recover and config.load_rng and not config.finetune
         template = ckd.load_template(host.training, config.load_optim and not config.finetune,
-                                     point.adam_started, rng_state() if read_rng else None)
+                                     point.adam_started, rng_state() if read_rng else None,
+                                     point.fully_reshardable)
 
         def error(detail: str) -> CheckpointError:
             return CheckpointError("--load", f"cannot load {point.directory} into this model "
                                    f"({detail})", "load a checkpoint of this model's shape")
-        state = ckd.as_rank_state(ckd.load(template, point.directory, config.strictness,
-                                           error))
+        optimizer = host.training.optimizer
+        state = ckd.as_rank_state(ckd.load(template, point.directory, config.strictness, error),
+                                  optimizer.model_params,
+                                  [len(g["params"]) for g in optimizer.param_groups])
         return state if read_rng else self._without_rng(state, point)
 
     def _without_rng(self, state: dict, point: ResumePoint) -> dict:
@@ -304,7 +307,8 @@ class Checkpointer:
         """The writing replica's collective part: Megatron's layout, and DCP's write plan."""
         config = self.config
         state = ckd.checkpoint_state(host.training, config.megatron_args, optimizer_state,
-                                     rng_state() if config.save_rng else None)
+                                     rng_state() if config.save_rng else None,
+                                     config.optimizer_fully_reshardable)
         sharded, common = ckd.sharded_and_common(state)
         if self.async_save:
             sharded = ckd.to_host(sharded)  # what the training loop waits for

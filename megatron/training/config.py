@@ -20,7 +20,8 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
-from megatron.training.config_rules import model_chunks_of, recompute_granularity_of
+from megatron.training.config_rules import (model_chunks_of, position_embedding_type_of,
+                                            recompute_granularity_of)
 
 IMPLEMENTATIONS = ("local", "transformer_engine")
 DEVICES = ("cpu", "cuda")
@@ -79,6 +80,9 @@ class ModelConfig:
     position_embedding_type: str
     rotary_percent: float
     rotary_base: int
+    rope_scaling: bool  # --use-rope-scaling (Llama 3.x frequencies)
+    rope_scaling_factor: float
+    rope_interpolation: int | None  # --rotary-seq-len-interpolation-factor
     seed: int  # parameters are drawn by global name from it
 
     def __post_init__(self):
@@ -99,9 +103,10 @@ class ModelConfig:
                    padded_vocab_size=padded_vocab_size, seq_length=args.seq_length,
                    max_sequence_length=args.max_position_embeddings,
                    share_embeddings=not args.untie_embeddings_and_output_weights,
-                   position_embedding_type=args.position_embedding_type,
+                   position_embedding_type=position_embedding_type_of(args),
                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-                   seed=args.seed)
+                   rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+                   rope_interpolation=args.rotary_seq_len_interpolation_factor, seed=args.seed)
 
     @property
     def model_chunks(self) -> int | None:
@@ -155,11 +160,14 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         params_dtype=params_dtype_of(args),
         pipeline_dtype=params_dtype_of(args),
         # Fused kernels are CUDA-only (forced off on CPU by the argument checks).
-        bias_activation_fusion=args.bias_gelu_fusion,
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         masked_softmax_fusion=args.masked_softmax_fusion,
         apply_rope_fusion=args.rope_fusion,
-        persist_layer_norm=False,
+        persist_layer_norm=not args.no_persist_layer_norm,  # transformer-engine's kernel only
+        disable_bf16_reduced_precision_matmul=args.disable_bf16_reduced_precision_matmul,
+        layernorm_epsilon=args.layernorm_epsilon,
+        add_qkv_bias=args.add_qkv_bias or args.add_bias_linear,  # as Megatron-LM keeps them
         # Gradients accumulate into ReCoVer's main-grad buffer by a hook (recovery/grad_buffer).
         gradient_accumulation_fusion=False,
     )
@@ -189,7 +197,10 @@ class OptimizerSetup:
             clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
+            hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+            # megatron-core's standard parameter groups carry both out (wd_mult, max/min lr)
+            apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
+            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr)
         return cls(adam, args.num_distributed_optimizer_instances, args.ddp_bucket_size,
                    args.overlap_grad_reduce)
 
@@ -321,6 +332,7 @@ class StepConfig:
     micro_batch_size: int
     overlap_param_gather: bool
     recovering: bool  # recovery on: a failed weight all-gather after the step is recovered
+    empty_cache_level: int = 0  # --empty-unused-memory-level (a GPU's cached memory)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, recovering: bool) -> StepConfig:
@@ -333,4 +345,5 @@ class StepConfig:
                    clip_grad=args.clip_grad, log_num_zeros=bool(args.log_num_zeros_in_grad),
                    log_params_norm=bool(args.log_params_norm),
                    micro_batch_size=args.micro_batch_size,
-                   overlap_param_gather=bool(args.overlap_param_gather), recovering=recovering)
+                   overlap_param_gather=bool(args.overlap_param_gather), recovering=recovering,
+                   empty_cache_level=args.empty_unused_memory_level)

@@ -80,6 +80,8 @@ class CheckpointConfig:
     tensor_parallel: int
     pipeline_parallel: int
     tp_pp_dp_mapping: bool  # --use-tp-pp-dp-mapping: the rank order of the checkpoint's layout
+    # --dist-ckpt-optim-fully-reshardable with --use-distributed-optimizer (Megatron's condition)
+    optimizer_fully_reshardable: bool
     model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
     # a copy taken here is that payload, never read for a setting
@@ -111,6 +113,8 @@ class CheckpointConfig:
             tensor_parallel=args.tensor_model_parallel_size,
             pipeline_parallel=args.pipeline_model_parallel_size,
             tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping),
+            optimizer_fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable
+                                             and args.use_distributed_optimizer),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
 

@@ -31,6 +31,11 @@ def model_chunks_of(args: argparse.Namespace) -> int | None:
 NUM_WORKERS_DEFAULT = 2  # Megatron-LM's: a run that leaves it alone hears nothing of it
 
 
+def position_embedding_type_of(args: argparse.Namespace) -> str:
+    """--use-rotary-position-embeddings is Megatron-LM's older spelling of rope."""
+    return "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
+
+
 def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     """Where this run does not do what Megatron-LM would with the same flags, one line each
     naming the flag and why (said once at start-up). A flag that changes nothing says so."""
@@ -67,7 +72,27 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.use_mcore_models:
         lines.append("--use-mcore-models changes nothing: megatron-core models are the only kind "
                      "(as in current Megatron-LM)")
+    lines += _checkpoint_differences(args)
     if args.num_workers != NUM_WORKERS_DEFAULT:
         lines.append(f"--num-workers {args.num_workers} has no effect: each rank reads its "
                      "microbatches by id in the training process, there is no data-loader pool")
     return lines
+
+
+def _checkpoint_differences(args: argparse.Namespace) -> list[str]:
+    lines = []
+    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
+        lines.append("--dist-ckpt-optim-fully-reshardable has no effect without "
+                     "--use-distributed-optimizer (as in Megatron-LM)")
+    if args.distrib_optim_fully_reshardable_mem_efficient:
+        lines.append("--distrib-optim-fully-reshardable-mem-efficient has no effect: it changes "
+                     "how Megatron-LM gathers the state, not what is written, and the writing "
+                     "replica already holds it")
+    if args.ckpt_fully_parallel_load:
+        lines.append("--ckpt-fully-parallel-load has no effect: every rank already reads only "
+                     "the slices its own layout needs")
+    if args.async_save and args.async_strategy is not None:
+        lines.append(f"--async-save writes on ReCoVer's own background writer (--async-strategy "
+                     f"{args.async_strategy} names Megatron-LM's writers: no effect)")
+    return lines
+

@@ -213,6 +213,9 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
             position_embedding_type=m.position_embedding_type,
             rotary_percent=m.rotary_percent,
             rotary_base=m.rotary_base,
+            rope_scaling=m.rope_scaling,
+            rope_scaling_factor=m.rope_scaling_factor,
+            seq_len_interpolation_factor=m.rope_interpolation,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         ) for vp_stage in ([None] if vp is None else range(vp))]

@@ -110,7 +110,13 @@ class GPTReplicaStep:
         else:
             done = run_1f1b(ids, self.stages[0], self.link, self.hook, self.grads.arm)
         self.clock.stop(len(ids))
+        self._empty_cache(1)
         return done
+
+    def _empty_cache(self, level: int) -> None:
+        """--empty-unused-memory-level: 1 after the passes, 2 also after the step (Megatron's)."""
+        if self.config.empty_cache_level >= level and self.params[0].is_cuda:
+            torch.cuda.empty_cache()
 
     def reduce(self, local: Totals) -> ReducedGradients:
         self.hook("dp_reduce")
@@ -150,6 +156,7 @@ class GPTReplicaStep:
             if factor != 1.0:
                 self.grads.scale_gradients(factor)
             self._optimizer_step(grads, reduced.totals.microbatches)
+            self._empty_cache(2)
         if self.config.log_params_norm:  # the fp32 main params, after the step
             extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
                                                     self.groups.replica, self.groups.coord.tp)

@@ -1,0 +1,46 @@
+"""Megatron-LM `pretrain_gpt.py` flags that tune the model's and the optimizer's numerics, and
+the run's memory and log level: same names, dests and defaults. Each is carried out by
+megatron-core itself (TransformerConfig, GPTModel, OptimizerConfig's parameter groups) or by the
+training loop, as in Megatron-LM."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_numerics_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and optimizer numerics")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon",
+                   help="Epsilon of every LayerNorm / RMSNorm.")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="Give the query/key/value projection a bias even with "
+                        "--disable-bias-linear (with biases on, it has one anyway).")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="Do not use the persistent fused LayerNorm kernel (transformer-engine on "
+                        "a GPU; the local layers never use it).")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                   help="With --swiglu: do not fuse bias + SwiGLU (GPU-only, off on CPU).")
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="Forbid cuBLAS reduced-precision reductions in bf16 matmuls "
+                        "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope.")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="Rope: divide positions by this factor (linear interpolation).")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Rope: Llama 3.x frequency scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="Rope: the factor of --use-rope-scaling.")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="Apply weight decay to the query/key layernorm weights (the other 1-D "
+                        "parameters and biases still skip it).")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Peak learning rate of the input embedding and output layer.")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Learning-rate floor of the input embedding and output layer.")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="On a GPU, release cached memory each iteration: 1 after the "
+                        "forward-backward passes, 2 also after the optimizer step.")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="The root logger's level (logging's numbers: 10 debug, 20 info, ...). "
+                        "Default: the MEGATRON_LOGGING_LEVEL environment variable, else info.")

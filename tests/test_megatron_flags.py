@@ -1,0 +1,91 @@
+"""Every flag of Megatron-LM's GPT parser (the facts file, read from its source at one commit) is
+known here: honoured with Megatron's dest and default unless a row says why not, or refused by
+name with a reason of its own; and docs/megatron_flags.md is the table of all of them."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+
+from megatron.training.arguments import build_parser, parse_and_validate
+from megatron.training.arguments_megatron import (FACTS, UNCLASSIFIED, megatron_flags,
+                                                  refusal_of)
+from megatron.training.megatron_flag_table import DIFFERENCES, REFUSED_BY_THE_CHECKS, flag_table
+from tests._launch_util import REPO, TINY_GPT
+
+PARSER = build_parser()
+ROWS = megatron_flags()["flags"]
+
+
+def _refused(action: argparse.Action) -> bool:
+    return action.default is argparse.SUPPRESS
+
+
+def _same_default(ours, theirs) -> bool:
+    if isinstance(theirs, str) and theirs.startswith("<") and "." in theirs:
+        theirs = theirs.split(".")[1].split(":")[0]  # an enum member's repr: its name
+    return ours == theirs
+
+
+def test_the_facts_name_their_source():
+    facts = json.loads(FACTS.read_text())
+    assert re.fullmatch(r"[0-9a-f]{40}", facts["commit"]) and "Megatron-LM" in facts["source"]
+    assert len(ROWS) > 800 and all(r["flags"] and r["dest"] for r in ROWS)
+
+
+def unknown_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [f for r in ROWS for f in r["flags"] if f not in parser._option_string_actions]
+
+
+def test_every_megatron_flag_is_known_here():
+    assert not unknown_flags(PARSER), unknown_flags(PARSER)
+
+
+def test_the_check_sees_flags_nobody_registered(monkeypatch):
+    """Negative control: without the registered refusals most of Megatron-LM's flags are
+    unknown to this parser, and the check above names them."""
+    from megatron.training import arguments
+    monkeypatch.setattr(arguments, "add_megatron_refusals", lambda parser: None)
+    unknown = unknown_flags(arguments.build_parser())
+    assert "--moe-router-topk" in unknown and "--dist-ckpt-optim-fully-reshardable" not in unknown
+
+
+def test_every_refused_flag_has_a_reason_of_its_own():
+    fallback = [f for r in ROWS for f in r["flags"]
+                if getattr(PARSER._option_string_actions[f], "refusal", None) is not None
+                and refusal_of(f, r["group"]) is UNCLASSIFIED]
+    assert not fallback, f"refused only as 'not supported yet': {fallback}"
+
+
+def test_honoured_flags_keep_megatrons_dest_and_default_or_say_why():
+    unexplained = []
+    for r in ROWS:
+        action = PARSER._option_string_actions[r["flags"][0]]
+        if _refused(action) or r["flags"][0] in {**DIFFERENCES, **REFUSED_BY_THE_CHECKS}:
+            continue
+        if action.dest != r["dest"] or not _same_default(action.default, r["default"]):
+            unexplained.append((r["flags"][0], action.dest, action.default, r["dest"],
+                                r["default"]))
+    assert not unexplained, unexplained
+    stale = [f for f in DIFFERENCES if f not in PARSER._option_string_actions]
+    assert not stale, stale
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if _refused(
+    PARSER._option_string_actions[r["flags"][0]])], ids=lambda r: r["flags"][0])
+def test_a_refused_flag_stops_the_run_with_one_line_naming_it(row, capsys):
+    flag = row["flags"][0]
+    value = [] if row["nargs"] == 0 else ["1"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate([*TINY_GPT, "--train-iters", "2", flag, *value], world_size=1)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {flag}: {flag} " in err and "Fix: " in err, err
+
+
+def test_the_flag_table_is_current():
+    written = (REPO / "docs" / "megatron_flags.md").read_text()
+    assert written == flag_table(), \
+        "regenerate: python -m megatron.training.megatron_flag_table > docs/megatron_flags.md"
