@@ -336,6 +336,7 @@ def _stopping(err: Exception, args, trainer, membership) -> int:
     peers may still hold sockets to it). Anything else is a crash and is raised again."""
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.replica_step import WeightMismatch
+    from megatron.training.rerun import ResultRejected, ResultReproduced
     from recover_patches.collectives.errors import PeerFailure
     from recover_patches.recovery.agreement import RecoveryStalled
     from recover_patches.recovery.grow import JobComplete, JobStopped
@@ -350,6 +351,11 @@ def _stopping(err: Exception, args, trainer, membership) -> int:
         line = f"stopping: the job stopped while this rank waited as a spare ({err})"
     elif isinstance(err, WeightMismatch):  # every rank raises it together
         status, line = EXIT_RESTART, f"stopping: {err}. Restart with --load {restart_from}"
+    elif isinstance(err, ResultReproduced):  # likewise (--rerun-mode validate_results)
+        status, line = EXIT_RESTART, f"stopping: {err}"
+    elif isinstance(err, ResultRejected):  # fenced: it exits like a dead rank, without leaving
+        logger.error(f"fenced: {err}")
+        os._exit(1)
     elif isinstance(err, (TooFewReplicas, RecoveryStalled)):  # likewise
         reason = str(err)
         if trainer.one_optimizer_copy:

@@ -123,3 +123,33 @@ def test_the_coordinator_dies_and_comes_back_with_the_membership(reference_3, tm
     assert run.stderr.count("reconnected to the coordinator") == 1  # the launcher
     assert "restored epoch 1 (dead ranks [1])" in run.stderr
     assert "epoch 2: dead ranks [1, 2]" in run.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_result_another_replica_does_not_repeat_is_fenced(reference, tmp_path):
+    """--rerun-mode validate_results (Megatron's default): replica 1's loss is NaN at iteration
+    5 (an injected transient error); replica 0 re-runs its microbatches, finds them finite, and
+    replica 1's ranks are fenced like dead ones; its microbatches are recomputed in the same
+    iteration, so the loss curve is the failure-free one. At (1,2,2): the stages share the flag."""
+    tracker = tmp_path / "rejected.txt"
+    run = run_job(tmp_path, "1,2,2", "--error-injection-rate", "5",
+                  "--error-injection-type", "transient_error",
+                  "--result-rejected-tracker-filename", str(tracker))
+    records = assert_failure_free_trajectory(run, reference)
+    assert [r["iteration"] for r in records if r["recoveries"]] == [5]
+    assert "re-run on replica 0: finite: the result is rejected" in run.stdout, run.stdout[-3000:]
+    fenced = records[-1]["live_replicas"]
+    assert fenced == [0], records[-1]
+    (line,) = tracker.read_text().splitlines()
+    assert line.startswith("iteration 5 replicas [1] ranks [")
+
+
+@pytest.mark.timeout(300)
+def test_a_result_that_repeats_on_another_replica_stops_the_job(tmp_path):
+    """The NaN follows the microbatches (correct_result): the data, not a rank, is at fault, and
+    every rank stops with status 3 before committing the iteration."""
+    run = run_job(tmp_path, "1,1,4", "--error-injection-rate", "2",
+                  "--error-injection-type", "correct_result")
+    assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [r["iteration"] for r in run.records if "lm_loss" in r] == [1]
+    assert run.stdout.count("re-run on replica 0: the same again") == 4, run.stdout[-3000:]

@@ -101,6 +101,9 @@ class FakeJob:
     def check_reduced(self):
         pass
 
+    def validate(self, reduced, local, assignment):
+        pass
+
     def snapshot(self):
         return len(self.executed)
 
@@ -197,6 +200,25 @@ def test_a_failure_latched_after_the_reduction_returned_aborts_the_commit():
     out = tx.run(6, IDS)
     assert votes[0] is False  # this rank told the others no commit is possible
     assert out.recoveries[0].phase == "reduce" and out.recoveries[0].lost_replicas == [2]
+    assert out.totals.microbatches == 8 and out.ids == IDS
+
+
+def test_a_rejected_result_is_recovered_like_a_failure_and_validation_sees_the_plan():
+    # --rerun-mode: validation after the reduction rejected replica 2's result (it is fenced,
+    # the coordinator declares it dead): its ids are recomputed, nobody else's
+    job = FakeJob(me=0, script={0: ("latched", {2})})
+    seen: list[dict] = []
+
+    def validate(reduced, local, assignment):
+        seen.append({r: list(q) for r, q in assignment.items()})
+        if job.round == 0:
+            raise PeerFailure(0, {2}, "rerun.validate", "a result was rejected")
+    tx = job.transaction()
+    job.validate = validate
+    out = tx.run(6, IDS)
+    assert sorted(g for q in seen[0].values() for g in q) == IDS  # every id, once, by owner
+    assert out.recoveries[0].phase == "reduce" and out.recoveries[0].lost_replicas == [2]
+    assert out.recoveries[0].lost_ids == seen[0][2] and 2 not in seen[-1]
     assert out.totals.microbatches == 8 and out.ids == IDS
 
 

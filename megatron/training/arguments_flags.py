@@ -247,10 +247,7 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="Also write `lm loss validation ppl` (exp of the loss). Needs "
                         "--tensorboard-dir.")
     _add_wandb_and_gc_args(g)
-    g.add_argument("--rerun-mode", default="disabled",
-                   help="Megatron's rerun state machine. Only `disabled` is supported (also the "
-                        "default here, unlike Megatron-LM's validate_results); other modes are "
-                        "refused.")
+    _add_rerun_args(g)
     g.add_argument("--metrics-file", default=None,
                    help="ReCoVer: append one JSON record per iteration to this JSONL file.")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
@@ -300,3 +297,22 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
                    help="Compute the attention softmax in fp32.")
     g.add_argument("--apply-query-key-layer-scaling", action="store_true",
                    help="Scale Q*K^T by 1/layer-number (fp16 stability).")
+
+
+def _add_rerun_args(g) -> None:
+    """Megatron's rerun state machine, done by another replica (megatron/training/rerun.py)."""
+    g.add_argument("--rerun-mode", default="validate_results",
+                   choices=["disabled", "validate_results", "report_stats"],
+                   help="validate_results: a non-finite loss is re-computed on another replica; "
+                        "a replica whose result does not repeat is fenced and training goes on, "
+                        "one that repeats stops the job (status 3). report_stats is refused.")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="Every N-th iteration, replica (iteration / N) mod DP makes its loss NaN "
+                        "(Megatron draws it at random at this rate; here it is deterministic).")
+    g.add_argument("--error-injection-type", default="transient_error",
+                   choices=["correct_result", "transient_error", "persistent_error"],
+                   help="correct_result: the NaN follows the microbatches (the re-run repeats "
+                        "it); the errors stay on the replica that made them.")
+    g.add_argument("--result-rejected-tracker-filename", default=None,
+                   help="Append one line per rejected result (iteration, replicas, ranks, "
+                        "microbatches) to this file.")

@@ -56,7 +56,8 @@ _FAULT_TOLERANCE = own_way(
     "configures NVIDIA Resiliency Extension's restarts; ReCoVer keeps the job alive in place: "
     "a dead or hung rank is found by its coordinator within --recover-timeout and the survivors "
     "finish the iteration", "drop the flag (set --recover-timeout)")
-_RERUN = not_yet("drives Megatron-LM's rerun state machine, not built yet (--rerun-mode disabled)")
+_RERUN = not_yet("checks for a spiky loss, not supported yet: --rerun-mode validate_results "
+                 "re-runs non-finite losses only")
 _NON_PERSISTENT = not_yet("configures non-persistent (local, replicated) checkpoints, not "
                            "supported yet", "drop the flag (--save-interval writes torch_dist)")
 _PROFILING = not_yet("profiles the run, not supported yet", "drop the flag")
@@ -99,7 +100,7 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
         "per-phase times in --metrics-file and a hung rank is declared dead by its coordinator",
         "drop the flag (read --metrics-file)")),
     (r"(no-)?one-logger|app-tag-|otel-", _TELEMETRY),
-    (r"error-injection|check-for-spiky-loss|result-rejected-tracker", _RERUN),
+    (r"check-for-spiky-loss", _RERUN),
     (r"non-persistent|replication", _NON_PERSISTENT),
     (r"(enable|disable)-msc|object-storage", not_yet(
         "reads through NVIDIA's multi-storage client, not supported: paths are local files",

@@ -98,9 +98,14 @@ def validate_logging(args: argparse.Namespace) -> None:
                                ("--eval-iters", args.eval_iters, 0)):
         if value < least:
             raise ArgumentError(flag, f"{flag} must be >= {least}, got {value}", f"pass {flag} {least}")
-    if args.rerun_mode != "disabled":
-        raise ArgumentError("--rerun-mode", f"--rerun-mode {args.rerun_mode} is not supported by "
-                            "ReCoVer yet (no rerun state machine)", "pass --rerun-mode disabled")
+    if args.rerun_mode == "report_stats":
+        raise ArgumentError("--rerun-mode", "--rerun-mode report_stats is not supported yet",
+                            "use --rerun-mode validate_results (the default) or disabled")
+    if args.error_injection_rate < 0 or (args.error_injection_rate and
+                                         args.rerun_mode != "validate_results"):
+        raise ArgumentError("--error-injection-rate", f"--error-injection-rate "
+                            f"{args.error_injection_rate} needs a rate >= 0 and --rerun-mode "
+                            "validate_results", "drop --error-injection-rate or --rerun-mode")
     for flag, value in (("--exit-interval", args.exit_interval),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins)):
         if value is not None and value <= 0:

@@ -20,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron.training.rerun import RerunConfig
 from megatron.training.config_rules import (model_chunks_of, position_embedding_type_of,
                                             recompute_granularity_of)
 
@@ -333,6 +334,7 @@ class StepConfig:
     overlap_param_gather: bool
     recovering: bool  # recovery on: a failed weight all-gather after the step is recovered
     empty_cache_level: int = 0  # --empty-unused-memory-level (a GPU's cached memory)
+    rerun: RerunConfig = RerunConfig("disabled", 0, "transient_error", None)  # --rerun-mode
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, recovering: bool) -> StepConfig:
@@ -346,4 +348,7 @@ class StepConfig:
                    log_params_norm=bool(args.log_params_norm),
                    micro_batch_size=args.micro_batch_size,
                    overlap_param_gather=bool(args.overlap_param_gather), recovering=recovering,
-                   empty_cache_level=args.empty_unused_memory_level)
+                   empty_cache_level=args.empty_unused_memory_level,
+                   rerun=RerunConfig(args.rerun_mode, args.error_injection_rate,
+                                     args.error_injection_type,
+                                     args.result_rejected_tracker_filename))

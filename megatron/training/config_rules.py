@@ -66,9 +66,6 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
         lines.append("checkpoints are written by the lowest live replica, as with "
                      "--no-ckpt-fully-parallel-save (Megatron-LM's default of sharing the "
                      "writing is not supported yet)")
-    if args.rerun_mode == "disabled":  # the only mode accepted
-        lines.append("--rerun-mode disabled: there is no rerun state machine yet (Megatron-LM's "
-                     "default is validate_results)")
     if args.use_mcore_models:
         lines.append("--use-mcore-models changes nothing: megatron-core models are the only kind "
                      "(as in current Megatron-LM)")

@@ -32,8 +32,6 @@ DIFFERENCES: dict[str, str] = {
     "--wandb-exp-name": "default '' (Megatron: None)",
     "--wandb-save-dir": "default '' (Megatron: None)",
     "--wandb-entity": "default '' (Megatron: None)",
-    "--rerun-mode": "default disabled, the only value taken: the rerun state machine is not "
-                    "built yet (Megatron: validate_results)",
 }
 # flag -> why the argument checks refuse it whenever it is given
 REFUSED_BY_THE_CHECKS: dict[str, str] = {
@@ -46,7 +44,8 @@ SOME_VALUES: dict[str, str] = {
     "--context-parallel-size": "only 1: context parallelism is not supported yet",
     "--optimizer": "only adam",
     "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",
-    "--rerun-mode": "only disabled",
+    "--rerun-mode": "validate_results (re-run on another replica) and disabled, not "
+                    "report_stats",
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer",
     "--position-embedding-type": "learned_absolute and rope",
     "--normalization": "LayerNorm and RMSNorm",

@@ -5,11 +5,12 @@ while the Trainer (`training.py`) keeps the loop, the records and evaluation.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from megatron.training.config_io import DataConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
 from megatron.training.model import model_chunks
+from megatron.training.rerun import Position, injected, resolve
 from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -72,6 +74,7 @@ class GPTReplicaStep:
     # the distributed optimizer's all-gather failed after a commit: this replica's weights
     # miss slices that other instances hold (replica-agreed at the end of the step)
     weights_stale: bool = False
+    _injected_at: int = 0  # --error-injection-rate: the iteration last injected into
 
     def __post_init__(self):
         self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
@@ -111,6 +114,13 @@ class GPTReplicaStep:
             done = run_1f1b(ids, self.stages[0], self.link, self.hook, self.grads.arm)
         self.clock.stop(len(ids))
         self._empty_cache(1)
+        iteration = self.iteration() + 1
+        if self._injected_at != iteration and self.config.rerun.injects(
+                iteration, self.groups.coord.replica, self.groups.topology.dp):
+            self._injected_at = iteration  # the replica's first computation of the iteration
+            done = dataclasses.replace(done, loss_sum=injected(
+                done.loss_sum, self.config.rerun, iteration, self.groups.coord.replica,
+                self.groups.topology.dp))
         return done
 
     def _empty_cache(self, level: int) -> None:
@@ -131,6 +141,40 @@ class GPTReplicaStep:
 
     def check_reduced(self) -> None:
         self.groups.raise_latched()
+
+    def validate(self, reduced: ReducedGradients, local: Totals,
+                 assignment: Mapping[int, list[int]]) -> None:
+        """--rerun-mode validate_results: a non-finite loss is re-run on another replica
+        (`rerun.py`); nothing is sent while the loss is finite (PP > 1: one flag per replica)."""
+        if not self.config.rerun.validating:
+            return
+        nonfinite = not math.isfinite(reduced.totals.loss_sum)
+        if self.groups.topology.pp > 1:  # only the last stage holds the loss
+            nonfinite = self.replica_any(nonfinite)
+        if nonfinite:
+            at = Position(self.iteration() + 1, self.groups.coord.replica,
+                          tuple(self.live.live_replicas), self.groups.topology.dp,
+                          self.live.epoch, self.groups.is_last_stage)
+            resolve(self, self.config.rerun, at, local.loss_sum, dict(assignment))
+
+    def rerun(self, ids: list[int]) -> Any:
+        before = self.snapshot()
+        self._injected_at = self.iteration() + 1  # a re-run is never the injected computation
+        try:
+            return self.execute(ids).loss_sum
+        finally:
+            self.restore(before)
+
+    def share(self, values: list[float]) -> list[float]:
+        wire = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.groups.dp.size() > 1:
+            dist.all_reduce(wire, group=self.groups.dp)
+        if self.groups.replica.size() > 1:
+            dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=self.groups.replica)
+        return wire.tolist()
+
+    def ranks_of(self, replica: int) -> list[int]:
+        return self.live.replica_ranks(replica)
 
     def step(self, reduced: ReducedGradients) -> dict:
         """Megatron's order: finalise the reduced grads (tied embeddings, sequence-parallel norms),

@@ -7,7 +7,9 @@
                 recovers; a replica whose round 0 stopped short on any rank, e.g. waiting for
                 an overlapped all-gather mid-forward, computes its quota again from zero, with
                 its share of the lost ids)
-    3. reduce   out-of-place DP reduction of grads + microbatch count, tokens, id checksums, loss
+    3. reduce   out-of-place DP reduction of grads + microbatch count, tokens, id checksums, loss;
+                then the results are validated (--rerun-mode: a non-finite loss is re-run on
+                another replica, and a replica whose result did not repeat is fenced)
     4. commit   all members agree the reduction completed everywhere; exactly the planned ids
                 were reduced, else stop loudly (a bug, not a failure)
     5. step     tied-embedding sync, divide by the global token count, clip, optimizer, LR schedule
@@ -66,6 +68,10 @@ class ReplicaStep(Protocol):
     def check_reduced(self) -> None:
         """Raise a failure of an operation whose wait() returned before it ended (NCCL's waits
         do not block the host; layer 1's watchdog latches what went wrong)."""
+
+    def validate(self, reduced: ReducedGradients, local: Totals,
+                 assignment: Mapping[int, list[int]]) -> None:
+        """3b: the reduced results are plausible (a rejected replica: PeerFailure naming it)."""
 
     def step(self, reduced: ReducedGradients) -> dict:
         """5: finalise, clip, optimizer and LR step; returns what the iteration reports."""
@@ -222,6 +228,7 @@ class IterationTransaction:
                 phase, clock = "reduce", time.perf_counter()
                 reduced = self.replica.reduce(local)  # 3: out of place
                 self.replica.check_reduced()
+                self.replica.validate(reduced, local, self._assignment(ids, owner, replanned))
                 seconds["reduce"] += time.perf_counter() - clock
                 phase, clock = "commit", time.perf_counter()
                 decision = Decision.COMMIT if self.agreement is None else self.agreement.commit_vote(
@@ -261,17 +268,23 @@ class IterationTransaction:
                          seconds: dict[str, float], recoveries: list[RecoveryRecord],
                          decision: Decision) -> IterationOutcome:
         """Exactly the planned ids were reduced (else stop loudly: a bug), then the step."""
-        live = self.live.live_replicas
-        final = {g: (r if r in live else None) for g, r in owner.items()}
-        final.update({g: r for r, q in replanned.items() for g in q})
-        committed = [g for g in ids if final[g] is not None]
+        assignment = self._assignment(ids, owner, replanned)
+        owned = {g for q in assignment.values() for g in q}
+        committed = [g for g in ids if g in owned]  # the lost ids of --recover-policy drop are not
         check_commit(reduced.totals, committed)
         clock = time.perf_counter()
         report = self.replica.step(reduced)  # 5
         seconds["step"] = time.perf_counter() - clock
-        assignment = {r: [g for g in committed if final[g] == r] for r in live}
         return IterationOutcome(iteration, committed, assignment, reduced.totals, report, seconds,
                                 recoveries, sync=decision is Decision.COMMIT_AND_SYNC)
+
+    def _assignment(self, ids: list[int], owner: dict[int, int],
+                    replanned: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Each live replica's ids as of this round: its round-0 ones and its re-planned ones."""
+        live = self.live.live_replicas
+        final = {g: (r if r in live else None) for g, r in owner.items()}
+        final.update({g: r for r, q in replanned.items() for g in q})
+        return {r: [g for g in ids if final[g] == r] for r in live}
 
     def _seen(self, failure: PeerFailure, phase: str, iteration: int) -> None:
         """Report a failure at once; before the vote, tell the others no commit is possible this
