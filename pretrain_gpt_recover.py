@@ -189,7 +189,7 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
     from megatron.training.datasets import build_datasets
     from megatron.training.metrics import MetricsWriter
     from megatron.training.optimizer_setup import build_scheduler
-    from megatron.training.replica_step import build_stages, link_for, replica_vote
+    from megatron.training.replica_parts import build_stages, link_for, replica_vote
     from megatron.training.training import Trainer
     from recover_patches.recovery.agreement import StoreAgreement
 
@@ -235,7 +235,7 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer
     from megatron.training.tokenizer import padded_vocab_size
-    from megatron.training.replica_step import build_grad_buffer
+    from megatron.training.replica_parts import build_grad_buffer
     from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
 

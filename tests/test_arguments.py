@@ -278,8 +278,8 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 
 @pytest.mark.parametrize("flag", [
     "--expert-model-parallel-size 2", "--num-experts 8",
-    "--fp8-format hybrid", "--use-flash-attn",
-    "--context-parallel-size 2", "--optimizer sgd", "--cross-entropy-loss-fusion"])
+    "--fp8-format hybrid",
+    "--context-parallel-size 2", "--optimizer sgd"])
 def test_unsupported_megatron_flag(flag):
     with pytest.raises(ArgumentError) as err:
         parse_args(TINY + flag.split())
@@ -352,6 +352,10 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--transformer-impl": "transformer_engine"}, 1, "cuda", "--transformer-impl", "not installed"),
     ({"--tensorboard-dir": "/tmp/tb"}, 1, "cpu", "--tensorboard-dir", "tensorboard"),
     ({"--rerun-mode": "report_stats"}, 1, "cpu", "--rerun-mode", "validate_results"),
+    ({"--profile": "", "--profile-step-start": "5", "--profile-step-end": "5"}, 1, "cpu",
+     "--profile-step-end", "after"),
+    ({"--use-rotary-position-embeddings": "", "--kv-channels": "15"}, 1, "cpu",
+     "--kv-channels", "even"),
     ({"--error-injection-rate": "3", "--rerun-mode": "disabled"}, 1, "cpu",
      "--error-injection-rate", "validate_results"),
     ({"--wandb-project": "p"}, 1, "cpu", "--wandb-project", "recover[wandb]"),

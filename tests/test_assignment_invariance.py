@@ -13,7 +13,7 @@ from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.config import ModelConfig
 from megatron.training.model import build_model
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.training.replica_step import build_stages
+from megatron.training.replica_parts import build_stages
 from recover_patches.pipeline.p2p import StageLink
 from recover_patches.recovery.grad_buffer import GradBuffer
 from recover_patches.recovery.reduce import Totals, check_commit
@@ -131,3 +131,29 @@ def test_recompute_without_rng_replay_would_differ(world, monkeypatch):
     reference = recompute_gradient(world, [])
     monkeypatch.setattr(mcore_random, "_set_all_rng_states", lambda *states: None)
     assert not torch.equal(recompute_gradient(world, RECOMPUTE["full-uniform"]), reference)
+
+
+def test_the_fused_cross_entropy_gives_the_same_gradient(world):
+    """--cross-entropy-loss-fusion: megatron-core's fused vocab-parallel cross entropy, through
+    the stage: the same loss to fp32 round-off, and the same gradient to bf16's precision (the
+    fused kernel returns the logits' gradient in bf16, as in Megatron-LM, whatever the dtype)."""
+    args, groups, train, vocab, tracker = world
+    fused_args = parse_and_validate([*TINY_GPT, "--train-iters", "4", "--hidden-dropout", "0.1",
+                                     "--attention-dropout", "0.1", "--cross-entropy-loss-fusion"],
+                                    world_size=1)
+    results = []
+    for flags in (args, fused_args):
+        model = build_model(ModelConfig.from_args(flags, vocab), groups.pg_collection(), 0, 0)
+        buf = GradBuffer(list(model.parameters()), replicas=1, dp_group=None)
+        link = StageLink(groups.pp, 0, 1, (args.seq_length, args.micro_batch_size,
+                                           args.hidden_size))
+        stage = build_stages(DataConfig.from_args(flags), args.micro_batch_size, groups, model,
+                             train, tracker)[0]
+        done = run_1f1b(IDS[:2], stage, link)
+        buf.reduce(Totals.of_ids(done.ids, done.tokens), replica=0, time_wire=1.0)
+        results.append((float(done.loss_sum), buf.reduced_grads.clone(), stage.cross_entropy))
+    (plain_loss, plain_grad, plain_fn), (fused_loss, fused_grad, fused_fn) = results
+    assert plain_fn is not fused_fn  # the flag chose megatron-core's kernel
+    assert fused_loss == pytest.approx(plain_loss, rel=1e-6)
+    error = float((fused_grad - plain_grad).norm() / plain_grad.norm())
+    assert 0 < error < 2 ** -8, error  # bf16 keeps 8 significant bits

@@ -7,6 +7,7 @@ import gc
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron.training.config import BatchSchedule, TrainingConfig
 from megatron.training.training import Trainer, TrainState
@@ -18,6 +19,7 @@ class Loop:
     def __init__(self, config: TrainingConfig, events: list) -> None:
         self.config, self.state, self.events = config, TrainState(), events
         self.checkpointer, self.grow, self.valid_stages, self.history = None, None, [object()], []
+        self.groups, self.device = SimpleNamespace(rank=0), torch.device("cpu")  # the profiler's
 
     def transaction(self):
         return self

@@ -1,7 +1,7 @@
 """Megatron-LM `pretrain_gpt.py` flags that tune the model's and the optimizer's numerics, and
 the run's memory and log level: same names, dests and defaults. Each is carried out by
 megatron-core itself (TransformerConfig, GPTModel, OptimizerConfig's parameter groups) or by the
-training loop, as in Megatron-LM."""
+training loop, as in Megatron-LM; and its profiling flags (`profiling.py`)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
                    help="Rope: Llama 3.x frequency scaling.")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0,
                    help="Rope: the factor of --use-rope-scaling.")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="The loss through megatron-core's fused vocab-parallel cross entropy "
+                        "(torch.compile'd: the first iteration compiles it). As in Megatron-LM "
+                        "its gradient to the logits is bf16, whatever the training dtype.")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Accepted: current Megatron-LM reads it nowhere for megatron-core models "
+                        "(the kernel is --attention-backend); it changes nothing here either.")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native"],
+                   help="The fused cross entropy's kernel: megatron-core's native one "
+                        "(transformer-engine's `te` is not supported yet).")
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
                    help="Apply weight decay to the query/key layernorm weights (the other 1-D "
                         "parameters and biases still skip it).")
@@ -44,3 +54,25 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logging-level", type=int, default=None,
                    help="The root logger's level (logging's numbers: 10 debug, 20 info, ...). "
                         "Default: the MEGATRON_LOGGING_LEVEL environment variable, else info.")
+    _add_profiling_args(parser)
+
+
+def _add_profiling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("profiling")
+    g.add_argument("--profile", action="store_true",
+                   help="Profile the iterations between --profile-step-start and "
+                        "--profile-step-end (megatron/training/profiling.py says which).")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="Profiling starts after this many iterations.")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="Profiling ends after this many iterations.")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="torch.profiler: a chrome trace per rank in <--tensorboard-dir>/../"
+                        "torch_profile (else the CUDA profiler range, for nsys; GPU only).")
+    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
+                   help="Record tensor shapes in the trace.")
+    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
+                   help="Record Python call stacks in the trace.")
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[],
+                   help="Global ranks to profile (default: all).")
+

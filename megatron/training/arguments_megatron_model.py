@@ -39,7 +39,6 @@ MODEL_FLAGS: dict[str, Refusal] = {
     "--use-fused-weighted-squared-relu": not_yet(_KERNEL),
     "--fused-residual-rmsnorm": not_yet(_KERNEL),
     "--use-transformer-engine-op-fuser": not_yet(_KERNEL),
-    "--cross-entropy-fusion-impl": not_yet(_KERNEL),
     "--disable-jit-fuser": not_yet(_KERNEL),
     "--openai-gelu": _ACTIVATION, "--squared-relu": _ACTIVATION, "--quick-geglu": _ACTIVATION,
     "--glu-linear-offset": _ACTIVATION, "--activation-func-clamp-value": _ACTIVATION,

@@ -60,7 +60,8 @@ _RERUN = not_yet("checks for a spiky loss, not supported yet: --rerun-mode valid
                  "re-runs non-finite losses only")
 _NON_PERSISTENT = not_yet("configures non-persistent (local, replicated) checkpoints, not "
                            "supported yet", "drop the flag (--save-interval writes torch_dist)")
-_PROFILING = not_yet("profiles the run, not supported yet", "drop the flag")
+_PROFILING = not_yet("is a profiling option not supported yet (--profile, --use-pytorch-profiler "
+                     "and its shapes/callstack options, --profile-ranks are)", "drop the flag")
 _OPTIMIZER = not_yet("configures an optimizer other than Adam, not supported yet "
                       "(--optimizer adam)")
 

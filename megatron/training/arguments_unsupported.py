@@ -39,11 +39,8 @@ UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
         ("--expert-model-parallel-size", 1),
         ("--num-experts", 1),
         ("--fp8-format", 1),
-        ("--use-flash-attn", 0),
     )
 ) + (
-    RefusedFlag("--cross-entropy-loss-fusion", 0, _NOT_YET,
-                "drop the flag (the vocab-parallel cross entropy is always unfused)"),
     RefusedFlag("--ckpt-assume-constant-structure", 0, "is not supported: every save is planned "
                 "(the writing replica changes after a failure)", "drop the flag"),
 )

@@ -98,6 +98,10 @@ def validate_logging(args: argparse.Namespace) -> None:
                                ("--eval-iters", args.eval_iters, 0)):
         if value < least:
             raise ArgumentError(flag, f"{flag} must be >= {least}, got {value}", f"pass {flag} {least}")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError("--profile-step-end", f"--profile-step-end {args.profile_step_end} "
+                            f"must be after --profile-step-start {args.profile_step_start} (>= 0)",
+                            "pass --profile-step-start S --profile-step-end E with 0 <= S < E")
     if args.rerun_mode == "report_stats":
         raise ArgumentError("--rerun-mode", "--rerun-mode report_stats is not supported yet",
                             "use --rerun-mode validate_results (the default) or disabled")

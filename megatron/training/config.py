@@ -20,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
 from megatron.training.config_rules import (model_chunks_of, position_embedding_type_of,
                                             recompute_granularity_of)
@@ -168,6 +169,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         persist_layer_norm=not args.no_persist_layer_norm,  # transformer-engine's kernel only
         disable_bf16_reduced_precision_matmul=args.disable_bf16_reduced_precision_matmul,
         layernorm_epsilon=args.layernorm_epsilon,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,  # read by replica_parts
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         add_qkv_bias=args.add_qkv_bias or args.add_bias_linear,  # as Megatron-LM keeps them
         # Gradients accumulate into ReCoVer's main-grad buffer by a hook (recovery/grad_buffer).
         gradient_accumulation_fusion=False,
@@ -302,6 +305,7 @@ class TrainingConfig:
     manual_gc_eval: bool
     min_replicas: int  # --recover-min-replicas
     one_optimizer_copy: bool  # one distributed-optimizer instance: its shards die with a replica
+    profiling: ProfilingConfig = ProfilingConfig()  # --profile
 
     def __post_init__(self):
         if self.train_iters < 0 or self.log_interval < 1 or self.min_replicas < 0:
@@ -315,7 +319,8 @@ class TrainingConfig:
                    bool(args.log_memory_to_tensorboard), bool(args.manual_gc),
                    args.manual_gc_interval, bool(args.manual_gc_eval), args.recover_min_replicas,
                    bool(args.use_distributed_optimizer)
-                   and args.num_distributed_optimizer_instances == 1)
+                   and args.num_distributed_optimizer_instances == 1,
+                   ProfilingConfig.from_args(args))
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.use_mcore_models:
         lines.append("--use-mcore-models changes nothing: megatron-core models are the only kind "
                      "(as in current Megatron-LM)")
+    if args.profile and not args.use_pytorch_profiler and device != "cuda":
+        lines.append("--profile without --use-pytorch-profiler marks a CUDA profiler range (for "
+                     "nsys): nothing to mark on a CPU")
+    if args.use_flash_attn:
+        lines.append("--use-flash-attn changes nothing (as in current Megatron-LM for megatron-core "
+                     "models): the attention kernel is --attention-backend")
     lines += _checkpoint_differences(args)
     if args.num_workers != NUM_WORKERS_DEFAULT:
         lines.append(f"--num-workers {args.num_workers} has no effect: each rank reads its "

@@ -50,6 +50,7 @@ SOME_VALUES: dict[str, str] = {
     "--position-embedding-type": "learned_absolute and rope",
     "--normalization": "LayerNorm and RMSNorm",
     "--attention-backend": "on CPU: auto, unfused, local",
+    "--cross-entropy-fusion-impl": "native (not te)",
 }
 # flag -> why it is accepted but changes nothing here (each said in one start-up line)
 NO_EFFECT: dict[str, str] = {
@@ -63,6 +64,8 @@ NO_EFFECT: dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "ReCoVer's only mode",
     "--calculate-per-token-loss": "ReCoVer's only mode",
     "--auto-detect-ckpt-format": "--load always detects the format",
+    "--use-flash-attn": "read nowhere for megatron-core models in Megatron-LM either "
+                        "(the kernel is --attention-backend)",
 }
 
 

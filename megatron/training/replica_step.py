@@ -16,19 +16,15 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.config import ModelConfig, StepConfig
-from megatron.training.config_io import DataConfig
+from megatron.training.config import StepConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
-from megatron.training.model import model_chunks
 from megatron.training.rerun import Position, injected, resolve
-from megatron.training.optimizer import (LossScaler, Optimizer, clip_factor, count_zeros,
+from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
-from recover_patches.pipeline.sampler import MicrobatchSampler
-from recover_patches.recovery.agreement import ReplicaLink
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
 from recover_patches.recovery.iteration import LiveReplicas
 from recover_patches.recovery.reduce import Totals
@@ -137,25 +133,33 @@ class GPTReplicaStep:
             self.weights_ready()
             fingerprint = weight_fingerprint(self.params)
         return self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
-                                 fingerprint)
+                                 fingerprint, self._alarm(local))
+
+    def _alarm(self, local: Totals) -> float | torch.Tensor:
+        """--rerun-mode validate_results: 1 if this replica's own loss sum is not finite, on the
+        device (no host wait); with PP > 1 the last stage tells the others inside the replica
+        (before the reduction, where a failure is any failure of the reduce phase)."""
+        if not self.config.rerun.validating:
+            return 0.0
+        loss = torch.as_tensor(local.loss_sum, dtype=torch.float64, device=self.device)
+        alarm = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
+        if self.groups.topology.pp > 1 and self.groups.replica.size() > 1:
+            dist.all_reduce(alarm, op=dist.ReduceOp.MAX, group=self.groups.replica)
+        return alarm[0]
 
     def check_reduced(self) -> None:
         self.groups.raise_latched()
 
     def validate(self, reduced: ReducedGradients, local: Totals,
                  assignment: Mapping[int, list[int]]) -> None:
-        """--rerun-mode validate_results: a non-finite loss is re-run on another replica
-        (`rerun.py`); nothing is sent while the loss is finite (PP > 1: one flag per replica)."""
-        if not self.config.rerun.validating:
-            return
-        nonfinite = not math.isfinite(reduced.totals.loss_sum)
-        if self.groups.topology.pp > 1:  # only the last stage holds the loss
-            nonfinite = self.replica_any(nonfinite)
-        if nonfinite:
+        """--rerun-mode validate_results: a replica whose own loss was not finite (its alarm
+        rode in the reduction) has its microbatches re-run on another replica (`rerun.py`)."""
+        suspects = [r for r, alarm in enumerate(reduced.replica_alarms) if alarm > 0]
+        if self.config.rerun.validating and suspects:
             at = Position(self.iteration() + 1, self.groups.coord.replica,
                           tuple(self.live.live_replicas), self.groups.topology.dp,
                           self.live.epoch, self.groups.is_last_stage)
-            resolve(self, self.config.rerun, at, local.loss_sum, dict(assignment))
+            resolve(self, self.config.rerun, at, suspects, dict(assignment))
 
     def rerun(self, ids: list[int]) -> Any:
         before = self.snapshot()
@@ -334,64 +338,3 @@ class GPTReplicaStep:
         if executed and seconds > 0:
             self.timer.update(seconds, executed)
         return self.timer.to_wire()
-
-
-# -- building a replica's parts ----------------------------------------------------------------
-def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups, model,
-                 dataset, tracker, scaler: LossScaler | None = None) -> list[GPTStage]:
-    """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
-    dropout seeds: with one chunk, the pipeline stage)."""
-    sampler = MicrobatchSampler(dataset, micro_batch_size, with_mask=data.reset_attention_mask)
-    chunks = model_chunks(model)
-    pp, last = groups.topology.pp, groups.topology.pp * len(chunks) - 1
-    stages = []
-    for c, chunk in enumerate(chunks):
-        virtual = c * pp + groups.coord.pp
-        stages.append(GPTStage(chunk, sampler, tp_group=groups.tp, tracker=tracker,
-                               seed=data.seed, pp_stage=virtual, tp_rank=groups.coord.tp,
-                               is_first=virtual == 0, is_last=virtual == last,
-                               device=next(chunk.parameters()).device,
-                               loss_scale=None if scaler is None else (lambda: scaler.scale)))
-    return stages
-
-
-def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: bool) -> GradBuffer:
-    """The buffer takes the layout `build_optimizer` made (the distributed optimizer shards the
-    same one); `overlap`: --overlap-grad-reduce."""
-    assert optimizer.layout is not None, "an optimizer from optimizer_setup.build_optimizer"
-    return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
-                      device=optimizer.model_params[0].device, layout=optimizer.layout,
-                      overlap=overlap)
-
-
-def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device
-             ) -> StageLink | ChunkP2P:
-    """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
-    hidden], in the training dtype; between virtual stages with model chunks."""
-    t = model.transformer
-    seq = model.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
-    shape = (seq, micro_batch_size, t.hidden_size)
-    if model.model_chunks is not None:
-        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp, model.model_chunks,
-                        shape, dtype=t.params_dtype, device=device)
-    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp, shape, dtype=t.params_dtype,
-                     device=device)
-
-
-def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
-    """The commit vote by replica: its ranks agree over the replica's group, its first rank votes."""
-    group = groups.replica
-    if group.size() == 1:
-        return ReplicaLink(groups.topology.replica_of, True, lambda news: news, lambda code: code)
-
-    def exchange(news: bool) -> bool:
-        flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
-    def share(code: int) -> int:
-        value = torch.tensor([code], dtype=torch.int32, device=device)
-        dist.broadcast(value, group=group, group_src=0)
-        return int(value.item())
-    return ReplicaLink(groups.topology.replica_of, group.rank() == 0, exchange, share)
-

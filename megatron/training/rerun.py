@@ -4,12 +4,12 @@ Megatron re-runs a suspicious iteration on the same GPU, then after a restart on
 a faulty GPU from a real problem in the data. Here any replica can compute any microbatch, so the
 second opinion comes at once, inside the iteration:
 
-1. After the reduction every rank knows the iteration's loss sum (it rides in the reduction). A
-   finite sum ends the check: nothing else is sent (with PP > 1 the replica's stages share one
-   flag, a one-element all-reduce inside the replica: only the last stage holds the loss).
-2. A non-finite sum: each replica says whether its own loss was non-finite (the suspects), and
-   the lowest other live replica re-computes the suspects' microbatches (its gradients are put
-   back afterwards: the re-run is for its loss only).
+1. Each replica's alarm -- its own loss sum is not finite -- rides in the reduction, one slot per
+   replica, so after it every rank knows the suspects; no alarm ends the check. Only the last
+   stage holds the loss: with PP > 1 it tells its replica's other stages first (a one-element
+   all-reduce inside the replica, before the reduction).
+2. Suspects: the lowest other live replica re-computes their microbatches (its gradients are
+   put back afterwards: the re-run is for its loss only).
 3. The re-run's loss is finite: the suspects' results are rejected. Their ranks are fenced --
    they exit like dead ranks (`ResultRejected`, status 1) -- and the others recover as from any
    failure: the suspects' microbatches are recomputed by survivors in the same iteration, so the
@@ -96,16 +96,10 @@ def _nan(loss: Any) -> Any:
     return torch.as_tensor(loss, dtype=torch.float64) * math.nan
 
 
-def resolve(host: RerunHost, config: RerunConfig, at: Position, local_loss: Any,
+def resolve(host: RerunHost, config: RerunConfig, at: Position, suspects: list[int],
             assignment: dict[int, list[int]]) -> None:
-    """The iteration's loss is not finite: find who, re-run elsewhere, and raise the verdict."""
-    mine = [0.0] * at.replicas
-    if at.is_last_stage and not _finite(local_loss):
-        mine[at.replica] = 1.0
-    suspects = [r for r, flag in enumerate(host.share(mine)) if flag > 0]
-    if not suspects:  # the sum overflowed, no single replica's loss did: a real blow-up
-        raise ResultReproduced(f"iteration {at.iteration}: the loss is not finite though every "
-                               "replica's own sum is: the data or the model is at fault")
+    """`suspects`: the replicas whose own loss was not finite. Re-run their microbatches on
+    another replica and raise the verdict (every rank reaches the same one)."""
     others = [r for r in at.live_replicas if r not in suspects]
     validator = min(others) if others else min(at.live_replicas)
     ids = sorted(g for r in suspects for g in assignment.get(r, []))

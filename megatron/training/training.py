@@ -22,6 +22,7 @@ from megatron.training.config import ModelConfig, StepConfig, TrainingConfig
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import Optimizer
+from megatron.training.profiling import Profiler
 from megatron.training.replica_step import GPTReplicaStep
 from megatron.training.state_transfer import receive_state, send_state
 from recover_patches.collectives import PeerFailure, Regrouped
@@ -176,7 +177,9 @@ class Trainer:
             gc.disable()
             gc.collect()
         transaction = self.transaction()
+        profiler = Profiler(config.profiling, self.groups.rank, self.device.type == "cuda")
         while self.state.iteration < config.train_iters:
+            profiler.before(self.state.iteration)
             start = time.perf_counter()
             ids = self.microbatch_ids()
             outcome = transaction.run(self.state.iteration + 1, ids)
@@ -187,6 +190,8 @@ class Trainer:
             if self.grow is not None and self.grow.due(outcome.sync):
                 self.record_join(self.grow.at_boundary(self.state.iteration, outcome.sync))
             self.finish_iteration()
+            profiler.after(self.state.iteration)
+        profiler.close()
         return self.history
 
     def finish_iteration(self) -> None:

@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PythonCallbackWork
-from torch.distributed.distributed_c10d import GroupName
+from torch.distributed.distributed_c10d import Backend, BackendConfig, GroupName
 
 from recover_patches.collectives import backends, rendezvous
 from recover_patches.collectives.rendezvous import Regroup, Retired
@@ -39,10 +39,9 @@ from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
 
 
 class _Op:
-    """An issued operation not yet waited for. Holds the only reference the group keeps to the
-    backend's work; `_discard` drops it, because a work pins its backend, and a backend that
-    stays alive keeps its sockets open: peers blocked on it would wait for their timeout instead
-    of failing at once."""
+    """An issued operation not yet waited for: the group's only reference to the backend's work.
+    `_discard` drops it: a work pins its backend, whose open sockets would make blocked peers wait
+    for their timeout instead of failing at once."""
     __slots__ = ("work",)
 
     def __init__(self, work):
@@ -237,9 +236,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
             backends.discard(retired.backend, [])
         self._discard(PeerFailure(self._epoch, (), f"{self.label}.shutdown", "group was shut down",
                                   confirmed=False))
-        world = dist.distributed_c10d._world
-        world.pg_map.pop(self, None)
-        world.pg_group_ranks.pop(self, None)
+        for registry in ("pg_map", "pg_group_ranks", "pg_backend_config"):
+            getattr(dist.distributed_c10d._world, registry).pop(self, None)
 
     abort = shutdown
     # --- internals --------------------------------------------------------------------------
@@ -247,6 +245,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         world = dist.distributed_c10d._world
         world.pg_map[self] = (self.backend_kind, self.membership.store)
         world.pg_group_ranks[self] = {g: i for i, g in enumerate(self.members)}
+        # and its backend's configuration: torch's profiler lists every registered group's
+        world.pg_backend_config[self] = str(BackendConfig(Backend(self.backend_kind)))
 
     def _issue(self, op: str, start, peer: int | None = None):
         if self.before_op is not None:

@@ -17,11 +17,14 @@ from recover_patches.pipeline.rng import DeviceRNGStatesTracker, seed_microbatch
 class GPTStage:
     def __init__(self, model, sampler: Callable[[int], dict], *, tp_group, tracker: DeviceRNGStatesTracker,
                  seed: int, pp_stage: int, tp_rank: int, is_first: bool, is_last: bool,
-                 device: torch.device | str = "cpu", loss_scale: Callable[[], float] | None = None):
-        """`loss_scale`: fp16's current loss scale, multiplied into the loss before backward."""
+                 device: torch.device | str = "cpu", loss_scale: Callable[[], float] | None = None,
+                 cross_entropy: Callable = vocab_parallel_cross_entropy):
+        """`loss_scale`: fp16's current loss scale, multiplied into the loss before backward;
+        `cross_entropy(logits, labels, tp_group)`: the per-token loss over vocabulary shards."""
         self.model = model
         self.device = torch.device(device)
         self.loss_scale = loss_scale
+        self.cross_entropy = cross_entropy
         self.sampler = sampler
         self.tp_group = tp_group
         self.tracker = tracker
@@ -47,7 +50,7 @@ class GPTStage:
         )
         if not self.is_last:
             return output
-        token_loss = vocab_parallel_cross_entropy(output, batch["labels"], self.tp_group)
+        token_loss = self.cross_entropy(output, batch["labels"], self.tp_group)
         return masked_loss_sum(token_loss, batch["loss_mask"])
 
     def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,

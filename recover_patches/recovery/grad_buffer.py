@@ -15,9 +15,11 @@ The tail is fp32 like the gradients, which is exact for integers only below 2**2
 travel as base-256 limbs: a sum of DP limbs stays exact for DP < 65793 replicas, and 7 limbs carry
 56 bits. The loss (float64) travels as two fp32 parts (hi + lo). Per-replica values (the time per
 microbatch, a fingerprint of the weights when asked for) have one slot per replica, written only
-by that replica, so the sum delivers each one exactly.
+by that replica, so the sum delivers each one exactly. So does each replica's alarm (1: its own
+loss sum is not finite; --rerun-mode validate_results re-runs its microbatches elsewhere).
 
-Tail layout: [4 integers x 7 limbs | loss hi, lo | time per replica | weight hash per replica x 4].
+Tail layout: [4 integers x 7 limbs | loss hi, lo | time per replica | weight hash per replica x 4
+| alarm per replica].
 
 With the distributed optimizer and every replica live (`Scatter`), each bucket is instead
 reduce-scattered over the optimizer instance into the rank's range (the layout pads buckets to a
@@ -58,6 +60,7 @@ class ReducedGradients:
     totals: Totals
     replica_times: list[float]  # wire values of each replica's time per microbatch
     replica_weight_hashes: list[int] = field(default_factory=list)  # 0: not sent
+    replica_alarms: list[float] = field(default_factory=list)  # > 0: that replica's loss is not finite
     scattered: bool = False  # only this rank's ranges of each bucket are reduced (`Scatter`)
 
 
@@ -119,7 +122,7 @@ class GradBuffer:
         self.device = torch.device(device)
         self.layout = layout or flat_layout(self.params, bucket_numel)
         self.numel = self.layout.numel
-        self.meta_numel = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas * (1 + HASH_LIMBS)
+        self.meta_numel = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas * (2 + HASH_LIMBS)
         self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
                                  device=self.device)
         self.reduced = torch.zeros_like(self.local)
@@ -196,12 +199,15 @@ class GradBuffer:
 
     # -- the reduction ------------------------------------------------------------------------
     def reduce(self, totals: Totals, replica: int, time_wire: float,
-               weight_hash: int = 0) -> ReducedGradients:
+               weight_hash: int = 0, alarm: float | torch.Tensor = 0.0) -> ReducedGradients:
         """Out-of-place sum over the DP group of the gradients and the commit bookkeeping;
-        `weight_hash` (64 bits, 0: none) travels in this replica's slot."""
+        `weight_hash` (64 bits, 0: none) and `alarm` (may be a device tensor) travel in this
+        replica's slots."""
         scatter = self.scatter
         try:
             self._write_tail(totals, replica, time_wire, weight_hash)
+            alarms = _INT_FIELDS * LIMBS + _LOSS_SLOTS + self.replicas * (1 + HASH_LIMBS)
+            self.reduced[self.numel + alarms + replica] = alarm
             for b in range(len(self.buckets)):
                 self._launch(b)
             if self._failure is not None:
@@ -263,7 +269,9 @@ class GradBuffer:
         limbs = tail[times_at + self.replicas:]
         hashes = [sum(int(round(limbs[r * HASH_LIMBS + k])) << (HASH_LIMB_BITS * k)
                       for k in range(HASH_LIMBS)) for r in range(self.replicas)]
-        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss), times, hashes)
+        alarms = limbs[self.replicas * HASH_LIMBS:]
+        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss), times, hashes,
+                                alarms)
 
     # -- views for the step, and recovery's undo ----------------------------------------------
     @property

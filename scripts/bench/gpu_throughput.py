@@ -48,7 +48,7 @@ def build(args_list):
     from megatron.training.model import build_model
     from megatron.training.optimizer_setup import build_optimizer, build_scheduler
     from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.replica_step import build_grad_buffer, build_stages, link_for
+    from megatron.training.replica_parts import build_grad_buffer, build_stages, link_for
     from megatron.training.training import Trainer
     from recover_patches.faults import FaultInjector
     from recover_patches.pipeline.rng import install_rng_tracker

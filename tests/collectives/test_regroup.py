@@ -202,3 +202,18 @@ def test_a_regroup_connects_its_rebuilt_communicators_concurrently(fabric):
         for groups in everyone:
             for g in groups.all_groups():
                 g.shutdown()
+
+
+def test_torch_can_list_a_resilient_groups_configuration():
+    """torch's profiler lists every registered group's configuration when it starts and stops
+    (`_get_all_pg_configs`): a resilient group carries its backend's, and leaves none behind."""
+    world = FakeWorld()
+    groups = build_together(world, "dp.tp0.stage0", [(0, 1), (0, 1)], backend="gloo")
+    try:
+        for g in groups:  # what _get_pg_config reads of each registered group
+            assert "gloo" in dist.get_backend_config(g)
+            assert dist.get_process_group_ranks(g) == [0, 1]
+    finally:
+        shut(groups)
+    registry = dist.distributed_c10d._world.pg_backend_config
+    assert not any(g in registry for g in groups)

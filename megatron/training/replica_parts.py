@@ -1,0 +1,83 @@
+"""Building one replica's parts for `replica_step.GPTReplicaStep`: its pipeline stages, its
+gradient buffer, the link between its stages and its commit vote."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+from megatron.training.config import ModelConfig
+from megatron.training.config_io import DataConfig
+from megatron.training.initialize import ParallelGroups
+from megatron.training.model import model_chunks
+from megatron.training.optimizer import LossScaler, Optimizer
+from recover_patches.pipeline.loss import vocab_parallel_cross_entropy
+from recover_patches.pipeline.p2p import ChunkP2P, StageLink
+from recover_patches.pipeline.sampler import MicrobatchSampler
+from recover_patches.pipeline.stage import GPTStage
+from recover_patches.recovery.agreement import ReplicaLink
+from recover_patches.recovery.grad_buffer import GradBuffer
+
+
+def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups, model,
+                 dataset, tracker, scaler: LossScaler | None = None) -> list[GPTStage]:
+    """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
+    dropout seeds: with one chunk, the pipeline stage)."""
+    sampler = MicrobatchSampler(dataset, micro_batch_size, with_mask=data.reset_attention_mask)
+    chunks = model_chunks(model)
+    pp, last = groups.topology.pp, groups.topology.pp * len(chunks) - 1
+    stages = []
+    # --cross-entropy-loss-fusion: megatron-core's fused kernel (it takes the TP group as given)
+    fused = chunks[0].config.cross_entropy_loss_fusion
+    for c, chunk in enumerate(chunks):
+        virtual = c * pp + groups.coord.pp
+        stages.append(GPTStage(chunk, sampler, tp_group=groups.tp, tracker=tracker,
+                               seed=data.seed, pp_stage=virtual, tp_rank=groups.coord.tp,
+                               is_first=virtual == 0, is_last=virtual == last,
+                               device=next(chunk.parameters()).device,
+                               loss_scale=None if scaler is None else (lambda: scaler.scale),
+                               cross_entropy=fused_vocab_parallel_cross_entropy if fused
+                               else vocab_parallel_cross_entropy))
+    return stages
+
+
+def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: bool) -> GradBuffer:
+    """The buffer takes the layout `build_optimizer` made (the distributed optimizer shards the
+    same one); `overlap`: --overlap-grad-reduce."""
+    assert optimizer.layout is not None, "an optimizer from optimizer_setup.build_optimizer"
+    return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
+                      device=optimizer.model_params[0].device, layout=optimizer.layout,
+                      overlap=overlap)
+
+
+def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device
+             ) -> StageLink | ChunkP2P:
+    """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
+    hidden], in the training dtype; between virtual stages with model chunks."""
+    t = model.transformer
+    seq = model.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
+    shape = (seq, micro_batch_size, t.hidden_size)
+    if model.model_chunks is not None:
+        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp, model.model_chunks,
+                        shape, dtype=t.params_dtype, device=device)
+    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp, shape, dtype=t.params_dtype,
+                     device=device)
+
+
+def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
+    """The commit vote by replica: its ranks agree over the replica's group, its first rank votes."""
+    group = groups.replica
+    if group.size() == 1:
+        return ReplicaLink(groups.topology.replica_of, True, lambda news: news, lambda code: code)
+
+    def exchange(news: bool) -> bool:
+        flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def share(code: int) -> int:
+        value = torch.tensor([code], dtype=torch.int32, device=device)
+        dist.broadcast(value, group=group, group_src=0)
+        return int(value.item())
+    return ReplicaLink(groups.topology.replica_of, group.rank() == 0, exchange, share)
+
