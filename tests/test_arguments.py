@@ -356,6 +356,7 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
      "--profile-step-end", "after"),
     ({"--use-rotary-position-embeddings": "", "--kv-channels": "15"}, 1, "cpu",
      "--kv-channels", "even"),
+    ({"--rope-type": "yarn"}, 1, "cpu", "--rope-type", "multi-latent"),
     ({"--error-injection-rate": "3", "--rerun-mode": "disabled"}, 1, "cpu",
      "--error-injection-rate", "validate_results"),
     ({"--wandb-project": "p"}, 1, "cpu", "--wandb-project", "recover[wandb]"),

@@ -20,6 +20,7 @@ from tests._launch_util import REPO, TINY_GPT
 HONOURED_BY_THE_ARGUMENT_CHECKS: dict[str, str] = {
     # not a check: the flag asks for what --load always does (test_checkpoint_dist covers it)
     "auto_detect_ckpt_format": "--load always detects a checkpoint's format",
+    "rope_type": "GPT attention takes only rope: the checks refuse yarn, as Megatron-LM asserts",
 }
 
 

@@ -25,6 +25,9 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
                         "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-LM's older spelling of --position-embedding-type rope.")
+    g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
+                   help="Rope variant. Attention other than multi-latent takes only rope (as in "
+                        "Megatron-LM); yarn is refused.")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                    help="Rope: divide positions by this factor (linear interpolation).")
     g.add_argument("--use-rope-scaling", action="store_true",

@@ -63,7 +63,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--dataloader-type": own_way("picks Megatron's data loader; ReCoVer reads each microbatch "
                                  "by its id, so a recomputed one reads the same samples",
                                  "drop the flag"),
-    "--rope-type": not_yet("picks a rope implementation, not supported yet"),
     # learning rate
     "--lr-wsd-decay-style": _LR_SCHEDULE, "--lr-wsd-decay-iters": _LR_SCHEDULE,
     "--lr-wsd-decay-samples": _LR_SCHEDULE, "--warmup": not_yet(

@@ -116,6 +116,9 @@ def _derive_kv_channels(args: argparse.Namespace) -> None:
     elif args.kv_channels < 1:
         raise ArgumentError("--kv-channels", f"--kv-channels must be >= 1, got {args.kv_channels}",
                             "drop --kv-channels (default hidden-size // num-attention-heads)")
+    if args.rope_type == "yarn":  # Megatron-LM: only multi-latent attention takes yarn
+        raise ArgumentError("--rope-type", "--rope-type yarn is for multi-latent attention, which "
+                            "is not supported yet", "use --rope-type rope (or drop the flag)")
     # Rotary embeddings rotate channel pairs, so every head needs an even channel count.
     if position_embedding_type_of(args) == "rope" and args.kv_channels % 2 != 0:
         raise ArgumentError("--kv-channels", f"rope needs an even per-head size, got kv-channels "
