@@ -81,7 +81,7 @@ BRANCHES = [validated(),
                       "--recompute-num-layers", "1"),
             validated(length=("--train-samples", "64")),
             validated("--eod-mask-loss", "--fp16", "--save", "ck", "--save-interval", "2",
-                      "--async-save", "--swiglu", "--use-flash-attn")]
+                      "--async-save", "--swiglu", "--use-flash-attn", "--log-straggler")]
 
 
 def read_by_the_entry_point() -> set[str]:

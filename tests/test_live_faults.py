@@ -134,12 +134,13 @@ def test_a_result_another_replica_does_not_repeat_is_fenced(reference, tmp_path)
     tracker = tmp_path / "rejected.txt"
     run = run_job(tmp_path, "1,2,2", "--error-injection-rate", "5",
                   "--error-injection-type", "transient_error",
-                  "--result-rejected-tracker-filename", str(tracker))
+                  "--result-rejected-tracker-filename", str(tracker), "--log-straggler")
     records = assert_failure_free_trajectory(run, reference)
     assert [r["iteration"] for r in records if r["recoveries"]] == [5]
     assert "re-run on replica 0: finite: the result is rejected" in run.stdout, run.stdout[-3000:]
     fenced = records[-1]["live_replicas"]
     assert fenced == [0], records[-1]
+    assert "stragglers (ms per microbatch, median" in run.stdout  # --log-straggler, 2 replicas
     (line,) = tracker.read_text().splitlines()
     assert line.startswith("iteration 5 replicas [1] ranks [")
 

@@ -78,4 +78,14 @@ def _add_profiling_args(parser: argparse.ArgumentParser) -> None:
                    help="Record Python call stacks in the trace.")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[],
                    help="Global ranks to profile (default: all).")
+    g = parser.add_argument_group("straggler")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="At every log line, the slowest and fastest replicas by seconds per "
+                        "microbatch (ReCoVer's measured timings; megatron/training/straggler.py).")
+    g.add_argument("--straggler-minmax-count", type=int, default=1,
+                   help="How many slowest and fastest replicas the report names.")
+    g.add_argument("--disable-straggler-on-startup", action="store_true",
+                   help="No report (Megatron-LM waits for a toggle on its control port).")
+    g.add_argument("--straggler-ctrlr-port", type=int, default=65535,
+                   help="Megatron-LM's toggle server port. No effect: there is no such server.")
 

@@ -96,10 +96,6 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
     (r"fault-injector-", own_way("is NVIDIA Resiliency Extension's fault injector",
                                   "inject faults with ReCoVer's --inject-fault (README)")),
     (r"inprocess-|enable-ft-package|calc-ft-timeouts|ft-num-warmup", _FAULT_TOLERANCE),
-    (r"log-straggler|straggler-|disable-straggler", own_way(
-        "is NVIDIA Resiliency Extension's straggler detector; ReCoVer records each iteration's "
-        "per-phase times in --metrics-file and a hung rank is declared dead by its coordinator",
-        "drop the flag (read --metrics-file)")),
     (r"(no-)?one-logger|app-tag-|otel-", _TELEMETRY),
     (r"check-for-spiky-loss", _RERUN),
     (r"non-persistent|replication", _NON_PERSISTENT),

@@ -102,6 +102,9 @@ def validate_logging(args: argparse.Namespace) -> None:
         raise ArgumentError("--profile-step-end", f"--profile-step-end {args.profile_step_end} "
                             f"must be after --profile-step-start {args.profile_step_start} (>= 0)",
                             "pass --profile-step-start S --profile-step-end E with 0 <= S < E")
+    if args.straggler_minmax_count < 1:
+        raise ArgumentError("--straggler-minmax-count", f"--straggler-minmax-count must be >= 1, "
+                            f"got {args.straggler_minmax_count}", "pass --straggler-minmax-count 1")
     if args.rerun_mode == "report_stats":
         raise ArgumentError("--rerun-mode", "--rerun-mode report_stats is not supported yet",
                             "use --rerun-mode validate_results (the default) or disabled")

@@ -22,6 +22,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
+from megatron.training.straggler import StragglerConfig
 from megatron.training.config_rules import (model_chunks_of, position_embedding_type_of,
                                             recompute_granularity_of)
 
@@ -306,6 +307,7 @@ class TrainingConfig:
     min_replicas: int  # --recover-min-replicas
     one_optimizer_copy: bool  # one distributed-optimizer instance: its shards die with a replica
     profiling: ProfilingConfig = ProfilingConfig()  # --profile
+    straggler: StragglerConfig = StragglerConfig()  # --log-straggler
 
     def __post_init__(self):
         if self.train_iters < 0 or self.log_interval < 1 or self.min_replicas < 0:
@@ -320,7 +322,7 @@ class TrainingConfig:
                    args.manual_gc_interval, bool(args.manual_gc_eval), args.recover_min_replicas,
                    bool(args.use_distributed_optimizer)
                    and args.num_distributed_optimizer_instances == 1,
-                   ProfilingConfig.from_args(args))
+                   ProfilingConfig.from_args(args), StragglerConfig.from_args(args))
 
 
 @dataclass(frozen=True)

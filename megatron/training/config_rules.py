@@ -72,6 +72,9 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.profile and not args.use_pytorch_profiler and device != "cuda":
         lines.append("--profile without --use-pytorch-profiler marks a CUDA profiler range (for "
                      "nsys): nothing to mark on a CPU")
+    if args.straggler_ctrlr_port != 65535:
+        lines.append("--straggler-ctrlr-port has no effect: there is no straggler control server "
+                     "(--log-straggler reports at every log line)")
     if args.use_flash_attn:
         lines.append("--use-flash-attn changes nothing (as in current Megatron-LM for megatron-core "
                      "models): the attention kernel is --attention-backend")

@@ -64,6 +64,7 @@ NO_EFFECT: dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "ReCoVer's only mode",
     "--calculate-per-token-loss": "ReCoVer's only mode",
     "--auto-detect-ckpt-format": "--load always detects the format",
+    "--straggler-ctrlr-port": "there is no straggler control server",
     "--use-flash-attn": "read nowhere for megatron-core models in Megatron-LM either "
                         "(the kernel is --attention-backend)",
 }

@@ -24,6 +24,7 @@ from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory
 from megatron.training.optimizer import Optimizer
 from megatron.training.profiling import Profiler
 from megatron.training.replica_step import GPTReplicaStep
+from megatron.training.straggler import straggler_line
 from megatron.training.state_transfer import receive_state, send_state
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.faults import FaultInjector
@@ -264,6 +265,9 @@ class Trainer:
             skipped = self.state.skipped_iterations
             logger.info(log_line(rec, config.train_iters, skipped - self._skipped_at_last_line),
                         extra=PLAIN)  # Megatron's line, as Megatron prints it
+            report = straggler_line(self.replica.timings, config.straggler.count)
+            if config.straggler.report and report is not None:
+                logger.info(report)
             self._skipped_at_last_line = skipped
 
     def record_join(self, join: JoinRecord) -> None:
