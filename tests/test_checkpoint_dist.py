@@ -223,3 +223,29 @@ def test_bad_torch_dist_checkpoints_are_one_clear_error(tmp_path):
     (ck / LATEST_FILE).unlink()
     assert "has no latest" in _load_error(make_args(tmp_path, "--load", str(ck)))
     assert shard.read_bytes() == data  # nothing was overwritten
+
+
+def test_ckpt_step_loads_that_iteration_and_a_missing_checkpoint_can_be_an_error(tmp_path):
+    """--ckpt-step N: iter_N, not the latest (a missing one names the flag); with
+    --exit-on-missing-checkpoint an empty --load is an error, even the first run's --save C
+    --load C (which otherwise starts fresh)."""
+    args = make_args(tmp_path)
+    run(GPTTrainer(args), Checkpointer(CheckpointConfig.from_args(args), 0, 1), 4)
+    ck = str(tmp_path / "ck")
+    config = CheckpointConfig.from_args(make_args(tmp_path, "--load", ck, "--ckpt-step", "2"))
+    assert find_resume_point(config, Topology(1, 1, 1)).iteration == 2
+    latest = CheckpointConfig.from_args(make_args(tmp_path, "--load", ck))
+    assert find_resume_point(latest, Topology(1, 1, 1)).iteration == 4
+    with pytest.raises(CheckpointError) as err:
+        find_resume_point(CheckpointConfig.from_args(make_args(
+            tmp_path, "--load", ck, "--ckpt-step", "3")), Topology(1, 1, 1))
+    assert err.value.flag == "--ckpt-step" and "iter_0000003 does not exist" in str(err.value)
+    fresh = tmp_path / "fresh"
+    first_run = make_args(tmp_path, "--save", str(fresh), "--load", str(fresh))
+    assert find_resume_point(CheckpointConfig.from_args(first_run), Topology(1, 1, 1)) is None
+    strict = make_args(tmp_path, "--save", str(fresh), "--load", str(fresh),
+                       "--exit-on-missing-checkpoint")
+    with pytest.raises(CheckpointError) as err:
+        find_resume_point(CheckpointConfig.from_args(strict), Topology(1, 1, 1))
+    assert err.value.flag == "--exit-on-missing-checkpoint"
+

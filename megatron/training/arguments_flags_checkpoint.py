@@ -84,5 +84,10 @@ def _add_megatron_core_checkpoint_args(g) -> None:
     g.add_argument("--async-strategy", default="nvrx", choices=["nvrx", "mcore"],
                    help="Megatron's asynchronous writer. No effect here: --async-save writes on "
                         "ReCoVer's own background writer.")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="Load this iteration from --load instead of the latest.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="With --load: no checkpoint there is an error (exit 2), not a fresh "
+                        "start.")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="Detect the checkpoint's format on --load: what --load always does here.")

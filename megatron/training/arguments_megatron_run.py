@@ -78,13 +78,9 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--load-main-params-from-ckpt": not_yet("loads fp32 main params alone, not supported yet"),
     "--pretrained-checkpoint": not_yet("starts from a pretrained checkpoint, not supported yet",
                                        "use --load with --finetune"),
-    "--ckpt-step": not_yet("loads a chosen iteration, not supported yet: --load reads the "
-                           "latest"),
     "--use-checkpoint-args": _CKPT_ARGS, "--use-mp-args-from-checkpoint-args": _CKPT_ARGS,
     "--no-use-tokenizer-model-from-checkpoint-args": _CKPT_ARGS,
     "--disable-use-tokenizer-model-from-checkpoint-args": _CKPT_ARGS,
-    "--exit-on-missing-checkpoint": not_yet("stops when --load has no checkpoint, not supported "
-                                            "yet: the run starts from scratch"),
     "--ckpt-convert-format": _CKPT_CONVERT, "--ckpt-convert-save": _CKPT_CONVERT,
     "--ckpt-convert-update-legacy-dist-opt-format": _CKPT_CONVERT,
     "--async-ckpt-cpu-priority": _FULLY_PARALLEL_TUNING,

@@ -79,6 +79,15 @@ def find_resume_point(config: CheckpointConfig, topology: Topology) -> ResumePoi
         return None
     load_dir = Path(config.load)
     iteration = read_latest(load_dir) if load_dir.is_dir() else None
+    if config.ckpt_step is not None:  # Megatron's --ckpt-step: this iteration, not the latest
+        if not (load_dir / iter_dir_name(config.ckpt_step)).is_dir():
+            raise CheckpointError("--ckpt-step", f"{load_dir / iter_dir_name(config.ckpt_step)} "
+                                  "does not exist", "pass an iteration saved under --load")
+        iteration = config.ckpt_step
+    if iteration is None and config.exit_on_missing:
+        raise CheckpointError("--exit-on-missing-checkpoint", f"no checkpoint under --load "
+                              f"{load_dir} (no {LATEST_FILE})", "point --load at a saved "
+                              "checkpoint, or drop --exit-on-missing-checkpoint to start fresh")
     if iteration is None:
         never_saved = not load_dir.exists() or not any(load_dir.glob("iter_*"))
         if never_saved and config.save and Path(config.save).resolve() == load_dir.resolve():

@@ -82,6 +82,8 @@ class CheckpointConfig:
     tp_pp_dp_mapping: bool  # --use-tp-pp-dp-mapping: the rank order of the checkpoint's layout
     # --dist-ckpt-optim-fully-reshardable with --use-distributed-optimizer (Megatron's condition)
     optimizer_fully_reshardable: bool
+    ckpt_step: int | None  # --ckpt-step: load this iteration instead of the latest
+    exit_on_missing: bool  # --exit-on-missing-checkpoint
     model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
     # a copy taken here is that payload, never read for a setting
@@ -115,6 +117,7 @@ class CheckpointConfig:
             tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping),
             optimizer_fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable
                                              and args.use_distributed_optimizer),
+            ckpt_step=args.ckpt_step, exit_on_missing=bool(args.exit_on_missing_checkpoint),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
 

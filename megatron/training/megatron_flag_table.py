@@ -25,6 +25,8 @@ DIFFERENCES: dict[str, str] = {
                           "local (Megatron: transformer_engine)",
     "--no-ckpt-fully-parallel-save": "default: not set (said at start-up: one replica writes, "
                                      "Megatron-LM shares the writing over DP ranks)",
+    "--exit-on-missing-checkpoint": "exits with status 2 (a user error, one line); Megatron-LM "
+                                    "exits 1",
     "--local-rank": "default: the launcher's LOCAL_RANK environment variable",
     "--eval-interval": "default 1000, as Megatron-LM's before it made evaluation opt-in",
     "--tokenizer-type": "default GPT2BPETokenizer (Megatron: none, then an error)",
