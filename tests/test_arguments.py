@@ -357,6 +357,7 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--use-rotary-position-embeddings": "", "--kv-channels": "15"}, 1, "cpu",
      "--kv-channels", "even"),
     ({"--rope-type": "yarn"}, 1, "cpu", "--rope-type", "multi-latent"),
+    ({"--squared-relu": "", "--swiglu": ""}, 1, "cpu", "--squared-relu", "--swiglu"),
     ({"--error-injection-rate": "3", "--rerun-mode": "disabled"}, 1, "cpu",
      "--error-injection-rate", "validate_results"),
     ({"--wandb-project": "p"}, 1, "cpu", "--wandb-project", "recover[wandb]"),

@@ -76,6 +76,7 @@ def validated(*extra: str, length: tuple[str, str] = ("--train-iters", "4")
 
 # command lines that take each conditional branch of the conversions once
 BRANCHES = [validated(),
+            validated("--quick-geglu", "--openai-gelu", "--onnx-safe", "1"),
             validated("--group-query-attention", "--num-query-groups", "2",
                       "--recompute-granularity", "full", "--recompute-method", "uniform",
                       "--recompute-num-layers", "1"),

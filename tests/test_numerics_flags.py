@@ -86,3 +86,22 @@ def test_logging_level_survives_a_later_configure():
     finally:
         set_level(logging.INFO)
         logging.getLogger().setLevel(logging.WARNING)  # the root's default
+
+
+def test_activation_flags_choose_megatron_cores_functions(tmp_path):
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    plain = built(tmp_path).model.config
+    assert plain.activation_func is torch.nn.functional.gelu and not plain.gated_linear_unit
+    relu2 = built(tmp_path, "--squared-relu").model.config
+    assert relu2.activation_func is squared_relu and not relu2.gated_linear_unit
+    geglu = built(tmp_path, "--quick-geglu", "--glu-linear-offset", "1.0",
+                  "--activation-func-clamp-value", "7.0")
+    config = geglu.model.config
+    assert config.activation_func is quick_gelu and config.gated_linear_unit
+    assert (config.glu_linear_offset, config.activation_func_clamp_value) == (1.0, 7.0)
+    fc1 = named(geglu)["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert fc1.shape[0] == 2 * config.ffn_hidden_size  # gated: both halves
+    losses = [built(tmp_path, *flags).train_step()
+              for flags in ([], ["--squared-relu"], ["--quick-geglu"])]
+    assert len(set(losses)) == 3  # each activation computes something else

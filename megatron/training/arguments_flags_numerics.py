@@ -34,16 +34,7 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
                    help="Rope: Llama 3.x frequency scaling.")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0,
                    help="Rope: the factor of --use-rope-scaling.")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="The loss through megatron-core's fused vocab-parallel cross entropy "
-                        "(torch.compile'd: the first iteration compiles it). As in Megatron-LM "
-                        "its gradient to the logits is bf16, whatever the training dtype.")
-    g.add_argument("--use-flash-attn", action="store_true",
-                   help="Accepted: current Megatron-LM reads it nowhere for megatron-core models "
-                        "(the kernel is --attention-backend); it changes nothing here either.")
-    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native"],
-                   help="The fused cross entropy's kernel: megatron-core's native one "
-                        "(transformer-engine's `te` is not supported yet).")
+    _add_activation_args(g)
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
                    help="Apply weight decay to the query/key layernorm weights (the other 1-D "
                         "parameters and biases still skip it).")
@@ -58,6 +49,32 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
                    help="The root logger's level (logging's numbers: 10 debug, 20 info, ...). "
                         "Default: the MEGATRON_LOGGING_LEVEL environment variable, else info.")
     _add_profiling_args(parser)
+
+
+def _add_activation_args(g) -> None:
+    """The MLP's activation and the loss's kernel."""
+    g.add_argument("--squared-relu", action="store_true",
+                   help="MLP activation: megatron-core's squared ReLU (not with --swiglu).")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated MLP with megatron-core's quick GELU (not with --swiglu).")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="Gated MLPs: added to the linear half before the product.")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="Gated MLPs: clamp the activation's input to this magnitude.")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="Accepted: current Megatron-LM reads it nowhere (it changes nothing).")
+    g.add_argument("--onnx-safe", default=None,
+                   help="Accepted: current Megatron-LM reads it nowhere (it changes nothing).")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="The loss through megatron-core's fused vocab-parallel cross entropy "
+                        "(torch.compile'd: the first iteration compiles it). As in Megatron-LM "
+                        "its gradient to the logits is bf16, whatever the training dtype.")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Accepted: current Megatron-LM reads it nowhere for megatron-core models "
+                        "(the kernel is --attention-backend); it changes nothing here either.")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native"],
+                   help="The fused cross entropy's kernel: megatron-core's native one "
+                        "(transformer-engine's `te` is not supported yet).")
 
 
 def _add_profiling_args(parser: argparse.ArgumentParser) -> None:

@@ -16,8 +16,6 @@ _INIT = not_yet("changes weight initialisation; ReCoVer draws every weight by na
                 "--init-method-std so that any layout starts from the same weights")
 _ATTENTION_VARIANT = not_yet("changes attention (sliding window, softmax variants, gates, clipping)"
                              ", not supported by ReCoVer's attention yet")
-_ACTIVATION = not_yet("selects an MLP activation ReCoVer does not build yet (GeLU and SwiGLU are "
-                      "built)")
 _YARN = not_yet("configures YaRN rope scaling, not supported yet")
 _DEPRECATED_POSITION = not_yet("is a deprecated spelling Megatron-LM keeps; not supported",
                                "use --position-embedding-type")
@@ -40,9 +38,6 @@ MODEL_FLAGS: dict[str, Refusal] = {
     "--fused-residual-rmsnorm": not_yet(_KERNEL),
     "--use-transformer-engine-op-fuser": not_yet(_KERNEL),
     "--disable-jit-fuser": not_yet(_KERNEL),
-    "--openai-gelu": _ACTIVATION, "--squared-relu": _ACTIVATION, "--quick-geglu": _ACTIVATION,
-    "--glu-linear-offset": _ACTIVATION, "--activation-func-clamp-value": _ACTIVATION,
-    "--onnx-safe": _ACTIVATION,
     "--yarn-original-max-position-embeddings": _YARN, "--yarn-beta-fast": _YARN,
     "--yarn-beta-slow": _YARN, "--yarn-correction-range-round-to-int": _YARN,
     "--no-yarn-correction-range-round-to-int": _YARN, "--mrope-section": _YARN,

@@ -116,6 +116,11 @@ def _derive_kv_channels(args: argparse.Namespace) -> None:
     elif args.kv_channels < 1:
         raise ArgumentError("--kv-channels", f"--kv-channels must be >= 1, got {args.kv_channels}",
                             "drop --kv-channels (default hidden-size // num-attention-heads)")
+    for flag in ("squared_relu", "quick_geglu"):
+        if getattr(args, flag) and args.swiglu:  # Megatron-LM asserts the same
+            option = "--" + flag.replace("_", "-")
+            raise ArgumentError(option, f"{option} and --swiglu each choose the MLP's activation",
+                                f"drop {option} or --swiglu")
     if args.rope_type == "yarn":  # Megatron-LM: only multi-latent attention takes yarn
         raise ArgumentError("--rope-type", "--rope-type yarn is for multi-latent attention, which "
                             "is not supported yet", "use --rope-type rope (or drop the flag)")

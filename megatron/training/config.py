@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
@@ -142,8 +144,10 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
         add_bias_linear=args.add_bias_linear,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        gated_linear_unit=args.swiglu or args.quick_geglu,
+        activation_func=activation_of(args),
+        glu_linear_offset=args.glu_linear_offset,
+        activation_func_clamp_value=args.activation_func_clamp_value,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         attention_backend=AttnBackend[args.attention_backend],
@@ -162,20 +166,34 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         bf16=args.bf16,
         params_dtype=params_dtype_of(args),
         pipeline_dtype=params_dtype_of(args),
-        # Fused kernels are CUDA-only (forced off on CPU by the argument checks).
+        **_kernels(args),
+        layernorm_epsilon=args.layernorm_epsilon,
+        add_qkv_bias=args.add_qkv_bias or args.add_bias_linear,  # as Megatron-LM keeps them
+        # Gradients accumulate into ReCoVer's main-grad buffer by a hook (recovery/grad_buffer).
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _kernels(args: argparse.Namespace) -> dict:
+    """Kernel choices. The fused ones are CUDA-only (forced off on CPU by the argument checks)."""
+    return dict(
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         masked_softmax_fusion=args.masked_softmax_fusion,
         apply_rope_fusion=args.rope_fusion,
         persist_layer_norm=not args.no_persist_layer_norm,  # transformer-engine's kernel only
         disable_bf16_reduced_precision_matmul=args.disable_bf16_reduced_precision_matmul,
-        layernorm_epsilon=args.layernorm_epsilon,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,  # read by replica_parts
-        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
-        add_qkv_bias=args.add_qkv_bias or args.add_bias_linear,  # as Megatron-LM keeps them
-        # Gradients accumulate into ReCoVer's main-grad buffer by a hook (recovery/grad_buffer).
-        gradient_accumulation_fusion=False,
-    )
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl)
+
+
+def activation_of(args: argparse.Namespace) -> Callable:
+    """The MLP's activation, as Megatron-LM picks it (megatron-core's functions)."""
+    if args.squared_relu:
+        return squared_relu
+    if args.quick_geglu:
+        return quick_gelu
+    return F.silu if args.swiglu else F.gelu
 
 
 @dataclass(frozen=True)

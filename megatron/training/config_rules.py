@@ -75,6 +75,10 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.straggler_ctrlr_port != 65535:
         lines.append("--straggler-ctrlr-port has no effect: there is no straggler control server "
                      "(--log-straggler reports at every log line)")
+    for flag in ("openai_gelu", "onnx_safe"):
+        if getattr(args, flag):
+            lines.append(f"--{flag.replace('_', '-')} changes nothing (current Megatron-LM reads "
+                         "it nowhere either)")
     if args.use_flash_attn:
         lines.append("--use-flash-attn changes nothing (as in current Megatron-LM for megatron-core "
                      "models): the attention kernel is --attention-backend")

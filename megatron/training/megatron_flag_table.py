@@ -66,6 +66,8 @@ NO_EFFECT: dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "ReCoVer's only mode",
     "--calculate-per-token-loss": "ReCoVer's only mode",
     "--auto-detect-ckpt-format": "--load always detects the format",
+    "--openai-gelu": "read nowhere in current Megatron-LM either",
+    "--onnx-safe": "read nowhere in current Megatron-LM either",
     "--straggler-ctrlr-port": "there is no straggler control server",
     "--use-flash-attn": "read nowhere for megatron-core models in Megatron-LM either "
                         "(the kernel is --attention-backend)",
