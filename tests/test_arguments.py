@@ -419,7 +419,6 @@ def test_parse_and_validate_reports_refused_flags_the_same_way(capsys):
 @pytest.mark.parametrize("flags, named", [
     (["--async-save", "--ckpt-format", "torch"], "--async-save"),
     (["--ckpt-fully-parallel-save"], "--ckpt-fully-parallel-save"),
-    (["--ckpt-assume-constant-structure"], "--ckpt-assume-constant-structure"),
 ])
 def test_checkpoint_flags_refused_in_one_line(flags, named):
     with pytest.raises(ArgumentError) as err:

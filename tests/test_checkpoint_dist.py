@@ -249,3 +249,37 @@ def test_ckpt_step_loads_that_iteration_and_a_missing_checkpoint_can_be_an_error
         find_resume_point(CheckpointConfig.from_args(strict), Topology(1, 1, 1))
     assert err.value.flag == "--exit-on-missing-checkpoint"
 
+
+def test_assume_constant_structure_plans_once_and_still_resumes_exactly(tmp_path, monkeypatch):
+    """--ckpt-assume-constant-structure: the second save exchanges only its write results (the
+    plan is reused: one all-gather instead of two), and what it wrote loads back exactly."""
+    from megatron.training import checkpoint_dist
+    gathers: list[int] = []
+    original = checkpoint_dist.ShardedWrite._all_gather
+
+    def counted(self, obj):
+        gathers.append(1)
+        return original(self, obj)
+    monkeypatch.setattr(checkpoint_dist.ShardedWrite, "_all_gather", counted)
+    args = make_args(tmp_path, "--ckpt-assume-constant-structure")
+    first = GPTTrainer(args)
+    run(first, Checkpointer(CheckpointConfig.from_args(args), 0, 1), 4)  # saves at 2 and 4
+    assert len(gathers) == 3  # plan + results, then results only
+    plain = Checkpointer(CheckpointConfig.from_args(make_args(tmp_path / "plain")), 0, 1)
+    assert plain.plans is None
+    args = make_args(tmp_path, "--load", str(tmp_path / "ck"))
+    again = GPTTrainer(args)
+    Checkpointer(CheckpointConfig.from_args(args), 0, 1).load(again)  # written with the reused plan
+    assert again.state.iteration == 4
+    for a, b in zip(first.model.parameters(), again.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(first.optimizer.main_params, again.optimizer.main_params):
+        assert torch.equal(a, b)
+
+
+def test_a_new_writing_group_plans_again():
+    from megatron.training.checkpoint_dist import SavePlans
+    plans = SavePlans()
+    plans.keep((0, 1), (["plan"], "metadata"))
+    assert plans.get((0, 1)) == (["plan"], "metadata") and plans.get((2, 3)) is None
+

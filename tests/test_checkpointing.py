@@ -70,7 +70,7 @@ def make_args(tmp: Path, **over) -> CheckpointConfig:
                 use_tp_pp_dp_mapping=False, exit_interval=None, exit_duration_in_mins=None,
                 ckpt_format="torch", async_save=False, dist_ckpt_strictness="assume_ok_unexpected",
                 use_persistent_ckpt_worker=False, dist_ckpt_optim_fully_reshardable=False,
-                ckpt_step=None, exit_on_missing_checkpoint=False,
+                ckpt_step=None, exit_on_missing_checkpoint=False, ckpt_assume_constant_structure=False,
                 use_distributed_optimizer=False, num_layers=None, hidden_size=None,
                 num_attention_heads=None, ffn_hidden_size=None)
     return CheckpointConfig.from_args(Namespace(**{**base, **over}))

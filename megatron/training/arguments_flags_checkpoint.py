@@ -84,6 +84,9 @@ def _add_megatron_core_checkpoint_args(g) -> None:
     g.add_argument("--async-strategy", default="nvrx", choices=["nvrx", "mcore"],
                    help="Megatron's asynchronous writer. No effect here: --async-save writes on "
                         "ReCoVer's own background writer.")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="torch_dist: plan a save once and reuse the plan while the same ranks "
+                        "write (a new writing replica after a failure plans again).")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Load this iteration from --load instead of the latest.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",

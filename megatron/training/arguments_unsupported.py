@@ -40,9 +40,6 @@ UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
         ("--num-experts", 1),
         ("--fp8-format", 1),
     )
-) + (
-    RefusedFlag("--ckpt-assume-constant-structure", 0, "is not supported: every save is planned "
-                "(the writing replica changes after a failure)", "drop the flag"),
 )
 
 

@@ -211,13 +211,31 @@ def as_rank_state(loaded: dict, params: list[torch.Tensor] | None = None,
 
 
 # -- writing: plan (collective), write (not), finish (collective) ---------------------------------
+class SavePlans:
+    """--ckpt-assume-constant-structure: the global save plan of the last writing group. A save
+    by other ranks (the writing replica changed after a failure), or of other keys, plans again;
+    that the other writers' keys did not change either is the user's promise, as in Megatron-LM."""
+
+    def __init__(self) -> None:
+        self._writers: tuple | None = None
+        self._plan: tuple[list, Metadata] | None = None
+
+    def get(self, writers: tuple) -> tuple[list, Metadata] | None:
+        return self._plan if writers == self._writers else None
+
+    def keep(self, writers: tuple, plan: tuple[list, Metadata]) -> None:
+        self._writers, self._plan = writers, plan
+
+
 class ShardedWrite:
     """One rank's part of a torch_dist save into `directory`, among the ranks of `group` (the
     writing replica, its collectives on `device`); group rank 0 writes DCP's `.metadata`. `state` must not change until the
     write is done (an async save passes a host copy)."""
 
     def __init__(self, state: dict, directory: Path, group: dist.ProcessGroup,
-                 device: torch.device) -> None:
+                 device: torch.device, plans: SavePlans | None = None) -> None:
+        """`plans`: --ckpt-assume-constant-structure's cache: the global plan is made once per
+        writing group and reused (the local plans are not exchanged again)."""
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(state, keep_only_main_replica=True)
         self.group, self.device = group, device
         self.coordinator = dist.get_rank(group) == 0
@@ -228,11 +246,19 @@ class ShardedWrite:
                                     is_coordinator=self.coordinator)
         self.writer.set_up_storage_writer(self.coordinator)
         local = self.writer.prepare_local_plan(self.planner.create_local_plan())
-        plans = self._all_gather(local)
-        # every rank runs the (deterministic) global planning: no scatter needed
-        plans, self.metadata = self.planner.create_global_plan(plans)
-        plans = self.writer.prepare_global_plan(plans)
-        self.plan = self.planner.finish_plan(plans[dist.get_rank(group)])
+        # the writing ranks, and this rank's keys: fp16 can save before Adam has moments, and a
+        # later save then holds more (every rank of the replica alike)
+        writers = (tuple(dist.get_process_group_ranks(group)),
+                   hash(tuple(sorted(item.index.fqn for item in local.items))))
+        cached = None if plans is None else plans.get(writers)
+        if cached is None:
+            # every rank runs the (deterministic) global planning: no scatter needed
+            global_plans, metadata = self.planner.create_global_plan(self._all_gather(local))
+            cached = (self.writer.prepare_global_plan(global_plans), metadata)
+            if plans is not None:
+                plans.keep(writers, cached)
+        self.metadata = cached[1]
+        self.plan = self.planner.finish_plan(cached[0][dist.get_rank(group)])
         self.results: list | None = None
 
     def write(self) -> None:

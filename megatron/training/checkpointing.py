@@ -152,6 +152,8 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.pending: PendingSave | None = None
         self.worker: ThreadPoolExecutor | None = None  # --use-persistent-ckpt-worker
+        # --ckpt-assume-constant-structure: the save plan, reused while the writers stay
+        self.plans = ckd.SavePlans() if config.assume_constant_structure else None
 
     def load(self, host: CheckpointHost) -> None:
         point = self.resume
@@ -315,7 +317,7 @@ class Checkpointer:
         if is_leader:
             ckd.write_common(tmp, common)
         return ckd.ShardedWrite(sharded, tmp, host.training.groups.replica,
-                                next(host.training.model.parameters()).device)
+                                next(host.training.model.parameters()).device, self.plans)
 
     def _in_background(self, pending: PendingSave, faults) -> Callable[[], object]:
         """Start the write; return what waits for it. --use-persistent-ckpt-worker: on the one

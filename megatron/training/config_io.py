@@ -84,6 +84,7 @@ class CheckpointConfig:
     optimizer_fully_reshardable: bool
     ckpt_step: int | None  # --ckpt-step: load this iteration instead of the latest
     exit_on_missing: bool  # --exit-on-missing-checkpoint
+    assume_constant_structure: bool  # --ckpt-assume-constant-structure
     model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
     # a copy taken here is that payload, never read for a setting
@@ -118,6 +119,7 @@ class CheckpointConfig:
             optimizer_fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable
                                              and args.use_distributed_optimizer),
             ckpt_step=args.ckpt_step, exit_on_missing=bool(args.exit_on_missing_checkpoint),
+            assume_constant_structure=bool(args.ckpt_assume_constant_structure),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
 

@@ -98,6 +98,9 @@ def _checkpoint_differences(args: argparse.Namespace) -> list[str]:
         lines.append("--distrib-optim-fully-reshardable-mem-efficient has no effect: it changes "
                      "how Megatron-LM gathers the state, not what is written, and the writing "
                      "replica already holds it")
+    if args.ckpt_assume_constant_structure and args.ckpt_format != "torch_dist":
+        lines.append("--ckpt-assume-constant-structure has no effect with --ckpt-format torch "
+                     "(nothing is planned)")
     if args.ckpt_fully_parallel_load:
         lines.append("--ckpt-fully-parallel-load has no effect: every rank already reads only "
                      "the slices its own layout needs")
