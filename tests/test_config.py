@@ -103,3 +103,16 @@ def test_where_megatron_would_differ_is_said_once_per_flag():
         assert flag in said, flag
     assert "--calculate-per-token-loss" not in " ".join(megatron_differences(flags(
         "--eod-mask-loss", "--calculate-per-token-loss"), "cpu"))
+
+
+def test_the_rerun_and_profiling_configs_check_themselves():
+    from megatron.training.profiling import ProfilingConfig
+    from megatron.training.rerun import RerunConfig
+    assert RerunConfig("validate_results", 5, "correct_result", None).injects(10, 0, 2)
+    for bad in (("sometimes", 0, "transient_error"), ("disabled", -1, "transient_error"),
+                ("disabled", 0, "bit_flip")):
+        with pytest.raises(ValueError):
+            RerunConfig(*bad, None)
+    with pytest.raises(ValueError):
+        ProfilingConfig(True, 5, 5)
+    assert not ProfilingConfig(True, 1, 3, ranks=(0,)).profiles(1)

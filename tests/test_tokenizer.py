@@ -141,3 +141,52 @@ def test_null_tokenizer_needs_vocab_size():
 def test_unknown_tokenizer_type():
     error = _error(TokenizerConfig("SentencePieceTokenizer"))
     assert error.flag == "--tokenizer-type" and "GPT2BPETokenizer" in error.fix
+
+
+def tiktoken_vocabulary(tmp_path, merges=(b"ab", b"abc", b" a", b"cd")) -> str:
+    """tiktoken's JSON vocabulary as Megatron-LM reads it: every byte, then merges by rank."""
+    import base64
+    tokens = [bytes([i]) for i in range(256)] + list(merges)
+    entries = [{"rank": i, "token_bytes": base64.b64encode(t).decode(),
+                "token_str": t.decode("utf-8", "replace")} for i, t in enumerate(tokens)]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(entries))
+    return str(path)
+
+
+def test_tiktokenizer_is_megatron_cores_with_its_special_ids(tmp_path):
+    from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import TikTokenTokenizer
+    path = tiktoken_vocabulary(tmp_path)
+    config = TokenizerConfig("TikTokenizer", model=path, vocab_size=270, tiktoken_pattern="v2",
+                             tiktoken_special=10)
+    tokenizer = build_tokenizer(config)
+    reference = TikTokenTokenizer(path, num_special_tokens=10, pattern="v2", vocab_size=270)
+    text = "abc abcd cab"
+    ids = tokenizer.tokenize(text)
+    assert ids == reference.text_to_ids(text) and min(ids) >= 10  # specials come first
+    assert 256 + 10 in ids  # the merge "ab" (rank 256) shifted by the special tokens
+    assert tokenizer.detokenize(ids) == text
+    assert (tokenizer.vocab_size, tokenizer.eod) == (270, reference.eos_id)
+
+
+def test_tiktokenizer_errors_name_the_flag(tmp_path):
+    with pytest.raises(TokenizerError) as err:
+        build_tokenizer(TokenizerConfig("TikTokenizer", model=str(tmp_path / "missing.json")))
+    assert err.value.flag == "--tokenizer-model"
+    too_big = TokenizerConfig("TikTokenizer", model=tiktoken_vocabulary(tmp_path),
+                              vocab_size=5000, tiktoken_special=10)
+    with pytest.raises(TokenizerError) as err:
+        build_tokenizer(too_big)
+    assert err.value.flag == "--tokenizer-model" and "--vocab-size" in str(err.value)
+
+
+def test_tiktokenizer_from_megatrons_flags(tmp_path):
+    from megatron.training.arguments import parse_and_validate
+    from tests._launch_util import TINY_GPT
+    args = parse_and_validate([*TINY_GPT, "--train-iters", "2", "--tokenizer-type", "TikTokenizer",
+                               "--tokenizer-model", tiktoken_vocabulary(tmp_path),
+                               "--vocab-size", "270", "--tiktoken-pattern", "v1",
+                               "--tiktoken-num-special-tokens", "10"], world_size=1)
+    tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
+    assert tokenizer.vocab_size == 270 and tokenizer.unique_identifiers["pattern"] == "v1"
+

@@ -186,13 +186,15 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                         "(with a warning when --data-path is given).")
     g.add_argument("--mock-data", action="store_true", help="Train on synthetic data (no --data-path).")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
-                   help="Tokenizer kind.")
+                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer",
+                            "TikTokenizer"], help="Tokenizer kind.")
+    add_tiktoken_args(g)
     g.add_argument("--tokenizer-model", default=None,
                    help="HuggingFaceTokenizer: a local directory holding tokenizer.json (offline).")
     g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json.")
     g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt.")
-    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="Vocabulary size: NullTokenizer's; TikTokenizer's, special tokens included.")
     g.add_argument("--data-cache-path", default=None, help="Where dataset index caches are written.")
     g.add_argument("--num-workers", type=int, default=2,
                    help="Data loader worker processes (Megatron-LM). ReCoVer has no loader pool "
@@ -316,3 +318,15 @@ def _add_rerun_args(g) -> None:
     g.add_argument("--result-rejected-tracker-filename", default=None,
                    help="Append one line per rejected result (iteration, replicas, ranks, "
                         "microbatches) to this file.")
+
+
+def add_tiktoken_args(g) -> None:
+    """TikTokenizer's flags (the training and preprocessing parsers share them)."""
+    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                   help="TikTokenizer: the pre-tokenization regex (default v2).")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids 0..N-1 are special tokens; the vocabulary follows.")
+    g.add_argument("--tokenizer-special-tokens", nargs="+", dest="special_tokens", default=None,
+                   help="TikTokenizer: the named special tokens (must include <unk> <s> </s> "
+                        "<mask> <pad> <cls> <sep>).")
+

@@ -29,7 +29,7 @@ _BUCKETS = own_way("shapes megatron-core DDP's gradient buckets; ReCoVer's gradi
 _ALIGN = own_way("aligns megatron-core DDP's grad/param syncs with the pipeline; ReCoVer's "
                  "schedule starts each bucket's sync itself", "drop the flag")
 _TOKENIZER = not_yet("configures a tokenizer ReCoVer does not build yet (GPT2BPETokenizer, "
-                     "HuggingFaceTokenizer and NullTokenizer are built)")
+                     "HuggingFaceTokenizer, NullTokenizer and TikTokenizer are built)")
 _PRECISION_DTYPES = own_way("sets the dtype of main params, grads or Adam moments; ReCoVer keeps "
                             "them in fp32 (its bf16/fp16 recipe)", "drop the flag")
 _BATCH_SCHEDULE = not_yet("changes the batch size during the run other than by "
@@ -178,8 +178,7 @@ RUN_FLAGS: dict[str, Refusal] = {
                                    "derived with --make-vocab-size-divisible-by"),
     "--no-pad-vocab-size": not_yet("skips vocabulary padding, not supported yet"),
     "--disable-pad-vocab-size": not_yet("skips vocabulary padding, not supported yet"),
-    "--tokenizer-metadata": _TOKENIZER, "--tokenizer-special-tokens": _TOKENIZER,
-    "--tiktoken-pattern": _TOKENIZER, "--tiktoken-num-special-tokens": _TOKENIZER,
+    "--tokenizer-metadata": _TOKENIZER,
     "--tokenizer-sentencepiece-legacy": _TOKENIZER,
     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces": _TOKENIZER,
     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces": _TOKENIZER,

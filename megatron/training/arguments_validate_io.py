@@ -63,10 +63,11 @@ def validate_tokenizer(args: argparse.Namespace) -> None:
             raise ArgumentError("--vocab-size", "NullTokenizer needs a positive --vocab-size",
                                 "pass --vocab-size N")
         return
-    if args.tokenizer_type == "HuggingFaceTokenizer":  # the files are checked when it is built
+    if args.tokenizer_type in ("HuggingFaceTokenizer", "TikTokenizer"):  # built: files checked
         if not args.tokenizer_model:
-            raise ArgumentError("--tokenizer-model", "HuggingFaceTokenizer needs --tokenizer-model",
-                                "pass --tokenizer-model DIR (a directory holding tokenizer.json)")
+            raise ArgumentError("--tokenizer-model", f"{args.tokenizer_type} needs "
+                                "--tokenizer-model", "pass --tokenizer-model PATH (a "
+                                "tokenizer.json, or a directory holding one)")
         return
     for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
         if path is None:

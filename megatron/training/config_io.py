@@ -131,13 +131,18 @@ class TokenizerConfig:
     kind: str | None  # None: the default type
     vocab_file: str | None = None
     merge_file: str | None = None
-    model: str | None = None  # --tokenizer-model (HuggingFaceTokenizer)
-    vocab_size: int | None = None  # NullTokenizer
+    model: str | None = None  # --tokenizer-model (HuggingFaceTokenizer, TikTokenizer)
+    vocab_size: int | None = None  # NullTokenizer; TikTokenizer's (with its special tokens)
+    tiktoken_pattern: str | None = None  # --tiktoken-pattern v1|v2 (None: megatron-core's v2)
+    tiktoken_special: int = 1000  # --tiktoken-num-special-tokens
+    special_tokens: tuple[str, ...] | None = None  # --tokenizer-special-tokens
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TokenizerConfig:
+        special = args.special_tokens
         return cls(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
-                   args.vocab_size)
+                   args.vocab_size, args.tiktoken_pattern, args.tiktoken_num_special_tokens,
+                   None if special is None else tuple(special))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from megatron.training.arguments import OneLineParser
 from megatron.training.arguments_errors import ArgumentError
+from megatron.training.arguments_flags import add_tiktoken_args
 from megatron.training.tokenizer import SUPPORTED_TYPES
 
 # Named as the user called it: the `recover-preprocess` entry point or the script.
@@ -29,6 +30,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help="keep newlines: always so here, as no sentence splitter removes them")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=SUPPORTED_TYPES)
+    add_tiktoken_args(group)
     group.add_argument("--tokenizer-model", default=None,
                        help="HuggingFaceTokenizer: a directory holding tokenizer.json")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")

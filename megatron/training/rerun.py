@@ -55,6 +55,12 @@ class RerunConfig:
     injection_type: str  # --error-injection-type
     tracker: str | None  # --result-rejected-tracker-filename
 
+    def __post_init__(self):
+        if self.mode not in MODES or self.injection_type not in INJECTION_TYPES \
+                or self.injection_rate < 0:
+            raise ValueError(f"rerun mode {self.mode!r}, injection {self.injection_type!r} "
+                             f"every {self.injection_rate}")
+
     @property
     def validating(self) -> bool:
         return self.mode == "validate_results"

@@ -19,7 +19,7 @@ from megatron.training.arguments_errors import UserError
 from megatron.training.config_io import TokenizerConfig
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+SUPPORTED_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "TikTokenizer")
 # Where a tokenizer.json directory names its end-of-sequence token (transformers writes it there).
 HF_CONFIG = "tokenizer_config.json"
 # pretrain_gpt.py's default when --tokenizer-type is not given.
@@ -215,6 +215,49 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
+class TikTokenizer(Tokenizer):
+    """Megatron-LM's TikTokenizer: megatron-core's TikTokenTokenizer (the tiktoken library) over
+    a JSON vocabulary (--tokenizer-model), split by --tiktoken-pattern, its first
+    --tiktoken-num-special-tokens ids special (`</s>` is the end of a document)."""
+
+    def __init__(self, path: str, config: TokenizerConfig):
+        from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import TikTokenTokenizer
+        options: dict = {"num_special_tokens": config.tiktoken_special,
+                         "special_tokens": None if config.special_tokens is None
+                         else list(config.special_tokens)}
+        if config.tiktoken_pattern:
+            options["pattern"] = config.tiktoken_pattern
+        if config.vocab_size:
+            options["vocab_size"] = config.vocab_size
+        self.path, self.pattern = path, config.tiktoken_pattern or "v2"
+        try:
+            self.inner = TikTokenTokenizer(path, **options)
+        except (AssertionError, ValueError, KeyError) as err:  # megatron-core checks by assert
+            raise TokenizerError("--tokenizer-model", f"cannot build a TikTokenizer from {path} "
+                                 f"({type(err).__name__}: {str(err)[:160]})",
+                                 "pass tiktoken's JSON vocabulary; --vocab-size must not exceed "
+                                 "its entries plus --tiktoken-num-special-tokens") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self.inner.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.inner.text_to_ids(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.inner.ids_to_text(list(ids))
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict({"class": type(self).__name__, "tokenizer_model": self.path,
+                            "pattern": self.pattern, "vocab_size": self.vocab_size})
+
+
 def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
     """Build the tokenizer named by --tokenizer-type; raises TokenizerError on a user error."""
     kind = config.kind or DEFAULT_TYPE
@@ -236,6 +279,12 @@ def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
                 "pass --vocab-size N (ids 0..N-1 are tokens, N is the end-of-document id)",
             )
         return NullTokenizer(int(vocab_size))
+    if kind == "TikTokenizer":
+        if not config.model or not os.path.isfile(config.model):
+            raise TokenizerError("--tokenizer-model", f"TikTokenizer needs its JSON vocabulary "
+                                 f"({config.model or 'none given'})",
+                                 "pass --tokenizer-model PATH/tokenizer.json")
+        return TikTokenizer(config.model, config)
     raise TokenizerError(
         "--tokenizer-type",
         f"unsupported tokenizer {kind!r}",
