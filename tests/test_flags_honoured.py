@@ -18,9 +18,6 @@ from tests._launch_util import REPO, TINY_GPT
 # dest -> why no typed config and not the entry point reads it. Keep this list short and true: a
 # flag belongs here only if its whole meaning is carried out by the argument checks.
 HONOURED_BY_THE_ARGUMENT_CHECKS: dict[str, str] = {
-    # not a check: the flag asks for what --load always does (test_checkpoint_dist covers it)
-    "auto_detect_ckpt_format": "--load always detects a checkpoint's format",
-    "rope_type": "GPT attention takes only rope: the checks refuse yarn, as Megatron-LM asserts",
 }
 
 
@@ -76,7 +73,8 @@ def validated(*extra: str, length: tuple[str, str] = ("--train-iters", "4")
 
 # command lines that take each conditional branch of the conversions once
 BRANCHES = [validated(),
-            validated("--quick-geglu", "--openai-gelu", "--onnx-safe", "1"),
+            validated("--quick-geglu", "--openai-gelu", "--onnx-safe", "1", "--rope-type", "rope",
+                      "--auto-detect-ckpt-format"),
             validated("--group-query-attention", "--num-query-groups", "2",
                       "--recompute-granularity", "full", "--recompute-method", "uniform",
                       "--recompute-num-layers", "1"),

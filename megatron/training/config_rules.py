@@ -79,6 +79,9 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
         if getattr(args, flag):
             lines.append(f"--{flag.replace('_', '-')} changes nothing (current Megatron-LM reads "
                          "it nowhere either)")
+    if args.rope_type == "rope":  # yarn is refused by the checks
+        lines.append("--rope-type rope changes nothing: GPT attention's rope is rope (the type "
+                     "matters to multi-latent attention only, as in Megatron-LM)")
     if args.use_flash_attn:
         lines.append("--use-flash-attn changes nothing (as in current Megatron-LM for megatron-core "
                      "models): the attention kernel is --attention-backend")
@@ -101,6 +104,9 @@ def _checkpoint_differences(args: argparse.Namespace) -> list[str]:
     if args.ckpt_assume_constant_structure and args.ckpt_format != "torch_dist":
         lines.append("--ckpt-assume-constant-structure has no effect with --ckpt-format torch "
                      "(nothing is planned)")
+    if args.auto_detect_ckpt_format:
+        lines.append("--auto-detect-ckpt-format changes nothing: --load always detects the "
+                     "checkpoint's format")
     if args.ckpt_fully_parallel_load:
         lines.append("--ckpt-fully-parallel-load has no effect: every rank already reads only "
                      "the slices its own layout needs")

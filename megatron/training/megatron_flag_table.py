@@ -66,6 +66,7 @@ NO_EFFECT: dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "ReCoVer's only mode",
     "--calculate-per-token-loss": "ReCoVer's only mode",
     "--auto-detect-ckpt-format": "--load always detects the format",
+    "--rope-type": "rope is GPT attention's only type (yarn, multi-latent attention's, refused)",
     "--openai-gelu": "read nowhere in current Megatron-LM either",
     "--onnx-safe": "read nowhere in current Megatron-LM either",
     "--straggler-ctrlr-port": "there is no straggler control server",
