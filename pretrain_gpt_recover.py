@@ -288,7 +288,7 @@ def _train(args, trainer, membership, incarnation: int) -> int:
     spares; anything that ends the job early is one line and its exit status."""
     import torch
 
-    from megatron.training.checkpointing import TrainingStopped
+    from megatron.training.run_exit import TrainingStopped
     from recover_patches.recovery.iteration import ReplicaLost
     spare, load = incarnation > 0, True
     try:

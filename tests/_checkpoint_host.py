@@ -28,5 +28,9 @@ class OneProcessHost:
     def live_replicas(self) -> list[int]:
         return [0]
 
+    @property
+    def membership_epoch(self) -> int:
+        return 0
+
     def close_metrics(self) -> None:
         self.metrics.close()

@@ -418,7 +418,6 @@ def test_parse_and_validate_reports_refused_flags_the_same_way(capsys):
 
 @pytest.mark.parametrize("flags, named", [
     (["--async-save", "--ckpt-format", "torch"], "--async-save"),
-    (["--ckpt-fully-parallel-save"], "--ckpt-fully-parallel-save"),
 ])
 def test_checkpoint_flags_refused_in_one_line(flags, named):
     with pytest.raises(ArgumentError) as err:
@@ -431,6 +430,8 @@ def test_checkpoint_flags_taken():
                               "--no-ckpt-fully-parallel-save", "--dist-ckpt-strictness", "log_all"])
     assert (args.ckpt_format, args.async_save, args.dist_ckpt_strictness) == \
         ("torch_dist", True, "log_all")
+    assert args.ckpt_fully_parallel_save is False  # Megatron's default (True) turned off
+    assert parse_args(TINY).ckpt_fully_parallel_save is True
 
 
 def test_strictness_choices_are_megatron_cores():

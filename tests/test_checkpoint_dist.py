@@ -283,3 +283,48 @@ def test_a_new_writing_group_plans_again():
     plans.keep((0, 1), (["plan"], "metadata"))
     assert plans.get((0, 1)) == (["plan"], "metadata") and plans.get((2, 3)) is None
 
+
+
+class RegroupedTrainer(GPTTrainer):
+    """The job's membership moves on (a failure or a join) while an --async-save is written."""
+    epoch = 0
+
+    @property
+    def membership_epoch(self) -> int:
+        return self.epoch
+
+
+@pytest.mark.parametrize("sharing", [True, False], ids=["shared", "one-replica-writes"])
+def test_an_async_save_whose_writers_changed_is_abandoned(tmp_path, sharing, caplog):
+    """Shared writing: every live rank wrote a share, so a new membership epoch before the save
+    lands abandons it (the groups its results would meet in were rebuilt); `latest` stays on the
+    last complete save. With --no-ckpt-fully-parallel-save the lowest replica's own writers are
+    what count: the same epoch change lets the save land (negative control)."""
+    args = make_args(tmp_path, "--async-save", *([] if sharing else
+                                                 ["--no-ckpt-fully-parallel-save"]))
+    trainer, saver = RegroupedTrainer(args), Checkpointer(CheckpointConfig.from_args(args), 0, 1)
+    for _ in range(4):  # saves 2 (landed at the save of 4), 4 pending
+        trainer.train_step()
+        saver.after_iteration(trainer)
+    trainer.epoch = 1
+    saver.finish_pending(trainer)
+    ck = tmp_path / "ck"
+    assert read_latest(ck) == (2 if sharing else 4)
+    assert ("checkpoint of iteration 4 abandoned (the writers changed" in caplog.text) == sharing
+
+
+def test_replicas_share_a_positions_items_evenly_and_alike():
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.training.checkpoint_writers import assign_items, item_bytes
+
+    def tensor(key: str, n: int) -> list:
+        return [ShardedTensor.from_rank_offsets(key, torch.zeros(n))]
+    items = {f"w{i}": tensor(f"w{i}", n) for i, n in enumerate([400, 100, 300, 100, 50, 50])}
+    items["rng"] = [ShardedObject("rng", {}, (1,), (0,))]
+    shares = assign_items(items, 3)
+    assert sorted(k for share in shares for k in share) == sorted(items)  # each item once
+    loads = [sum(item_bytes(items[k]) for k in share) for share in shares]
+    assert max(loads) - min(loads) <= 400 * 4  # within the largest item
+    assert all(shares)  # every replica writes something
+    assert assign_items(dict(reversed(list(items.items()))), 3) == shares  # order-independent
+    assert assign_items(items, 1) == [sorted(items, key=lambda k: (-item_bytes(items[k]), k))]

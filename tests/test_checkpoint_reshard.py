@@ -61,25 +61,38 @@ def save_resume_again(tmp: Path, saver: tuple[int, int, int], resumer: tuple[int
     return saved, resumed, again
 
 
+def distcp_files(iteration_dir: Path) -> list[str]:
+    return sorted(p.name for p in iteration_dir.glob("*.distcp"))
+
+
 def test_tp2_pp2_resumes_bitwise_from_sync_and_async_saves_and_loads_at_tp1(tmp_path):
     saved, resumed, _ = save_resume_again(tmp_path, (4, 2, 2), (4, 2, 2))
     assert resumed.losses() == saved.losses()[2:]  # bitwise, from a blocking save
+    one_writer = tmp_path / "one_writer"
     tp1 = train(tmp_path, "tp1", 2, 1, 1, "--train-iters", "6", "--load",  # DP 1 -> 2
-                str(tmp_path / "first"))
+                str(tmp_path / "first"), "--save", str(one_writer), "--save-interval", "2",
+                "--no-ckpt-fully-parallel-save")
     assert close(tp1.losses(), saved.losses()[2:]), (tp1.losses(), saved.losses())
     assert "RNG state of" in tp1.stdout  # another layout: said, not silently skipped
+    # DP 2, and the lowest replica writes everything: one file
+    assert distcp_files(one_writer / "iter_0000004") == ["__0_0.distcp"]
 
 
 def test_pp1_dp4_loads_at_pp2_dp2_and_that_resumes_bitwise(tmp_path):
+    """The saves are shared (Megatron's default): all four replicas write a part of DP 4's one
+    position, both replicas a part of each stage at DP 2; what they wrote resumes bitwise."""
     saved, resumed, _ = save_resume_again(tmp_path, (4, 1, 1), (4, 1, 2))
     assert close(resumed.losses(), saved.losses()[2:]), (resumed.losses(), saved.losses())
+    assert distcp_files(tmp_path / "first" / "iter_0000002") == [
+        f"__{i}_0.distcp" for i in range(4)]
+    assert len(distcp_files(tmp_path / "second" / "iter_0000004")) == 4
 
 
 def test_a_writer_killed_during_an_async_save_leaves_the_last_good_checkpoint(tmp_path):
-    """(1,2,2): replica 0's two stages write. Its second stage dies in the background write of
-    iteration 4; the job (recovery on) goes on with replica 1, never commits iteration 4, and
-    saves iteration 6 from replica 1."""
-    ck, victim = tmp_path / "ck", Topology(1, 2, 2).rank(0, 0, 1)
+    """(1,2,2): both replicas write a share of each stage. Replica 1's second stage dies in the
+    background write of iteration 4; the job (recovery on) goes on with replica 0, never commits
+    iteration 4, and saves iteration 6 from replica 0 alone."""
+    ck, victim = tmp_path / "ck", Topology(1, 2, 2).rank(0, 1, 1)
     run = launch(4, [*FLAGS, *layout(1, 2), "--train-iters", "6", "--save", str(ck),
                      "--save-interval", "2", "--async-save", "--distributed-timeout-minutes", "1",
                      "--inject-fault", f"kill:rank={victim},iter=4,phase=checkpoint"],
@@ -89,6 +102,7 @@ def test_a_writer_killed_during_an_async_save_leaves_the_last_good_checkpoint(tm
     assert all(r["microbatches"] == 8 for r in run.records)
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000006", LATEST_FILE]
     assert read_latest(ck) == 6
+    assert len(distcp_files(ck / "iter_0000006")) == 2  # replica 0's two stages
     (ck / LATEST_FILE).write_text("2")  # the checkpoint before the kill is intact
     config = CheckpointConfig.from_args(parse_and_validate(
         [*TINY_GPT, "--train-iters", "6", "--load", str(ck)], world_size=1))

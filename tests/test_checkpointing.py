@@ -71,6 +71,7 @@ def make_args(tmp: Path, **over) -> CheckpointConfig:
                 ckpt_format="torch", async_save=False, dist_ckpt_strictness="assume_ok_unexpected",
                 use_persistent_ckpt_worker=False, dist_ckpt_optim_fully_reshardable=False,
                 ckpt_step=None, exit_on_missing_checkpoint=False, ckpt_assume_constant_structure=False,
+                ckpt_fully_parallel_save=True,
                 use_distributed_optimizer=False, num_layers=None, hidden_size=None,
                 num_attention_heads=None, ffn_hidden_size=None)
     return CheckpointConfig.from_args(Namespace(**{**base, **over}))
@@ -329,13 +330,13 @@ def test_tp2_pp2_crash_in_save_keeps_last_good_and_resume_is_exact(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_tp1_pp2_dp2_crash_of_a_non_writer_and_resume_is_exact(tmp_path):
-    # torch_dist (the default): rank 1 is replica 1's first stage; replica 0 writes, yet its death
-    # must still block the commit
+def test_tp1_pp2_dp2_crash_of_a_writer_outside_the_leaders_replica_and_resume_is_exact(tmp_path):
+    # torch_dist (the default): rank 1 is replica 1's first stage, whose share of the save is
+    # lost with it: the leader (replica 0) must not commit
     _check(*_crash_then_resume(tmp_path, 1, 2, 2, kill_rank=1), kill_rank=1)
     directory = tmp_path / "ck" / "iter_0000006"
-    assert sorted(p.name for p in directory.iterdir()) == [  # replica 0's two stages wrote
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+    assert sorted(p.name for p in directory.iterdir()) == [  # both replicas' two stages wrote
+        ".metadata", *(f"__{i}_0.distcp" for i in range(4)), "common.pt", "metadata.json"]
 
 
 def _children(pid: int) -> list[int]:

@@ -95,10 +95,10 @@ def test_where_megatron_would_differ_is_said_once_per_flag():
     quiet = megatron_differences(flags(), "cpu")
     assert quiet == []  # Megatron's defaults: nothing to say
     said = " | ".join(megatron_differences(flags(
-        "--fp16", "--eod-mask-loss", "--save", "ck", "--save-interval", "2", "--use-mcore-models",
+        "--fp16", "--eod-mask-loss", "--ckpt-fully-parallel-save", "--use-mcore-models",
         "--no-overlap-p2p-communication", "--num-workers", "4"), "cuda"))
     for flag in ("--accumulate-allreduce-grads-in-fp32", "--calculate-per-token-loss",
-                 "--no-ckpt-fully-parallel-save", "--use-mcore-models",
+                 "--ckpt-fully-parallel-save", "--use-mcore-models",
                  "--no-overlap-p2p-communication", "--num-workers 4"):
         assert flag in said, flag
     assert "--calculate-per-token-loss" not in " ".join(megatron_differences(flags(

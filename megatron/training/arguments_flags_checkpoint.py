@@ -58,12 +58,15 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    choices=STRICTNESS,
                    help="torch_dist loading: what to do with keys in the checkpoint that this "
                         "model lacks or the reverse (megatron-core's StrictHandling).")
-    g.add_argument("--ckpt-fully-parallel-save", action="store_true", default=None,
-                   help="Refused: ReCoVer's lowest live replica writes the whole checkpoint, so any "
-                        "surviving replica can land a save (Megatron-LM splits it over DP ranks).")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   dest="ckpt_fully_parallel_save_deprecated",
+                   help="Deprecated in Megatron-LM: sharing the writing is the default (see "
+                        "--no-ckpt-fully-parallel-save).")
     g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
                    dest="ckpt_fully_parallel_save",
-                   help="One replica writes the checkpoint: what ReCoVer always does.")
+                   help="torch_dist: the lowest live replica writes the whole checkpoint. By "
+                        "default every live replica writes a share of it (a writer that dies "
+                        "mid-save abandons that save; the last complete one stays latest).")
     _add_megatron_core_checkpoint_args(g)
 
 

@@ -68,11 +68,6 @@ def reject_unsupported_values(args: argparse.Namespace) -> None:
     if args.optimizer != "adam":
         raise ArgumentError("--optimizer", f"--optimizer {args.optimizer} {_NOT_YET}",
                             "use --optimizer adam")
-    if args.ckpt_fully_parallel_save:
-        raise ArgumentError("--ckpt-fully-parallel-save", "--ckpt-fully-parallel-save is not "
-                            "supported: the lowest live replica writes the whole checkpoint so "
-                            "that any surviving replica can land a save",
-                            "drop the flag (or pass --no-ckpt-fully-parallel-save)")
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ArgumentError("--async-save", "--async-save needs --ckpt-format torch_dist",
                             "drop --ckpt-format torch (torch_dist is the default) or --async-save")

@@ -12,8 +12,8 @@ checkpoint loads here and ours loads there):
                            fp32 main weights as `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.`
                            + the weight's key), the RNG state per (pp, tp)
 
-Who writes: the TP x PP ranks of the lowest live replica (replicas are identical), over their
-replica group: the plan and the gather of results are collectives there, the write itself is not
+Who writes: the live replicas share the writing, or the lowest one writes (`checkpoint_writers`);
+the plan and the gather of results are collectives among the writers, the write itself is not
 (`ShardedWrite`), so an --async-save can write on a background thread while the job trains.
 Loading is megatron-core's `dist_checkpointing.load` on every rank at start-up: each rank reads
 the slices its own layout needs, whatever layout wrote them.
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing import load as mcore_load
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron.training import checkpoint_dist_optimizer as dopt
+from megatron.training.checkpoint_writers import Writers
 from megatron.training.model import checkpoint_keys, model_chunks
 
 if TYPE_CHECKING:  # it imports this module
@@ -70,7 +70,8 @@ def model_sharded(training: TrainingState) -> dict:
     """{"model": ...} or, with model chunks, {"model0": ..., "model1": ...} as in Megatron; the
     sharded keys inside are global (layer numbers include a chunk's offset), so a checkpoint loads
     into any TP/PP/VP layout. The DP part of every replica id is 0: only the writing replica
-    saves, and on load every replica needs every slice of its own layout."""
+    writes (`checkpoint_writers` splits the items among replicas), and on load every replica needs
+    every slice of its own layout."""
     metadata = {"dp_cp_group": training.groups.self_group}
     return {key: chunk.sharded_state_dict(metadata=metadata)
             for key, chunk in zip(checkpoint_keys(training.model), model_chunks(training.model))}
@@ -228,37 +229,36 @@ class SavePlans:
 
 
 class ShardedWrite:
-    """One rank's part of a torch_dist save into `directory`, among the ranks of `group` (the
-    writing replica, its collectives on `device`); group rank 0 writes DCP's `.metadata`. `state` must not change until the
-    write is done (an async save passes a host copy)."""
+    """One rank's part of a torch_dist save into `directory` (`writers`: who writes which items,
+    and the exchange among them). `state` must not change until the write is done (an async save
+    passes a host copy)."""
 
-    def __init__(self, state: dict, directory: Path, group: dist.ProcessGroup,
-                 device: torch.device, plans: SavePlans | None = None) -> None:
+    def __init__(self, state: dict, directory: Path, writers: Writers,
+                 plans: SavePlans | None = None) -> None:
         """`plans`: --ckpt-assume-constant-structure's cache: the global plan is made once per
-        writing group and reused (the local plans are not exchanged again)."""
+        set of writers and reused (the local plans are not exchanged again)."""
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(state, keep_only_main_replica=True)
-        self.group, self.device = group, device
-        self.coordinator = dist.get_rank(group) == 0
+        flat = writers.share(flat)
+        self.writers = writers
         self.planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
         self.writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
                                        thread_count=1)
         self.planner.set_up_planner(mcore_to_pyt_state_dict(flat, False),
-                                    is_coordinator=self.coordinator)
-        self.writer.set_up_storage_writer(self.coordinator)
+                                    is_coordinator=writers.is_coordinator)
+        self.writer.set_up_storage_writer(writers.is_coordinator)
         local = self.writer.prepare_local_plan(self.planner.create_local_plan())
         # the writing ranks, and this rank's keys: fp16 can save before Adam has moments, and a
         # later save then holds more (every rank of the replica alike)
-        writers = (tuple(dist.get_process_group_ranks(group)),
-                   hash(tuple(sorted(item.index.fqn for item in local.items))))
-        cached = None if plans is None else plans.get(writers)
+        key = (writers.ranks, hash(tuple(sorted(item.index.fqn for item in local.items))))
+        cached = None if plans is None else plans.get(key)
         if cached is None:
             # every rank runs the (deterministic) global planning: no scatter needed
             global_plans, metadata = self.planner.create_global_plan(self._all_gather(local))
             cached = (self.writer.prepare_global_plan(global_plans), metadata)
             if plans is not None:
-                plans.keep(writers, cached)
+                plans.keep(key, cached)
         self.metadata = cached[1]
-        self.plan = self.planner.finish_plan(cached[0][dist.get_rank(group)])
+        self.plan = self.planner.finish_plan(cached[0][writers.index])
         self.results: list | None = None
 
     def write(self) -> None:
@@ -272,25 +272,11 @@ class ShardedWrite:
         is readable only from then on)."""
         assert self.results is not None, "finish() before write()"
         results = self._all_gather(self.results)
-        if self.coordinator:
+        if self.writers.is_coordinator:
             self.writer.finish(self.metadata, results)
 
     def _all_gather(self, obj) -> list:
-        """Every writer's `obj`, in group-rank order, through all-reduces on the model's device:
-        torch's all_gather_object sends CPU tensors to a layer-1 group that runs NCCL (it cannot
-        tell), and NCCL's list all-gather through that group came back without a work on an
-        H100; the all-reduce is the operation the trainer already runs every step."""
-        me, n = dist.get_rank(self.group), self.group.size()
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = torch.zeros(n, dtype=torch.int64, device=self.device)
-        sizes[me] = payload.numel()
-        dist.all_reduce(sizes, group=self.group)
-        sizes_list = sizes.tolist()
-        slots = torch.zeros(n, max(sizes_list), dtype=torch.uint8, device=self.device)
-        slots[me, :payload.numel()] = payload.to(self.device)
-        dist.all_reduce(slots, group=self.group)  # one non-zero slot per rank: the sum is a gather
-        rows = slots.cpu()
-        return [pickle.loads(rows[i, :size].numpy().tobytes()) for i, size in enumerate(sizes_list)]
+        return self.writers.all_gather(obj)
 
 
 def sharded_and_common(state: dict) -> tuple[dict, dict]:

@@ -54,6 +54,11 @@ class CheckpointHost(Protocol):
     def live_replicas(self) -> list[int]: ...
 
     @property
+    def membership_epoch(self) -> int:
+        """The last membership epoch all live ranks agreed (a failure or a join starts one)."""
+        ...
+
+    @property
     def faults(self) -> Faults: ...
 
     def barrier(self, key: str) -> None:

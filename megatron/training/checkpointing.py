@@ -13,10 +13,11 @@ Layout of the torch format (Megatron's, plus one JSON file):
     SAVE/iter_0000006/mp_rank_TT[_PPP]/model_optim_rng.pt   one file per (tp, pp); the _PPP part
                                                       only when PP > 1, as Megatron names them
 
-Writer choice: DP replicas hold identical state, so the file of (tp, pp) -- or that rank's part
-of a torch_dist checkpoint -- is written by that coordinate's rank in the lowest-numbered live
-replica. The (tp 0, pp 0) rank of that replica is the *leader*: it prepares the temp directory,
-writes the metadata and commits.
+Writer choice: DP replicas hold identical state, so the file of (tp, pp) is written by that
+coordinate's rank in the lowest-numbered live replica; a torch_dist checkpoint is written by all
+live replicas, each its share (`checkpoint_writers`; --no-ckpt-fully-parallel-save: by the lowest
+one). The (tp 0, pp 0) rank of the lowest live replica is the *leader*: it prepares the temp
+directory, writes the metadata and commits.
 
 Commit protocol (a crash at any point leaves the previous checkpoint loadable):
     1. leader removes any leftover SAVE/.tmp_iter_N (a crashed save) and recreates it   barrier
@@ -40,7 +41,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +51,10 @@ from pathlib import Path
 import torch
 
 from megatron.training import checkpoint_dist as ckd
+from megatron.training.checkpoint_files import fsync_dir, write_atomically
+from megatron.training.checkpoint_writers import Writers
 from megatron.training.config_io import CheckpointConfig
+from megatron.training.run_exit import ExitConditions, TrainingStopped
 from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_FILE, RANK_FILE,
                                                  CheckpointError, CkptFormat, ResumePoint,
                                                  find_resume_point, iter_dir_name, rank_dir_name,
@@ -73,46 +76,6 @@ def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) 
     return topology.rank(tp, min(live_replicas), pp)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-class TrainingStopped(Exception):
-    """Every live rank stops after this iteration (--exit-interval, --exit-duration-in-mins, the
-    exit signal): the job is done, as if it reached --train-iters (waiting spares are released)."""
-
-
-# -- SIGTERM: agreed on by all ranks at the end of an iteration -----------------------------------
-
-class TermSignal:
-    """Remembers a SIGTERM; `agreed(host)` is true on every rank once any rank got one."""
-
-    def __init__(self) -> None:
-        self.received = False
-        signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, _signum, _frame) -> None:
-        self.received = True
-
-    def agreed(self, host: CheckpointHost) -> bool:
-        return host.any_rank(self.received, f"sigterm/{host.training.progress.iteration}")
-
-
 # -- the object the Trainer calls ----------------------------------------------------------------
 @dataclass
 class PendingSave:
@@ -123,6 +86,7 @@ class PendingSave:
     final: Path
     is_leader: bool
     write: ckd.ShardedWrite
+    epoch: int  # the membership epoch it was planned in
     written: Callable[[], object] | None = None  # async: waits for the background write
     error: BaseException | None = None
 
@@ -147,8 +111,7 @@ class Checkpointer:
         if config.save and Path(config.save).exists() and not Path(config.save).is_dir():
             raise CheckpointError("--save", f"{config.save} exists and is not a directory",
                                   "pass a directory path to --save")
-        self.term = TermSignal() if config.exit_signal_handler else None
-        self.started = time.monotonic()  # for --exit-duration-in-mins
+        self.exits = ExitConditions(config)
         self.last_saved: int | None = None
         self.pending: PendingSave | None = None
         self.worker: ThreadPoolExecutor | None = None  # --use-persistent-ckpt-worker
@@ -211,7 +174,7 @@ class Checkpointer:
 
     def after_iteration(self, host: CheckpointHost) -> None:
         iteration, config = host.training.progress.iteration, self.config
-        stop = self._stop_reason(host)
+        stop = self.exits.reason(host)
         interval = config.save_interval or 0  # set whenever --save is (the argument checks)
         due = config.save and ((interval and iteration % interval == 0)
                                or iteration == config.train_iters)
@@ -225,19 +188,6 @@ class Checkpointer:
                             + ("" if config.save else ", no --save so no checkpoint"))
             host.close_metrics()
             raise TrainingStopped(stop)
-
-    def _stop_reason(self, host: CheckpointHost) -> str | None:
-        """Why every live rank exits after this iteration (the same answer on all of them)."""
-        iteration, config = host.training.progress.iteration, self.config
-        if self.term is not None and self.term.agreed(host):
-            return "SIGTERM (--exit-signal-handler)"
-        if config.exit_interval and iteration % config.exit_interval == 0:
-            return f"--exit-interval {config.exit_interval}"
-        if config.exit_duration_in_mins is not None:
-            over = (time.monotonic() - self.started) / 60 > config.exit_duration_in_mins
-            if host.any_rank(over, f"exit-duration/{iteration}"):  # clocks differ: agree
-                return f"--exit-duration-in-mins {config.exit_duration_in_mins:g}"
-        return None
 
     def save(self, host: CheckpointHost) -> None:
         self.finish_pending(host)  # one save at a time, in order
@@ -264,8 +214,9 @@ class Checkpointer:
         save_dir = Path(self.config.save)
         tmp, final = save_dir / f".tmp_{iter_dir_name(iteration)}", save_dir / iter_dir_name(iteration)
         coord, live = host.training.groups.coord, host.live_replicas
-        is_writer = self.rank == writer_rank(self.topology, live, coord.tp, coord.pp)
         is_leader = self.rank == writer_rank(self.topology, live, 0, 0)
+        is_writer = self.rank == writer_rank(self.topology, live, coord.tp, coord.pp) or (
+            self.format is CkptFormat.TORCH_DIST and self.config.fully_parallel_save)
         if is_leader:
             for leftover in save_dir.glob(".tmp_iter_*"):  # saves that crashed or were abandoned
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -281,7 +232,8 @@ class Checkpointer:
                                   optimizer_state)
         elif self.format is CkptFormat.TORCH_DIST and is_writer:
             pending = PendingSave(iteration, tmp, final, is_leader,
-                                  self._plan_torch_dist(host, tmp, optimizer_state, is_leader))
+                                  self._plan_torch_dist(host, tmp, optimizer_state, is_leader),
+                                  host.membership_epoch)
         if is_leader and self.format is CkptFormat.TORCH:
             write_atomically(tmp / METADATA_FILE, self._metadata(host).encode())
         if self.async_save:  # torch_dist only (validated): the writers go on in the background
@@ -316,8 +268,10 @@ class Checkpointer:
             sharded = ckd.to_host(sharded)  # what the training loop waits for
         if is_leader:
             ckd.write_common(tmp, common)
-        return ckd.ShardedWrite(sharded, tmp, host.training.groups.replica,
-                                next(host.training.model.parameters()).device, self.plans)
+        groups = host.training.groups
+        writers = Writers(groups.replica, groups.dp if config.fully_parallel_save else None,
+                          is_leader, next(host.training.model.parameters()).device)
+        return ckd.ShardedWrite(sharded, tmp, writers, self.plans)
 
     def _in_background(self, pending: PendingSave, faults) -> Callable[[], object]:
         """Start the write; return what waits for it. --use-persistent-ckpt-worker: on the one
@@ -349,6 +303,10 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return
+        if self.config.fully_parallel_save and pending.epoch != host.membership_epoch:
+            # every live rank wrote a share: a failure or a join since then changed the writers
+            # (and rebuilt the groups the results would meet in), alike on every rank
+            return self._abandon(pending.iteration, "the writers changed while it was written")
         try:
             self._land(pending)
         except PeerFailure as err:  # a writer died: the last good checkpoint stays latest

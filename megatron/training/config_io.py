@@ -85,6 +85,7 @@ class CheckpointConfig:
     ckpt_step: int | None  # --ckpt-step: load this iteration instead of the latest
     exit_on_missing: bool  # --exit-on-missing-checkpoint
     assume_constant_structure: bool  # --ckpt-assume-constant-structure
+    fully_parallel_save: bool  # torch_dist: the live replicas share the writing (not --no-ckpt-...)
     model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
     # a copy taken here is that payload, never read for a setting
@@ -120,6 +121,7 @@ class CheckpointConfig:
                                              and args.use_distributed_optimizer),
             ckpt_step=args.ckpt_step, exit_on_missing=bool(args.exit_on_missing_checkpoint),
             assume_constant_structure=bool(args.ckpt_assume_constant_structure),
+            fully_parallel_save=args.ckpt_fully_parallel_save,
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
 

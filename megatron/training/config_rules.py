@@ -62,10 +62,9 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
         lines.append("the loss is averaged over the global batch's tokens, as with "
                      "--calculate-per-token-loss (ReCoVer's only mode: a recomputed microbatch "
                      "must weigh the same wherever it runs)")
-    if args.save and args.ckpt_fully_parallel_save is None:
-        lines.append("checkpoints are written by the lowest live replica, as with "
-                     "--no-ckpt-fully-parallel-save (Megatron-LM's default of sharing the "
-                     "writing is not supported yet)")
+    if args.ckpt_fully_parallel_save_deprecated:
+        lines.append("--ckpt-fully-parallel-save changes nothing: the live replicas share the "
+                     "writing by default (Megatron-LM deprecated the flag likewise)")
     if args.use_mcore_models:
         lines.append("--use-mcore-models changes nothing: megatron-core models are the only kind "
                      "(as in current Megatron-LM)")

@@ -23,8 +23,6 @@ DIFFERENCES: dict[str, str] = {
     "--recompute-num-layers": "default 1 (Megatron: None, then 1 where a method needs it)",
     "--transformer-impl": "default: transformer_engine where it is importable on a GPU, else "
                           "local (Megatron: transformer_engine)",
-    "--no-ckpt-fully-parallel-save": "default: not set (said at start-up: one replica writes, "
-                                     "Megatron-LM shares the writing over DP ranks)",
     "--exit-on-missing-checkpoint": "exits with status 2 (a user error, one line); Megatron-LM "
                                     "exits 1",
     "--local-rank": "default: the launcher's LOCAL_RANK environment variable",
@@ -36,11 +34,7 @@ DIFFERENCES: dict[str, str] = {
     "--wandb-entity": "default '' (Megatron: None)",
 }
 # flag -> why the argument checks refuse it whenever it is given
-REFUSED_BY_THE_CHECKS: dict[str, str] = {
-    "--ckpt-fully-parallel-save": "the lowest live replica writes the whole checkpoint, so that "
-                                  "any surviving replica can land a save (sharing the writing "
-                                  "is not supported yet)",
-}
+REFUSED_BY_THE_CHECKS: dict[str, str] = {}
 # flag -> the values ReCoVer refuses (each refused in one line naming the flag)
 SOME_VALUES: dict[str, str] = {
     "--context-parallel-size": "only 1: context parallelism is not supported yet",
@@ -59,6 +53,7 @@ NO_EFFECT: dict[str, str] = {
     "--use-mcore-models": "megatron-core models are the only kind",
     "--distrib-optim-fully-reshardable-mem-efficient": "how Megatron gathers, not what it writes",
     "--ckpt-fully-parallel-load": "every rank already reads only its own slices",
+    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM too: sharing is the default",
     "--async-strategy": "--async-save uses ReCoVer's own background writer",
     "--num-workers": "microbatches are read by id in the training process",
     "--no-overlap-p2p-communication": "without model chunks, as in Megatron-LM",

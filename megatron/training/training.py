@@ -128,6 +128,10 @@ class Trainer:
     def live_replicas(self) -> list[int]:
         return list(self.live.live_replicas)
 
+    @property
+    def membership_epoch(self) -> int:
+        return self.live.epoch
+
     def close_metrics(self) -> None:
         self.metrics.close()
 
