@@ -80,7 +80,10 @@ BRANCHES = [validated(),
                       "--recompute-num-layers", "1"),
             validated(length=("--train-samples", "64")),
             validated("--eod-mask-loss", "--fp16", "--save", "ck", "--save-interval", "2",
-                      "--async-save", "--swiglu", "--use-flash-attn", "--log-straggler")]
+                      "--async-save", "--swiglu", "--use-flash-attn", "--log-straggler"),
+            validated("--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
+                      "local", "--replication", "--replication-jump", "1",
+                      "--replication-factor", "1")]
 
 
 def read_by_the_entry_point() -> set[str]:

@@ -33,7 +33,8 @@ from megatron.training.arguments_megatron import add_megatron_refusals
 from megatron.training.arguments_recover import add_recover_args, apply_recover_env_defaults
 from megatron.training.arguments_unsupported import add_refused_args, reject_unsupported_values
 from megatron.training.arguments_validate_io import (
-    validate_checkpointing, validate_data, validate_logging, validate_recover, validate_tokenizer)
+    validate_checkpointing, validate_data, validate_logging, validate_non_persistent, validate_recover,
+    validate_tokenizer)
 from megatron.training.arguments_validate_model import (
     validate_device_flags, validate_model_shape, validate_parallel)
 from megatron.training.arguments_validate_pipeline import validate_pipeline_backend
@@ -112,6 +113,7 @@ def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu"
     warnings = validate_data(args)
     validate_tokenizer(args)
     validate_checkpointing(args)
+    validate_non_persistent(args, world_size)
     validate_logging(args)
     validate_recover(args, dp)
     # Printed only once everything passed, so a failing run shows exactly one error line.

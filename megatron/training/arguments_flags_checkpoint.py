@@ -68,6 +68,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                         "default every live replica writes a share of it (a writer that dies "
                         "mid-save abandons that save; the last complete one stays latest).")
     _add_megatron_core_checkpoint_args(g)
+    _add_non_persistent_args(g)
 
 
 def _add_megatron_core_checkpoint_args(g) -> None:
@@ -97,3 +98,31 @@ def _add_megatron_core_checkpoint_args(g) -> None:
                         "start.")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="Detect the checkpoint's format on --load: what --load always does here.")
+
+
+def _add_non_persistent_args(g) -> None:
+    """Megatron's non-persistent checkpoints (`checkpoint_local`)."""
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="Iterations between non-persistent saves (with --save, as in Megatron).")
+    g.add_argument("--non-persistent-ckpt-type", default=None,
+                   choices=["global", "local", "in_memory"],
+                   help="local: each rank writes its state to --non-persistent-local-ckpt-dir "
+                        "(a node's own disk); any replica's file of the same (tp, pp) restores "
+                        "it. global: a regular checkpoint in --non-persistent-global-ckpt-dir, "
+                        "only the newest kept. Restored with --load when newer than its latest.")
+    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                   help="Where global non-persistent checkpoints go (default: SAVE/non_persistent).")
+    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                   help="Where local non-persistent checkpoints go: a directory on each node.")
+    g.add_argument("--non-persistent-local-ckpt-algo", default="fully_parallel",
+                   choices=["fully_parallel", "atomic"],
+                   help="NVIDIA Resiliency Extension's exchange algorithm. No effect here: "
+                        "every rank writes its own file and sends nothing.")
+    g.add_argument("--replication", action="store_true",
+                   help="Local checkpoints: copies on --replication-factor ranks "
+                        "--replication-jump apart; in ReCoVer those ranks must be the same "
+                        "(tp, pp) in other replicas, whose own files are the copies.")
+    g.add_argument("--replication-jump", type=int, default=None,
+                   help="With --replication: the rank distance between copies.")
+    g.add_argument("--replication-factor", type=int, default=2,
+                   help="With --replication: how many ranks hold a rank's state.")

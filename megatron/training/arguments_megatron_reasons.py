@@ -58,8 +58,6 @@ _FAULT_TOLERANCE = own_way(
     "finish the iteration", "drop the flag (set --recover-timeout)")
 _RERUN = not_yet("checks for a spiky loss, not supported yet: --rerun-mode validate_results "
                  "re-runs non-finite losses only")
-_NON_PERSISTENT = not_yet("configures non-persistent (local, replicated) checkpoints, not "
-                           "supported yet", "drop the flag (--save-interval writes torch_dist)")
 _PROFILING = not_yet("is a profiling option not supported yet (--profile, --use-pytorch-profiler "
                      "and its shapes/callstack options, --profile-ranks are)", "drop the flag")
 _OPTIMIZER = not_yet("configures an optimizer other than Adam, not supported yet "
@@ -98,7 +96,6 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
     (r"inprocess-|enable-ft-package|calc-ft-timeouts|ft-num-warmup", _FAULT_TOLERANCE),
     (r"(no-)?one-logger|app-tag-|otel-", _TELEMETRY),
     (r"check-for-spiky-loss", _RERUN),
-    (r"non-persistent|replication", _NON_PERSISTENT),
     (r"(enable|disable)-msc|object-storage", not_yet(
         "reads through NVIDIA's multi-storage client, not supported: paths are local files",
         "drop the flag")),

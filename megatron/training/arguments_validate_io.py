@@ -8,6 +8,8 @@ import os
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_flags import LEGACY_DEFAULT_SPLIT
+from megatron.training.replication import foreign_copy
+from recover_patches.topology import Topology
 
 # megatron-core's mock dataset always uses this even split; say so in args rather than hide it.
 MOCK_DATA_SPLIT = "1,1,1"
@@ -86,6 +88,48 @@ def validate_checkpointing(args: argparse.Namespace) -> None:
                             "--override-opt_param-scheduler keeps this run's LR schedule and "
                             "--use-checkpoint-opt_param-scheduler takes the checkpoint's",
                             "pass one of them")
+
+
+def validate_non_persistent(args: argparse.Namespace, world_size: int) -> None:
+    """Megatron's checks of the non-persistent flags, and ReCoVer's one: --replication's copies
+    must be the same (tp, pp) in other replicas (`checkpoint_local`)."""
+    kind, interval = args.non_persistent_ckpt_type, args.non_persistent_save_interval
+    if kind == "in_memory":
+        raise ArgumentError("--non-persistent-ckpt-type", "--non-persistent-ckpt-type in_memory "
+                            "is not supported (Megatron-LM refuses it too)", "use local or global")
+    if interval is not None and (interval < 1 or kind is None):
+        raise ArgumentError("--non-persistent-save-interval", "--non-persistent-save-interval "
+                            "needs a value >= 1 and a --non-persistent-ckpt-type",
+                            "pass --non-persistent-ckpt-type local (with "
+                            "--non-persistent-local-ckpt-dir) or global")
+    if kind == "local" and not args.non_persistent_local_ckpt_dir:
+        raise ArgumentError("--non-persistent-local-ckpt-dir", "--non-persistent-ckpt-type local "
+                            "needs --non-persistent-local-ckpt-dir", "pass a directory on each "
+                            "node's own disk")
+    if args.replication:
+        _validate_replication(args, world_size)
+
+
+def _validate_replication(args: argparse.Namespace, world_size: int) -> None:
+    jump, factor = args.replication_jump, args.replication_factor
+    if args.non_persistent_ckpt_type != "local":
+        raise ArgumentError("--replication", "--replication copies local checkpoints",
+                            "pass --non-persistent-ckpt-type local, or drop --replication")
+    if jump is None or jump < 1 or factor < 1 or world_size % (jump * factor):
+        raise ArgumentError("--replication-jump", f"--replication needs --replication-jump J >= 1 "
+                            f"and --replication-factor F >= 1 with J x F dividing the {world_size} "
+                            f"ranks (got J={jump}, F={factor})", "pass matching values")
+    topology = Topology.from_world(world_size, args.tensor_model_parallel_size,
+                                   args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping)
+    pair = foreign_copy(topology, jump, factor)
+    if pair is not None:
+        step = topology.rank(0, 1, 0) if topology.dp > 1 else None
+        raise ArgumentError("--replication-jump", f"--replication-jump {jump} puts rank "
+                            f"{pair[0]}'s copy on rank {pair[1]}, another (tp, pp) position; "
+                            "ReCoVer's copies are the other replicas' own files of the same "
+                            "position", (f"pass a multiple of {step} that stays within the "
+                                         "replicas" if step else "DP is 1: no replica holds a "
+                                         "copy") + ", or drop --replication")
 
 
 def validate_logging(args: argparse.Namespace) -> None:

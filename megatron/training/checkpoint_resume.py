@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron.training import checkpoint_dist as ckd
@@ -187,3 +187,28 @@ def check_compatible(point: ResumePoint, topology: Topology, config: CheckpointC
     if not point.has_rng and config.load_rng:
         raise CheckpointError("--load", f"{point.directory} has no RNG state (saved with "
                               "--no-save-rng)", "add --no-load-rng or --finetune")
+
+
+NON_PERSISTENT_DIR = "non_persistent"  # Megatron's subdirectory for global non-persistent saves
+
+
+def newer(persistent: ResumePoint | None, non_persistent: ResumePoint | None
+          ) -> ResumePoint | None:
+    """Megatron's rule: a non-persistent checkpoint at least as new as --load's wins."""
+    if non_persistent is None or (persistent is not None
+                                  and non_persistent.iteration < persistent.iteration):
+        return persistent
+    return non_persistent
+
+
+def global_non_persistent_point(config: CheckpointConfig, topology: Topology
+                                ) -> ResumePoint | None:
+    """With --load and --non-persistent-ckpt-type global: the newest such checkpoint (in
+    --non-persistent-global-ckpt-dir, else LOAD/non_persistent), where Megatron looks for it."""
+    local = config.non_persistent
+    if local.kind != "global" or not config.load:
+        return None
+    directory = Path(local.global_dir) if local.global_dir else Path(config.load) / NON_PERSISTENT_DIR
+    if read_latest(directory) is None:
+        return None
+    return find_resume_point(replace(config, load=str(directory), ckpt_step=None), topology)

@@ -51,12 +51,14 @@ from pathlib import Path
 import torch
 
 from megatron.training import checkpoint_dist as ckd
-from megatron.training.checkpoint_files import fsync_dir, write_atomically
+from megatron.training.checkpoint_files import fsync_dir, keep_only_latest, write_atomically
+from megatron.training.checkpoint_local import LocalCheckpoints, due
 from megatron.training.checkpoint_writers import Writers
 from megatron.training.config_io import CheckpointConfig
 from megatron.training.run_exit import ExitConditions, TrainingStopped
 from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_FILE, RANK_FILE,
-                                                 CheckpointError, CkptFormat, ResumePoint,
+                                                 NON_PERSISTENT_DIR, CheckpointError, CkptFormat,
+                                                 ResumePoint, global_non_persistent_point, newer,
                                                  find_resume_point, iter_dir_name, rank_dir_name,
                                                  read_latest)
 from megatron.training.checkpoint_state import (CheckpointHost, apply_rank_state,
@@ -107,7 +109,12 @@ class Checkpointer:
         self.async_save = config.async_save
         self.topology = Topology.from_world(world_size, config.tensor_parallel,
                                             config.pipeline_parallel, config.tp_pp_dp_mapping)
-        self.resume = find_resume_point(config, self.topology)
+        local = config.non_persistent
+        self.non_persistent_dir = (  # --non-persistent-ckpt-type global saves here
+            None if local.kind != "global" or not config.save else
+            Path(local.global_dir) if local.global_dir else Path(config.save) / NON_PERSISTENT_DIR)
+        self.resume = newer(find_resume_point(config, self.topology),
+                            global_non_persistent_point(config, self.topology))
         if config.save and Path(config.save).exists() and not Path(config.save).is_dir():
             raise CheckpointError("--save", f"{config.save} exists and is not a directory",
                                   "pass a directory path to --save")
@@ -117,9 +124,13 @@ class Checkpointer:
         self.worker: ThreadPoolExecutor | None = None  # --use-persistent-ckpt-worker
         # --ckpt-assume-constant-structure: the save plan, reused while the writers stay
         self.plans = ckd.SavePlans() if config.assume_constant_structure else None
+        self.local = (LocalCheckpoints(local.local_dir, local.interval, config, self.topology, rank)
+                      if local.kind == "local" and local.local_dir else None)
 
     def load(self, host: CheckpointHost) -> None:
         point = self.resume
+        if self.local is not None and self.config.load and self.local.restore(host, point):
+            return
         if point is None:
             if self.config.load and self.rank == 0:
                 logger.info(f"no checkpoint in {self.config.load} yet: starting from scratch")
@@ -176,12 +187,17 @@ class Checkpointer:
         iteration, config = host.training.progress.iteration, self.config
         stop = self.exits.reason(host)
         interval = config.save_interval or 0  # set whenever --save is (the argument checks)
-        due = config.save and ((interval and iteration % interval == 0)
-                               or iteration == config.train_iters)
-        if (due or stop) and config.save:
+        persistent = config.save and ((interval and iteration % interval == 0)
+                                      or iteration == config.train_iters)
+        if (persistent or stop) and config.save:
             self.save(host)
             if stop or iteration == config.train_iters:
                 self.finish_pending(host)  # the job ends: the last save must land
+        elif config.save and self.local is not None and self.local.due(iteration):
+            self.local.save(host)
+        elif self.non_persistent_dir is not None and due(config.non_persistent.interval,
+                                                         iteration):
+            self.save(host, self.non_persistent_dir)
         if stop:
             if self.rank == 0:
                 logger.info(f"exiting after iteration {iteration}: {stop}"
@@ -189,11 +205,13 @@ class Checkpointer:
             host.close_metrics()
             raise TrainingStopped(stop)
 
-    def save(self, host: CheckpointHost) -> None:
+    def save(self, host: CheckpointHost, save_dir: Path | None = None) -> None:
+        """A checkpoint in --save (or `save_dir`: the global non-persistent one's)."""
         self.finish_pending(host)  # one save at a time, in order
         start = time.perf_counter()
+        assert self.config.save is not None  # saves happen only with --save
         try:
-            self._save(host)
+            self._save(host, save_dir or Path(self.config.save))
         except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
             self.last_saved = None
             return self._abandon(host.training.progress.iteration, err)
@@ -206,12 +224,10 @@ class Checkpointer:
         logger.warning(f"checkpoint of iteration {iteration} abandoned ({why}); the last good "
                        "checkpoint stays")
 
-    def _save(self, host: CheckpointHost) -> None:
+    def _save(self, host: CheckpointHost, save_dir: Path) -> None:
         iteration = host.training.progress.iteration
         if self.last_saved == iteration:
             return
-        assert self.config.save is not None  # saves happen only with --save
-        save_dir = Path(self.config.save)
         tmp, final = save_dir / f".tmp_{iter_dir_name(iteration)}", save_dir / iter_dir_name(iteration)
         coord, live = host.training.groups.coord, host.live_replicas
         is_leader = self.rank == writer_rank(self.topology, live, 0, 0)
@@ -341,8 +357,7 @@ class Checkpointer:
             "has_optimizer": self.config.save_optim, "has_rng": self.config.save_rng,
         }, indent=1, sort_keys=True)
 
-    @staticmethod
-    def _commit(tmp: Path, final: Path, iteration: int) -> None:
+    def _commit(self, tmp: Path, final: Path, iteration: int) -> None:
         if final.exists():  # e.g. a run resumed from before a save that crashed after its rename
             old = final.with_name(f".old_{final.name}")
             shutil.rmtree(old, ignore_errors=True)
@@ -353,3 +368,5 @@ class Checkpointer:
             os.rename(tmp, final)
         fsync_dir(final.parent)
         write_atomically(final.parent / LATEST_FILE, f"{iteration}\n".encode())
+        if final.parent == self.non_persistent_dir:  # only the newest of these is kept
+            keep_only_latest(final.parent)

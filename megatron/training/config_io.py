@@ -59,6 +59,25 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
 
 
 @dataclass(frozen=True)
+class NonPersistentConfig:
+    """Megatron's non-persistent checkpoints (--non-persistent-*); checked against each other
+    and the layout in `arguments_validate_io.validate_non_persistent`."""
+    kind: str | None = None  # --non-persistent-ckpt-type: local or global (None: off)
+    interval: int | None = None  # --non-persistent-save-interval (saves need --save, as there)
+    local_dir: str | None = None  # --non-persistent-local-ckpt-dir
+    global_dir: str | None = None  # --non-persistent-global-ckpt-dir (default SAVE/non_persistent)
+
+    def __post_init__(self):
+        if self.kind not in (None, "local", "global"):
+            raise ValueError(f"non-persistent checkpoint type {self.kind!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> NonPersistentConfig:
+        return cls(args.non_persistent_ckpt_type, args.non_persistent_save_interval,
+                   args.non_persistent_local_ckpt_dir, args.non_persistent_global_ckpt_dir)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Saving, loading and stopping (Megatron's checkpoint and exit flags)."""
     save: str | None
@@ -86,6 +105,7 @@ class CheckpointConfig:
     exit_on_missing: bool  # --exit-on-missing-checkpoint
     assume_constant_structure: bool  # --ckpt-assume-constant-structure
     fully_parallel_save: bool  # torch_dist: the live replicas share the writing (not --no-ckpt-...)
+    non_persistent: NonPersistentConfig
     model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
     # a copy taken here is that payload, never read for a setting
@@ -122,6 +142,7 @@ class CheckpointConfig:
             ckpt_step=args.ckpt_step, exit_on_missing=bool(args.exit_on_missing_checkpoint),
             assume_constant_structure=bool(args.ckpt_assume_constant_structure),
             fully_parallel_save=args.ckpt_fully_parallel_save,
+            non_persistent=NonPersistentConfig.from_args(args),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
 

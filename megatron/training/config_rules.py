@@ -112,5 +112,21 @@ def _checkpoint_differences(args: argparse.Namespace) -> list[str]:
     if args.async_save and args.async_strategy is not None:
         lines.append(f"--async-save writes on ReCoVer's own background writer (--async-strategy "
                      f"{args.async_strategy} names Megatron-LM's writers: no effect)")
+    return lines + _non_persistent_differences(args)
+
+
+def _non_persistent_differences(args: argparse.Namespace) -> list[str]:
+    lines = []
+    if args.replication:  # checked by the argument checks: the copies are the same position
+        lines.append(f"--replication: the --replication-factor {args.replication_factor} copies "
+                     f"--replication-jump {args.replication_jump} ranks apart are those ranks' "
+                     "own local checkpoints (the same (tp, pp) in other replicas): nothing is "
+                     "sent")
+    elif args.replication_jump is not None:
+        lines.append("--replication-jump has no effect without --replication (Megatron-LM "
+                     "ignores it too)")
+    if args.non_persistent_local_ckpt_algo != "fully_parallel":
+        lines.append(f"--non-persistent-local-ckpt-algo {args.non_persistent_local_ckpt_algo} "
+                     "changes nothing: each rank writes its own file and sends nothing")
     return lines
 

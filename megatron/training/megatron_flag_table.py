@@ -47,6 +47,9 @@ SOME_VALUES: dict[str, str] = {
     "--normalization": "LayerNorm and RMSNorm",
     "--attention-backend": "on CPU: auto, unfused, local",
     "--cross-entropy-fusion-impl": "native (not te)",
+    "--non-persistent-ckpt-type": "local and global (in_memory: Megatron-LM refuses it too)",
+    "--replication-jump": "jumps whose copies land on the same (tp, pp) in other replicas: their "
+                          "own local checkpoints are the copies, nothing is sent",
 }
 # flag -> why it is accepted but changes nothing here (each said in one start-up line)
 NO_EFFECT: dict[str, str] = {
@@ -54,6 +57,7 @@ NO_EFFECT: dict[str, str] = {
     "--distrib-optim-fully-reshardable-mem-efficient": "how Megatron gathers, not what it writes",
     "--ckpt-fully-parallel-load": "every rank already reads only its own slices",
     "--ckpt-fully-parallel-save": "deprecated in Megatron-LM too: sharing is the default",
+    "--non-persistent-local-ckpt-algo": "each rank writes its own file and sends nothing",
     "--async-strategy": "--async-save uses ReCoVer's own background writer",
     "--num-workers": "microbatches are read by id in the training process",
     "--no-overlap-p2p-communication": "without model chunks, as in Megatron-LM",

@@ -1,4 +1,5 @@
-"""What a torch_dist save costs the training loop: blocking save vs --async-save, side by side.
+"""What a save costs the training loop: a blocking torch_dist save, --async-save, and a local
+non-persistent save (--non-persistent-ckpt-type local), side by side.
 
     OMP_NUM_THREADS=1 python scripts/bench/checkpoint_cost.py --saves 5            # tiny + ~100M
     python scripts/bench/checkpoint_cost.py --sizes 100m --device cuda --bf16      # on a GPU
@@ -8,7 +9,10 @@ For each model size it alternates blocking and async saves into a temporary dire
   stall   the time save() holds the training loop (blocking: everything; async: the optimizer's
           state dict, the host copy, the write plan, common.pt and starting the writer thread),
   write   async only: the background write, landed by finish_pending().
-Prints the median per mode, the async/blocking stall ratio, and a JSON line with every number.
+  local   a local checkpoint: this rank's state serialized and written to its own file (here into
+          the same temporary directory's disk: on a cluster, the node's own SSD or RAM disk).
+Prints the median per mode, the async/blocking and local/blocking stall ratios, and a JSON line
+with every number.
 """
 from __future__ import annotations
 
@@ -81,6 +85,10 @@ class BenchTrainer:
     def live_replicas(self) -> list[int]:
         return [0]
 
+    @property
+    def membership_epoch(self) -> int:
+        return 0
+
     def close_metrics(self) -> None:
         pass
 
@@ -94,19 +102,24 @@ def measure(size: str, saves: int, device: torch.device, extra: list[str]) -> di
                 "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-4",
                 "--train-iters", "1000000", "--mock-data", "--tokenizer-type", "NullTokenizer",
                 "--save", tmp, "--save-interval", "1", *extra]
-        args = {mode: parse_and_validate(argv + (["--async-save"] if mode == "async" else []), 1)
-                for mode in ("blocking", "async")}
+        local = ["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "1",
+                 "--non-persistent-local-ckpt-dir", str(Path(tmp) / "local")]
+        mode_flags = {"blocking": [], "async": ["--async-save"], "local": local}
+        args = {mode: parse_and_validate(argv + flags, 1) for mode, flags in mode_flags.items()}
         trainer = BenchTrainer(args["blocking"], device)
         checkpointers = {mode: Checkpointer(CheckpointConfig.from_args(a), 0, 1)
                          for mode, a in args.items()}
-        stalls: dict[str, list[float]] = {"blocking": [], "async": []}
+        stalls: dict[str, list[float]] = {mode: [] for mode in mode_flags}
         writes: list[float] = []
         for i in range(saves):
             for mode, checkpointer in checkpointers.items():
                 trainer.state.iteration += 1
                 sync()
                 start = time.perf_counter()
-                checkpointer.save(trainer)
+                if mode == "local":
+                    checkpointer.local.save(trainer)
+                else:
+                    checkpointer.save(trainer)
                 sync()
                 stalls[mode].append(time.perf_counter() - start)
                 if mode == "async":
@@ -117,7 +130,10 @@ def measure(size: str, saves: int, device: torch.device, extra: list[str]) -> di
                 "blocking_stall_s": statistics.median(stalls["blocking"]),
                 "async_stall_s": statistics.median(stalls["async"]),
                 "async_total_s": statistics.median(writes),
+                "local_stall_s": statistics.median(stalls["local"]),
                 "ratio_async_to_blocking": statistics.median(stalls["async"])
+                / statistics.median(stalls["blocking"]),
+                "ratio_local_to_blocking": statistics.median(stalls["local"])
                 / statistics.median(stalls["blocking"])}
 
 
@@ -145,7 +161,8 @@ def main() -> None:
         print(f"{size}: {r['parameters'] / 1e6:.1f}M parameters, {opts.device}"
               f"{' bf16' if opts.bf16 else ''}: blocking save stalls {r['blocking_stall_s']*1e3:.0f} ms, "
               f"async stalls {r['async_stall_s']*1e3:.0f} ms (x{r['ratio_async_to_blocking']:.3f}); "
-              f"async write done after {r['async_total_s']*1e3:.0f} ms", flush=True)
+              f"async write done after {r['async_total_s']*1e3:.0f} ms; local stalls "
+              f"{r['local_stall_s']*1e3:.0f} ms (x{r['ratio_local_to_blocking']:.3f})", flush=True)
         print(json.dumps({**r, "device": opts.device, "bf16": opts.bf16}), flush=True)
 
 
