@@ -96,6 +96,10 @@ def _add_megatron_core_checkpoint_args(g) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="With --load: no checkpoint there is an error (exit 2), not a fresh "
                         "start.")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="torch_dist: write a SHA-256 manifest (integrity.json) with every save; "
+                        "on load, check the files against it (the ranks split the hashing) and "
+                        "stop with one line if one differs.")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="Detect the checkpoint's format on --load: what --load always does here.")
 

@@ -98,8 +98,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--no-save-tokenizer-assets": not_yet("skips saving tokenizer files, not supported yet"),
     "--disable-save-tokenizer-assets": not_yet("skips saving tokenizer files, not supported "
                                                "yet"),
-    "--verify-integrity": not_yet("hashes checkpoint files, not supported yet: a torn file is "
-                                  "found by its size against DCP's metadata"),
     "--override-ckpt-iteration": not_yet("overrides the loaded iteration, not supported yet"),
     "--use-dist-ckpt": not_yet("is Megatron-LM's deprecated spelling",
                                "use --ckpt-format torch_dist (the default)"),

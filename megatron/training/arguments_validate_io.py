@@ -83,6 +83,10 @@ def validate_checkpointing(args: argparse.Namespace) -> None:
     if args.save is not None and (args.save_interval is None or args.save_interval < 1):
         raise ArgumentError("--save-interval", "--save needs a positive --save-interval",
                             "pass --save-interval N (iterations between saves)")
+    if args.verify_integrity and args.ckpt_format != "torch_dist":
+        raise ArgumentError("--verify-integrity", "--verify-integrity needs --ckpt-format "
+                            "torch_dist (as in Megatron-LM)", "drop --ckpt-format torch or "
+                            "--verify-integrity")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler",
                             "--override-opt_param-scheduler keeps this run's LR schedule and "

@@ -51,7 +51,8 @@ from pathlib import Path
 import torch
 
 from megatron.training import checkpoint_dist as ckd
-from megatron.training.checkpoint_files import fsync_dir, keep_only_latest, write_atomically
+from megatron.training.checkpoint_files import (fsync_dir, integrity_failure, keep_only_latest,
+                                                write_atomically, write_integrity_manifest)
 from megatron.training.checkpoint_local import LocalCheckpoints, due
 from megatron.training.checkpoint_writers import Writers
 from megatron.training.config_io import CheckpointConfig
@@ -159,6 +160,8 @@ class Checkpointer:
 
     def _read_torch_dist(self, host: CheckpointHost, point: ResumePoint) -> dict:
         config = self.config
+        if config.verify_integrity:
+            self._verify_integrity(host, point)
         # RNG streams are per (tp, pp) position: they exist only in a checkpoint of this layout
         same_layout = (point.tp, point.pp) == (self.topology.tp, self.topology.pp)
         read_rng = same_layout and point.by_recover and config.load_rng and not config.finetune
@@ -174,6 +177,14 @@ class Checkpointer:
                                   optimizer.model_params,
                                   [len(g["params"]) for g in optimizer.param_groups])
         return state if read_rng else self._without_rng(state, point)
+
+    def _verify_integrity(self, host: CheckpointHost, point: ResumePoint) -> None:
+        """--verify-integrity: the ranks split the hashing; a failure anywhere stops them all."""
+        failure = integrity_failure(point.directory, (self.rank, self.topology.world_size))
+        if host.any_rank(failure is not None, f"verify-integrity/{point.iteration}"):
+            raise CheckpointError("--verify-integrity", f"{point.directory} fails its integrity "
+                                  f"check: {failure or 'another rank found a file that differs'}",
+                                  "load an intact checkpoint (or drop --verify-integrity)")
 
     def _without_rng(self, state: dict, point: ResumePoint) -> dict:
         state.pop("rng_state", None)
@@ -311,6 +322,8 @@ class Checkpointer:
             raise pending.error
         pending.write.finish()
         if pending.is_leader:
+            if self.config.verify_integrity:  # every file is complete: hash them
+                write_integrity_manifest(pending.tmp)
             self._commit(pending.tmp, pending.final, pending.iteration)
 
     def finish_pending(self, host: CheckpointHost) -> None:

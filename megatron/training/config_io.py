@@ -105,6 +105,7 @@ class CheckpointConfig:
     exit_on_missing: bool  # --exit-on-missing-checkpoint
     assume_constant_structure: bool  # --ckpt-assume-constant-structure
     fully_parallel_save: bool  # torch_dist: the live replicas share the writing (not --no-ckpt-...)
+    verify_integrity: bool  # --verify-integrity: a SHA-256 manifest written, checked on load
     non_persistent: NonPersistentConfig
     model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
@@ -142,6 +143,7 @@ class CheckpointConfig:
             ckpt_step=args.ckpt_step, exit_on_missing=bool(args.exit_on_missing_checkpoint),
             assume_constant_structure=bool(args.ckpt_assume_constant_structure),
             fully_parallel_save=args.ckpt_fully_parallel_save,
+            verify_integrity=bool(args.verify_integrity),
             non_persistent=NonPersistentConfig.from_args(args),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
