@@ -418,7 +418,6 @@ def test_parse_and_validate_reports_refused_flags_the_same_way(capsys):
 
 @pytest.mark.parametrize("flags, named", [
     (["--async-save", "--ckpt-format", "torch"], "--async-save"),
-    (["--verify-integrity", "--ckpt-format", "torch"], "--verify-integrity"),
 ])
 def test_checkpoint_flags_refused_in_one_line(flags, named):
     with pytest.raises(ArgumentError) as err:

@@ -55,3 +55,11 @@ def test_a_checkpoint_without_a_manifest_is_refused_when_verifying(tmp_path):
     assert not (tmp_path / "ck" / "iter_0000002" / "integrity.json").exists()
     with pytest.raises(CheckpointError, match="no readable integrity.json"):
         load(tmp_path, "--verify-integrity")
+
+
+def test_the_torch_format_with_verification_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        make_args(tmp_path, "--verify-integrity", "--ckpt-format", "torch")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "pretrain_gpt_recover.py: error: --verify-integrity: --verify-integrity needs --ckpt-format")
