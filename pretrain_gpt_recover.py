@@ -163,6 +163,8 @@ def _join_membership(args, incarnation: int):
                         "recovery is off; start with `python -m recover_patches.launch` to enable "
                         "it")
         return None
+    from megatron.training.config_io import FtConfig
+    from megatron.training.ft_timeouts import recover_timeout
     from recover_patches.collectives import nccl_env
     from recover_patches.collectives.membership import MembershipClient
     refused = nccl_env.conflicts(os.environ)  # a rank started without our launcher
@@ -170,7 +172,8 @@ def _join_membership(args, incarnation: int):
         raise _Exit(_user_error(refused[0]))
     nccl_env.apply(os.environ)  # before any process group exists: torch reads it then
     try:
-        membership = MembershipClient.from_env(timeout=args.recover_timeout)
+        membership = MembershipClient.from_env(timeout=recover_timeout(
+            FtConfig.from_args(args), args.recover_timeout, int(os.environ.get("RANK", "0"))))
     except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
         logger.info(f"{err}: leaving")
         raise _Exit(0) from None
@@ -212,7 +215,7 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
         checkpointer=checkpointer,
         metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
                               WandbConfig.from_args(args)),
-        agreement=StoreAgreement(membership, timeout=args.recover_timeout,
+        agreement=StoreAgreement(membership, timeout=membership.timeouts.operation,
                                  verdict_wait=membership.timeouts.verdict_wait,
                                  replica=replica_vote(groups, device)) if recovering else None,
         log_failure=lambda err, phase: logger.info(f"peer failure in {phase}: {err}"),
@@ -254,7 +257,8 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping)
     make_group = (torch_group_factory if membership is None else resilient_group_factory(
-        membership, args.recover_timeout, args.distributed_backend, connect=incarnation == 0))
+        membership, membership.timeouts.operation, args.distributed_backend,
+        connect=incarnation == 0))
     groups = build_groups(topology, rank, make_group, args.num_distributed_optimizer_instances
                           if args.use_distributed_optimizer else None,
                           channels=None if model_chunks_of(args) is None

@@ -3,6 +3,7 @@ the same losses at another one (TP 2->1, PP 1->2, DP 4->2), and a writer killed 
 --async-save. Few launches on purpose (each costs ~8 s of CPU)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -91,16 +92,25 @@ def test_pp1_dp4_loads_at_pp2_dp2_and_that_resumes_bitwise(tmp_path):
 def test_a_writer_killed_during_an_async_save_leaves_the_last_good_checkpoint(tmp_path):
     """(1,2,2): both replicas write a share of each stage. Replica 1's second stage dies in the
     background write of iteration 4; the job (recovery on) goes on with replica 0, never commits
-    iteration 4, and saves iteration 6 from replica 0 alone."""
+    iteration 4, and saves iteration 6 from replica 0 alone. --enable-ft-package: every rank
+    takes --recover-timeout from the file an earlier --calc-ft-timeouts run left in --save (the
+    coordinator accepts the ranks only if they agree), and this run writes its own."""
     ck, victim = tmp_path / "ck", Topology(1, 2, 2).rank(0, 1, 1)
+    ck.mkdir()
+    (ck / "recover_timeout.json").write_text('{"recover_timeout": 7.5}')
     run = launch(4, [*FLAGS, *layout(1, 2), "--train-iters", "6", "--save", str(ck),
                      "--save-interval", "2", "--async-save", "--distributed-timeout-minutes", "1",
-                     "--inject-fault", f"kill:rank={victim},iter=4,phase=checkpoint"],
+                     "--inject-fault", f"kill:rank={victim},iter=4,phase=checkpoint",
+                     "--enable-ft-package", "--calc-ft-timeouts", "--ft-num-warmup-iters", "1"],
                  tmp_path / "m.jsonl", launcher_args=[])
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "--recover-timeout 7.5 from" in run.stdout
+    assert "--calc-ft-timeouts: --recover-timeout" in run.stdout
     assert [r["iteration"] for r in run.records] == [1, 2, 3, 4, 5, 6]
     assert all(r["microbatches"] == 8 for r in run.records)
-    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000006", LATEST_FILE]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000006", LATEST_FILE,
+                                                    "recover_timeout.json"]
+    assert json.loads((ck / "recover_timeout.json").read_text())["iterations_seen"] == 6
     assert read_latest(ck) == 6
     assert len(distcp_files(ck / "iter_0000006")) == 2  # replica 0's two stages
     (ck / LATEST_FILE).write_text("2")  # the checkpoint before the kill is intact

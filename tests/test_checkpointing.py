@@ -74,6 +74,7 @@ def make_args(tmp: Path, **over) -> CheckpointConfig:
                 ckpt_fully_parallel_save=True, non_persistent_ckpt_type=None,
                 non_persistent_save_interval=None, non_persistent_local_ckpt_dir=None,
                 non_persistent_global_ckpt_dir=None, verify_integrity=False,
+                enable_ft_package=False, calc_ft_timeouts=False, ft_num_warmup_iters=5,
                 use_distributed_optimizer=False, num_layers=None, hidden_size=None,
                 num_attention_heads=None, ffn_hidden_size=None)
     return CheckpointConfig.from_args(Namespace(**{**base, **over}))

@@ -30,7 +30,8 @@ from megatron.training.arguments_flags import (
 from megatron.training.arguments_flags_checkpoint import add_checkpoint_args
 from megatron.training.arguments_flags_numerics import add_numerics_args
 from megatron.training.arguments_megatron import add_megatron_refusals
-from megatron.training.arguments_recover import add_recover_args, apply_recover_env_defaults
+from megatron.training.arguments_recover import (add_ft_package_args, add_recover_args,
+                                                  apply_recover_env_defaults)
 from megatron.training.arguments_unsupported import add_refused_args, reject_unsupported_values
 from megatron.training.arguments_validate_io import (
     validate_checkpointing, validate_data, validate_logging, validate_non_persistent, validate_recover,
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resilient GPT pre-training: Megatron-LM pretrain_gpt.py flags plus ReCoVer's.")
     for add_group in (add_model_args, add_parallel_args, add_batch_args, add_optimizer_args,
                       add_data_args, add_checkpoint_args, add_logging_args, add_precision_args,
-                      add_numerics_args, add_recover_args, add_refused_args):
+                      add_numerics_args, add_recover_args, add_ft_package_args, add_refused_args):
         add_group(parser)
     add_megatron_refusals(parser)  # last: every Megatron-LM flag not declared above
     return parser

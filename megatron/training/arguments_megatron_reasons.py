@@ -93,7 +93,7 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
      _PROFILING),
     (r"fault-injector-", own_way("is NVIDIA Resiliency Extension's fault injector",
                                   "inject faults with ReCoVer's --inject-fault (README)")),
-    (r"inprocess-|enable-ft-package|calc-ft-timeouts|ft-num-warmup", _FAULT_TOLERANCE),
+    (r"inprocess-", _FAULT_TOLERANCE),
     (r"(no-)?one-logger|app-tag-|otel-", _TELEMETRY),
     (r"check-for-spiky-loss", _RERUN),
     (r"(enable|disable)-msc|object-storage", not_yet(

@@ -42,6 +42,21 @@ def add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help=f"Shared secret of this job's ranks. Default: env {JOB_TOKEN_ENV}.")
 
 
+def add_ft_package_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's fault-tolerance flags, mapped onto ReCoVer's timeout (`ft_timeouts`)."""
+    g = parser.add_argument_group("ft_package")
+    g.add_argument("--enable-ft-package", action="store_true",
+                   help="Take --recover-timeout from SAVE/recover_timeout.json when a run with "
+                        "--calc-ft-timeouts wrote one (ReCoVer's own detection of dead and hung "
+                        "ranks does NVIDIA Resiliency Extension's job). Needs --save.")
+    g.add_argument("--calc-ft-timeouts", action="store_true",
+                   help="With --enable-ft-package: after each save and at the end, write 5 x the "
+                        "longest iteration seen (a save included) as the next run's "
+                        "--recover-timeout.")
+    g.add_argument("--ft-num-warmup-iters", type=int, default=5,
+                   help="Iterations not timed by --calc-ft-timeouts (the first are slower).")
+
+
 def apply_recover_env_defaults(args: argparse.Namespace) -> None:
     """Fill env-provided defaults after parsing (read late, so the token never shows up in --help)."""
     if args.coordinator_addr is None:

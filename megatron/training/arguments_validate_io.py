@@ -197,6 +197,12 @@ def validate_recover(args: argparse.Namespace, dp: int) -> None:
                             "data-parallel replicas of this job", f"pass a value in 1..{dp}")
     if args.coordinator_addr is not None:
         _check_host_port(args.coordinator_addr)
+    if args.enable_ft_package and not args.save:
+        raise ArgumentError("--enable-ft-package", "--enable-ft-package keeps its timeout in "
+                            "--save (as Megatron-LM's ft_state.json)", "pass --save DIR")
+    if args.ft_num_warmup_iters < 0:
+        raise ArgumentError("--ft-num-warmup-iters", "--ft-num-warmup-iters must be >= 0",
+                            "pass --ft-num-warmup-iters 5 (the default)")
 
 
 def _check_host_port(addr: str) -> None:

@@ -56,6 +56,7 @@ from megatron.training.checkpoint_files import (fsync_dir, integrity_failure, ke
 from megatron.training.checkpoint_local import LocalCheckpoints, due
 from megatron.training.checkpoint_writers import Writers
 from megatron.training.config_io import CheckpointConfig
+from megatron.training.ft_timeouts import TimeoutRecorder
 from megatron.training.run_exit import ExitConditions, TrainingStopped
 from megatron.training.checkpoint_resume import (FORMAT, LATEST_FILE, METADATA_FILE, RANK_FILE,
                                                  NON_PERSISTENT_DIR, CheckpointError, CkptFormat,
@@ -120,6 +121,7 @@ class Checkpointer:
             raise CheckpointError("--save", f"{config.save} exists and is not a directory",
                                   "pass a directory path to --save")
         self.exits = ExitConditions(config)
+        self.timeouts = TimeoutRecorder(config.ft) if config.ft.calculate and rank == 0 else None
         self.last_saved: int | None = None
         self.pending: PendingSave | None = None
         self.worker: ThreadPoolExecutor | None = None  # --use-persistent-ckpt-worker
@@ -196,6 +198,8 @@ class Checkpointer:
 
     def after_iteration(self, host: CheckpointHost) -> None:
         iteration, config = host.training.progress.iteration, self.config
+        if self.timeouts is not None:
+            self.timeouts.iteration_ended()
         stop = self.exits.reason(host)
         interval = config.save_interval or 0  # set whenever --save is (the argument checks)
         persistent = config.save and ((interval and iteration % interval == 0)
@@ -204,6 +208,8 @@ class Checkpointer:
             self.save(host)
             if stop or iteration == config.train_iters:
                 self.finish_pending(host)  # the job ends: the last save must land
+            if self.timeouts is not None:  # as Megatron-LM updates them: after each save
+                self.timeouts.store()
         elif config.save and self.local is not None and self.local.due(iteration):
             self.local.save(host)
         elif self.non_persistent_dir is not None and due(config.non_persistent.interval,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # config.py imports megatron-core: not for a parse
@@ -58,6 +59,31 @@ def dataset_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
 SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
 
 
+FT_STATE_FILE = "recover_timeout.json"  # --calc-ft-timeouts' result, in --save
+
+
+@dataclass(frozen=True)
+class FtConfig:
+    enabled: bool  # --enable-ft-package
+    calculate: bool  # --calc-ft-timeouts (with --enable-ft-package, as in Megatron-LM)
+    warmup_iters: int  # --ft-num-warmup-iters
+    save: str | None  # the state file's directory: --save, as Megatron's ft_state.json
+
+    def __post_init__(self):
+        if self.warmup_iters < 0 or (self.enabled and not self.save):
+            raise ValueError(f"fault-tolerance settings {self}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FtConfig:
+        return cls(bool(args.enable_ft_package), bool(args.enable_ft_package and
+                                                      args.calc_ft_timeouts),
+                   args.ft_num_warmup_iters, args.save)
+
+    @property
+    def state_file(self) -> Path | None:
+        return Path(self.save) / FT_STATE_FILE if self.enabled and self.save else None
+
+
 @dataclass(frozen=True)
 class NonPersistentConfig:
     """Megatron's non-persistent checkpoints (--non-persistent-*); checked against each other
@@ -107,6 +133,7 @@ class CheckpointConfig:
     fully_parallel_save: bool  # torch_dist: the live replicas share the writing (not --no-ckpt-...)
     verify_integrity: bool  # --verify-integrity: a SHA-256 manifest written, checked on load
     non_persistent: NonPersistentConfig
+    ft: FtConfig  # --enable-ft-package etc.: --calc-ft-timeouts times the iterations here
     model_shape: tuple[tuple[str, int | None], ...]  # (flag dest, value): a checkpoint must match
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
     # a copy taken here is that payload, never read for a setting
@@ -144,7 +171,7 @@ class CheckpointConfig:
             assume_constant_structure=bool(args.ckpt_assume_constant_structure),
             fully_parallel_save=args.ckpt_fully_parallel_save,
             verify_integrity=bool(args.verify_integrity),
-            non_persistent=NonPersistentConfig.from_args(args),
+            non_persistent=NonPersistentConfig.from_args(args), ft=FtConfig.from_args(args),
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
 

@@ -125,6 +125,9 @@ def _non_persistent_differences(args: argparse.Namespace) -> list[str]:
     elif args.replication_jump is not None:
         lines.append("--replication-jump has no effect without --replication (Megatron-LM "
                      "ignores it too)")
+    if args.calc_ft_timeouts and not args.enable_ft_package:
+        lines.append("--calc-ft-timeouts has no effect without --enable-ft-package (as in "
+                     "Megatron-LM)")
     if args.non_persistent_local_ckpt_algo != "fully_parallel":
         lines.append(f"--non-persistent-local-ckpt-algo {args.non_persistent_local_ckpt_algo} "
                      "changes nothing: each rank writes its own file and sends nothing")

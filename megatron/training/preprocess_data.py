@@ -16,7 +16,6 @@ Bad input: one line on stderr, exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
