@@ -96,10 +96,14 @@ def test_where_megatron_would_differ_is_said_once_per_flag():
     assert quiet == []  # Megatron's defaults: nothing to say
     said = " | ".join(megatron_differences(flags(
         "--fp16", "--eod-mask-loss", "--ckpt-fully-parallel-save", "--use-mcore-models",
-        "--no-overlap-p2p-communication", "--num-workers", "4"), "cuda"))
+        "--no-overlap-p2p-communication", "--num-workers", "4", "--ddp-average-in-collective",
+        "--defer-embedding-wgrad-compute", "--overlap-param-gather-with-optimizer-step"), "cuda"))
     for flag in ("--accumulate-allreduce-grads-in-fp32", "--calculate-per-token-loss",
                  "--ckpt-fully-parallel-save", "--use-mcore-models",
-                 "--no-overlap-p2p-communication", "--num-workers 4"):
+                 "--no-overlap-p2p-communication", "--num-workers 4",
+                 "--ddp-average-in-collective changes nothing",
+                 "--defer-embedding-wgrad-compute changes nothing",
+                 "--overlap-param-gather-with-optimizer-step changes nothing"):
         assert flag in said, flag
     assert "--calculate-per-token-loss" not in " ".join(megatron_differences(flags(
         "--eod-mask-loss", "--calculate-per-token-loss"), "cpu"))

@@ -117,6 +117,12 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="With --use-distributed-optimizer and --overlap-grad-reduce: the step only "
                         "starts the weights' all-gathers; each module's next forward waits for "
                         "its parameters' bucket.")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="Accepted, changes nothing: the weights' all-gathers already overlap the "
+                        "next forward (--overlap-param-gather).")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="Accepted, changes nothing: gradients are summed over replicas and divided "
+                        "by the global batch's token count, the same average.")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Parameters per gradient bucket. Default: one bucket, or with "
                         "--overlap-grad-reduce max(40M, 1M * data-parallel size).")

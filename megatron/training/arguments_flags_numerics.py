@@ -72,6 +72,9 @@ def _add_activation_args(g) -> None:
     g.add_argument("--use-flash-attn", action="store_true",
                    help="Accepted: current Megatron-LM reads it nowhere for megatron-core models "
                         "(the kernel is --attention-backend); it changes nothing here either.")
+    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
+                   help="Accepted, changes nothing: a scheduling of transformer-engine's fused "
+                        "weight-gradient GEMMs; the embedding's gradient is the same.")
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native"],
                    help="The fused cross entropy's kernel: megatron-core's native one "
                         "(transformer-engine's `te` is not supported yet).")

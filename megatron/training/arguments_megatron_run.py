@@ -138,13 +138,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--ddp-num-buckets": _BUCKETS, "--ddp-pad-buckets-for-high-nccl-busbw": _BUCKETS,
     "--ddp-reduce-scatter-with-fp32-accumulation": _PRECISION_DTYPES,
     "--ddp-param-name-patterns-for-fp32-local-accumulation": _PRECISION_DTYPES,
-    "--ddp-average-in-collective": own_way(
-        "averages gradients inside the collective; ReCoVer sums them and divides by the global "
-        "batch's token count, so a recomputed microbatch weighs the same wherever it runs",
-        "drop the flag"),
-    "--overlap-param-gather-with-optimizer-step": not_yet(
-        "overlaps the param all-gather with the optimizer step, not supported yet",
-        "drop the flag (--overlap-param-gather overlaps it with the next forward)"),
     "--no-gradient-reduce-div-fusion": own_way(
         "changes where megatron-core DDP divides gradients; ReCoVer divides by the global "
         "token count once", "drop the flag"),
@@ -152,7 +145,10 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--start-eval-at-iter": _EVAL, "--eval-global-batch-size": _EVAL,
     "--eval-micro-batch-size": _EVAL, "--skip-train": _EVAL, "--full-validation": _EVAL,
     "--multiple-validation-sets": _EVAL, "--validation-set-names": _EVAL,
-    "--test-mode": not_yet("runs Megatron-LM's real-time data tests, not supported yet"),
+    "--test-mode": own_way("runs megatron-core's real-time check that the QK-layernorm weights "
+                           "agree across DP ranks, over Megatron's global groups",
+                           "drop the flag (--check-weight-hash-across-dp-replicas-interval N "
+                           "checks that the replicas hold the same weights)"),
     # data
     "--phase-transition-iterations": _BATCH_SCHEDULE,
     "--train-data-path": _DATA_SPLITS, "--valid-data-path": _DATA_SPLITS,

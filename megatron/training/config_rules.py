@@ -84,7 +84,7 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.use_flash_attn:
         lines.append("--use-flash-attn changes nothing (as in current Megatron-LM for megatron-core "
                      "models): the attention kernel is --attention-backend")
-    lines += _checkpoint_differences(args)
+    lines += _checkpoint_differences(args) + _no_effect_lines(args)
     if args.num_workers != NUM_WORKERS_DEFAULT:
         lines.append(f"--num-workers {args.num_workers} has no effect: each rank reads its "
                      "microbatches by id in the training process, there is no data-loader pool")
@@ -115,6 +115,26 @@ def _checkpoint_differences(args: argparse.Namespace) -> list[str]:
     return lines + _non_persistent_differences(args)
 
 
+# flags accepted because ReCoVer already gives their result (one start-up line each)
+_NO_EFFECT_LINES = {
+    "--ddp-average-in-collective": "gradients are summed over replicas and divided by the global "
+                                   "batch's token count (the same average)",
+    "--overlap-param-gather-with-optimizer-step": "the weights' all-gathers already overlap the "
+                                                  "next forward with --overlap-param-gather",
+    "--defer-embedding-wgrad-compute": "it schedules transformer-engine's fused weight-gradient "
+                                       "GEMMs; the embedding's gradient is the same",
+}
+
+
+def _no_effect_lines(args: argparse.Namespace) -> list[str]:
+    lines = [f"{flag} changes nothing: {why}" for flag, why in _NO_EFFECT_LINES.items()
+             if getattr(args, flag.lstrip("-").replace("-", "_"))]
+    if args.calc_ft_timeouts and not args.enable_ft_package:
+        lines.append("--calc-ft-timeouts has no effect without --enable-ft-package (as in "
+                     "Megatron-LM)")
+    return lines
+
+
 def _non_persistent_differences(args: argparse.Namespace) -> list[str]:
     lines = []
     if args.replication:  # checked by the argument checks: the copies are the same position
@@ -125,9 +145,6 @@ def _non_persistent_differences(args: argparse.Namespace) -> list[str]:
     elif args.replication_jump is not None:
         lines.append("--replication-jump has no effect without --replication (Megatron-LM "
                      "ignores it too)")
-    if args.calc_ft_timeouts and not args.enable_ft_package:
-        lines.append("--calc-ft-timeouts has no effect without --enable-ft-package (as in "
-                     "Megatron-LM)")
     if args.non_persistent_local_ckpt_algo != "fully_parallel":
         lines.append(f"--non-persistent-local-ckpt-algo {args.non_persistent_local_ckpt_algo} "
                      "changes nothing: each rank writes its own file and sends nothing")
