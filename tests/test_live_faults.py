@@ -154,3 +154,25 @@ def test_a_result_that_repeats_on_another_replica_stops_the_job(tmp_path):
     assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-3000:]
     assert [r["iteration"] for r in run.records if "lm_loss" in r] == [1]
     assert run.stdout.count("re-run on replica 0: the same again") == 4, run.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_spike_another_replica_does_not_repeat_is_fenced(tmp_path):
+    """--check-for-spiky-loss: 100 iterations set the bar (Megatron's sample); at iteration 102
+    replica 1's loss is 1000 x (an injected transient error). Replica 0 re-runs its microbatches,
+    gets an ordinary loss sum, and replica 1 is fenced; the iteration commits all of its
+    microbatches with an ordinary loss and training goes on."""
+    iters = 104
+    run = launch(2, [*TINY_GPT, "--train-iters", str(iters), "--recover-balance", "even",
+                     "--recover-timeout", f"{TIMEOUT:g}", "--check-for-spiky-loss",
+                     "--error-injection-rate", "102", "--error-injection-type", "transient_error"],
+                 tmp_path / "metrics.jsonl", launcher_args=[], timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, iters + 1))
+    assert all(r["microbatches"] == M for r in records)
+    assert [r["iteration"] for r in records if r["recoveries"]] == [102]
+    assert records[-1]["live_replicas"] == [0]
+    assert "replica(s) [1] computed a spiky loss" in run.stdout, run.stdout[-3000:]
+    assert "the result is rejected and ranks [1] are fenced" in run.stdout
+    assert abs(records[101]["lm_loss"] - records[100]["lm_loss"]) < 0.5 * records[100]["lm_loss"]

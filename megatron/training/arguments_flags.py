@@ -321,6 +321,10 @@ def _add_rerun_args(g) -> None:
                    choices=["correct_result", "transient_error", "persistent_error"],
                    help="correct_result: the NaN follows the microbatches (the re-run repeats "
                         "it); the errors stay on the replica that made them.")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="validate_results also re-runs a replica whose loss per token is 10 x the "
+                        "largest of its first 100 (Megatron's rule): the same again goes on, "
+                        "another result fences the replica. Injected errors become spikes.")
     g.add_argument("--result-rejected-tracker-filename", default=None,
                    help="Append one line per rejected result (iteration, replicas, ranks, "
                         "microbatches) to this file.")

@@ -56,8 +56,6 @@ _FAULT_TOLERANCE = own_way(
     "configures NVIDIA Resiliency Extension's restarts; ReCoVer keeps the job alive in place: "
     "a dead or hung rank is found by its coordinator within --recover-timeout and the survivors "
     "finish the iteration", "drop the flag (set --recover-timeout)")
-_RERUN = not_yet("checks for a spiky loss, not supported yet: --rerun-mode validate_results "
-                 "re-runs non-finite losses only")
 _PROFILING = not_yet("is a profiling option not supported yet (--profile, --use-pytorch-profiler "
                      "and its shapes/callstack options, --profile-ranks are)", "drop the flag")
 _OPTIMIZER = not_yet("configures an optimizer other than Adam, not supported yet "
@@ -95,7 +93,6 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
                                   "inject faults with ReCoVer's --inject-fault (README)")),
     (r"inprocess-", _FAULT_TOLERANCE),
     (r"(no-)?one-logger|app-tag-|otel-", _TELEMETRY),
-    (r"check-for-spiky-loss", _RERUN),
     (r"(enable|disable)-msc|object-storage", not_yet(
         "reads through NVIDIA's multi-storage client, not supported: paths are local files",
         "drop the flag")),

@@ -376,4 +376,5 @@ class StepConfig:
                    empty_cache_level=args.empty_unused_memory_level,
                    rerun=RerunConfig(args.rerun_mode, args.error_injection_rate,
                                      args.error_injection_type,
-                                     args.result_rejected_tracker_filename))
+                                     args.result_rejected_tracker_filename,
+                                     bool(args.check_for_spiky_loss)))

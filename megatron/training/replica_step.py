@@ -19,7 +19,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.config import StepConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
-from megatron.training.rerun import Position, injected, resolve
+from megatron.training.rerun import (ALARM_NOT_FINITE, ALARM_SPIKY, Position, SpikeDetector,
+                                     injected, resolve, resolve_spike)
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -71,6 +72,7 @@ class GPTReplicaStep:
     # miss slices that other instances hold (replica-agreed at the end of the step)
     weights_stale: bool = False
     _injected_at: int = 0  # --error-injection-rate: the iteration last injected into
+    spikes: SpikeDetector | None = field(init=False)  # --check-for-spiky-loss, last stage
 
     def __post_init__(self):
         self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
@@ -81,6 +83,8 @@ class GPTReplicaStep:
         self.optimizer.watch_gathers(lambda: self.hook("param_gather"),
                                      self.model if self.config.overlap_param_gather else None)
         self.grads.scatter_into(self.scatter_while(self.live.live_replicas))
+        self.spikes = (SpikeDetector() if self.config.rerun.checks_spikes
+                       and self.groups.is_last_stage else None)
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
@@ -136,13 +140,17 @@ class GPTReplicaStep:
                                  fingerprint, self._alarm(local))
 
     def _alarm(self, local: Totals) -> float | torch.Tensor:
-        """--rerun-mode validate_results: 1 if this replica's own loss sum is not finite, on the
-        device (no host wait); with PP > 1 the last stage tells the others inside the replica
-        (before the reduction, where a failure is any failure of the reduce phase)."""
+        """--rerun-mode validate_results: ALARM_NOT_FINITE if this replica's own loss sum is not
+        finite, ALARM_SPIKY if its loss per token spikes (--check-for-spiky-loss), on the device
+        (no host wait); with PP > 1 the last stage tells the others inside the replica (before
+        the reduction, where a failure is any failure of the reduce phase)."""
         if not self.config.rerun.validating:
             return 0.0
         loss = torch.as_tensor(local.loss_sum, dtype=torch.float64, device=self.device)
-        alarm = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
+        alarm = (~torch.isfinite(loss)).to(torch.float32).reshape(1) * ALARM_NOT_FINITE
+        if self.spikes is not None:
+            spiky = self.spikes.spiky(loss / max(local.tokens, 1)).reshape(1)
+            alarm = torch.where(spiky, torch.full_like(alarm, ALARM_SPIKY), alarm)
         if self.groups.topology.pp > 1 and self.groups.replica.size() > 1:
             dist.all_reduce(alarm, op=dist.ReduceOp.MAX, group=self.groups.replica)
         return alarm[0]
@@ -154,12 +162,18 @@ class GPTReplicaStep:
                  assignment: Mapping[int, list[int]]) -> None:
         """--rerun-mode validate_results: a replica whose own loss was not finite (its alarm
         rode in the reduction) has its microbatches re-run on another replica (`rerun.py`)."""
-        suspects = [r for r, alarm in enumerate(reduced.replica_alarms) if alarm > 0]
-        if self.config.rerun.validating and suspects:
-            at = Position(self.iteration() + 1, self.groups.coord.replica,
-                          tuple(self.live.live_replicas), self.groups.topology.dp,
-                          self.live.epoch, self.groups.is_last_stage)
-            resolve(self, self.config.rerun, at, suspects, dict(assignment))
+        alarms = reduced.replica_alarms
+        not_finite = [r for r, alarm in enumerate(alarms) if alarm == ALARM_NOT_FINITE]
+        spiky = [r for r, alarm in enumerate(alarms) if alarm == ALARM_SPIKY]
+        if not self.config.rerun.validating or not (not_finite or spiky):
+            return
+        at = Position(self.iteration() + 1, self.groups.coord.replica,
+                      tuple(self.live.live_replicas), self.groups.topology.dp,
+                      self.live.epoch, self.groups.is_last_stage)
+        if not_finite:  # first: a non-finite loss stops or fences on its own
+            resolve(self, self.config.rerun, at, not_finite, dict(assignment))
+        else:
+            resolve_spike(self, self.config.rerun, at, spiky, dict(assignment), local.loss_sum)
 
     def rerun(self, ids: list[int]) -> Any:
         before = self.snapshot()

@@ -1,0 +1,81 @@
+"""--check-for-spiky-loss, the ReCoVer way: the detector (Megatron's rule: 10 x the largest of
+the first 100 values), and the verdict after another replica re-ran the suspects' microbatches
+(a fake host stands for the ranks' shared vector). The launch: tests/test_live_faults.py."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from megatron.training.rerun import (Position, RerunConfig, ResultRejected, ResultReproduced,
+                                     SpikeDetector, injected, resolve_spike)
+from recover_patches.collectives import PeerFailure
+
+
+def test_the_first_hundred_values_set_the_bar_and_a_tenfold_loss_is_spiky():
+    detector = SpikeDetector()
+    values = [2.0, float("nan"), 3.0] + [1.0] * 97
+    assert not any(bool(detector.spiky(torch.tensor(v))) for v in values)
+    assert float(detector.largest) == 3.0  # the NaN is the other check's, never the largest
+    assert bool(detector.spiky(torch.tensor(30.0)))
+    assert bool(detector.spiky(torch.tensor(-31.0)))  # Megatron compares magnitudes
+    assert not bool(detector.spiky(torch.tensor(29.9)))
+    assert not bool(detector.spiky(torch.tensor(float("inf"))))
+
+
+class FakeHost:
+    """One rank of replica `replica`; `shared` is what the ranks' share() would sum to."""
+
+    def __init__(self, shared: list[float]):
+        self.shared, self.reran = shared, None
+
+    def rerun(self, ids):
+        self.reran = ids
+        return torch.tensor(self.shared[0])
+
+    def share(self, values):
+        return self.shared
+
+    def ranks_of(self, replica):
+        return [2 * replica, 2 * replica + 1]
+
+
+CONFIG = RerunConfig("validate_results", 0, "transient_error", None, spiky_loss=True)
+
+
+def at(replica: int, live=(0, 1)) -> Position:
+    return Position(iteration=7, replica=replica, live_replicas=tuple(live), replicas=2, epoch=0,
+                    is_last_stage=True)
+
+
+def test_a_spike_that_repeats_elsewhere_is_the_data_and_training_goes_on(caplog):
+    host = FakeHost([500.0, 500.0 * (1 + 1e-9)])
+    with caplog.at_level(logging.WARNING):
+        resolve_spike(host, CONFIG, at(0), [1], {0: [0, 1], 1: [2, 3]}, 0.0)
+    assert host.reran == [2, 3]  # replica 0 re-ran replica 1's microbatches
+    assert "the data spikes, not a rank; training goes on" in caplog.text
+
+
+def test_a_spike_that_does_not_repeat_fences_the_suspects(tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    config = RerunConfig("validate_results", 0, "transient_error", str(tracker), True)
+    shared = [5.0, 5000.0]  # the re-run's loss sum, the suspect's own
+    with pytest.raises(PeerFailure) as failure:  # the validator recovers as from a failure
+        resolve_spike(FakeHost(shared), config, at(0), [1], {1: [2, 3]}, 0.0)
+    assert failure.value.suspects == {2, 3}
+    assert tracker.read_text().startswith("iteration 7 replicas [1] ranks [2, 3] microbatches "
+                                          "[2, 3]: spiky loss, not repeated on replica 0")
+    with pytest.raises(ResultRejected, match="this replica's result is rejected"):
+        resolve_spike(FakeHost(shared), config, at(1), [1], {1: [2, 3]}, 5000.0)
+    with pytest.raises(ResultReproduced, match="no other replica can take over"):
+        resolve_spike(FakeHost(shared), config, at(0, live=(0,)), [0], {0: [0, 1]}, 5000.0)
+
+
+def test_with_the_check_an_injected_error_is_a_spike_not_a_nan():
+    loss = torch.tensor(2.0, dtype=torch.float64)
+    spiking = RerunConfig("validate_results", 3, "transient_error", None, spiky_loss=True)
+    assert float(injected(loss, spiking, 3, 1, 2)) == 2000.0  # iteration 3: replica 1's turn
+    assert float(injected(loss, spiking, 3, 0, 2)) == 2.0
+    nan = injected(loss, RerunConfig("validate_results", 3, "transient_error", None), 3, 1, 2)
+    assert torch.isnan(torch.as_tensor(nan))
