@@ -120,3 +120,32 @@ def test_the_rerun_and_profiling_configs_check_themselves():
     with pytest.raises(ValueError):
         ProfilingConfig(True, 5, 5)
     assert not ProfilingConfig(True, 1, 3, ranks=(0,)).profiles(1)
+
+
+@pytest.mark.parametrize("style, coeff_at_half", [
+    ("linear", 0.5), ("exponential", 2 * 0.5 ** 0.5 - 1), ("cosine", 0.5),
+    ("minus_sqrt", 1 - 0.5 ** 0.5)])
+def test_wsd_holds_the_peak_then_anneals_over_its_last_iterations(style, coeff_at_half):
+    """--lr-decay-style WSD over 10 iterations, the last 4 annealing: megatron-core's scheduler,
+    against the shape written out here (stable until 6, half-way at 8, --min-lr at 10)."""
+    from megatron.training.optimizer_setup import build_scheduler
+    args = flags("--lr", "1.0", "--min-lr", "0.1", "--lr-decay-style", "WSD",
+                 "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", style)
+    gbs = args.global_batch_size
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = build_scheduler(optimizer, ScheduleConfig.from_args(args))
+    lrs = {}
+    for iteration in range(1, 11):
+        scheduler.step(increment=gbs)
+        lrs[iteration] = optimizer.param_groups[0]["lr"]
+    assert lrs[3] == lrs[6] == 1.0
+    assert lrs[8] == pytest.approx(0.1 + 0.9 * coeff_at_half)
+    assert lrs[10] == pytest.approx(0.1)
+
+
+def test_wsd_without_its_annealing_length_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        flags("--lr-decay-style", "WSD")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "pretrain_gpt_recover.py: error: --lr-wsd-decay-iters: ")

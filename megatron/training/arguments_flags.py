@@ -158,8 +158,16 @@ def add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning rate decay.")
     g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root"],
-                   help="Learning rate decay shape.")
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   help="Learning rate decay shape (WSD: warm-up, stable, then the last "
+                        "--lr-wsd-decay-iters/-samples anneal in --lr-wsd-decay-style).")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                   help="WSD: the annealing phase's shape.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the annealing phase.")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="WSD: samples of the annealing phase (sample-based runs).")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="Iterations to decay over. Default --train-iters.")
     g.add_argument("--lr-decay-samples", type=int, default=None,

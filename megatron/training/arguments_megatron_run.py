@@ -36,8 +36,6 @@ _BATCH_SCHEDULE = not_yet("changes the batch size during the run other than by "
                           "--rampup-batch-size, not supported yet")
 _SIGNALS = not_yet("chooses the exit signal or its handlers, not supported yet: "
                    "--exit-signal-handler handles SIGTERM")
-_LR_SCHEDULE = not_yet("configures a learning-rate schedule ReCoVer does not build yet "
-                       "(constant, linear, cosine, inverse-square-root)")
 _FREEZE = not_yet("freezes parameters, not supported yet")
 _LOGGING = not_yet("adds a log line or metric ReCoVer does not write yet")
 
@@ -65,8 +63,7 @@ RUN_FLAGS: dict[str, Refusal] = {
                                  "by its id, so a recomputed one reads the same samples",
                                  "drop the flag"),
     # learning rate
-    "--lr-wsd-decay-style": _LR_SCHEDULE, "--lr-wsd-decay-iters": _LR_SCHEDULE,
-    "--lr-wsd-decay-samples": _LR_SCHEDULE, "--warmup": not_yet(
+    "--warmup": not_yet(
         "is Megatron-LM's deprecated spelling", "use --lr-warmup-iters or --lr-warmup-fraction"),
     "--freeze-all-layers": _FREEZE, "--no-weight-decay-cond-type": not_yet(
         "chooses which parameters skip weight decay, not supported yet (megatron-core's "

@@ -134,6 +134,7 @@ def validate_lr_and_weight_decay(args: argparse.Namespace) -> None:
         raise ArgumentError("--lr-warmup-samples", f"--lr-warmup-samples {args.lr_warmup_samples}"
                             f" must be below --lr-decay-samples {args.lr_decay_samples}",
                             "pass a smaller --lr-warmup-samples")
+    _validate_wsd(args)
     if args.weight_decay_incr_style == "constant":
         for flag, value in (("--start-weight-decay", args.start_weight_decay),
                             ("--end-weight-decay", args.end_weight_decay)):
@@ -147,3 +148,12 @@ def validate_lr_and_weight_decay(args: argparse.Namespace) -> None:
         if value is None:
             raise ArgumentError(flag, f"--weight-decay-incr-style {args.weight_decay_incr_style} "
                                 f"needs {flag}", f"pass {flag}")
+
+
+def _validate_wsd(args: argparse.Namespace) -> None:
+    """megatron-core's scheduler asserts an annealing length for WSD: say it as a user error."""
+    flag = "--lr-wsd-decay-samples" if args.train_samples else "--lr-wsd-decay-iters"
+    length = args.lr_wsd_decay_samples if args.train_samples else args.lr_wsd_decay_iters
+    if args.lr_decay_style == "WSD" and (length is None or length < 1):
+        raise ArgumentError(flag, f"--lr-decay-style WSD needs {flag} (the annealing phase)",
+                            f"pass {flag} N, N >= 1")

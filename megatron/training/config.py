@@ -244,6 +244,8 @@ class ScheduleConfig:
     wd_incr_style: str
     use_checkpoint_scheduler: bool  # --use-checkpoint-opt_param-scheduler
     override_scheduler: bool  # --override-opt_param-scheduler
+    wsd_decay_steps: int | None = None  # --lr-decay-style WSD: the annealing phase, in samples
+    wsd_decay_style: str = "exponential"  # --lr-wsd-decay-style
 
     def __post_init__(self):
         if min(self.warmup_steps, self.decay_steps, self.wd_incr_steps) < 0:
@@ -258,11 +260,13 @@ class ScheduleConfig:
         if args.train_samples is None:
             decay = (args.lr_decay_iters or args.train_iters) * gbs
             wd_incr = args.train_iters * gbs
+            wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
             warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
                       else args.lr_warmup_iters * gbs)
         else:
             decay = args.lr_decay_samples or args.train_samples
             wd_incr = args.train_samples
+            wsd = args.lr_wsd_decay_samples
             warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
                       else args.lr_warmup_samples)
         wd = args.weight_decay
@@ -273,7 +277,8 @@ class ScheduleConfig:
                    end_wd=wd if args.end_weight_decay is None else args.end_weight_decay,
                    wd_incr_steps=int(wd_incr), wd_incr_style=args.weight_decay_incr_style,
                    use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
-                   override_scheduler=args.override_opt_param_scheduler)
+                   override_scheduler=args.override_opt_param_scheduler,
+                   wsd_decay_steps=wsd, wsd_decay_style=args.lr_wsd_decay_style)
 
 
 @dataclass(frozen=True)

@@ -66,4 +66,5 @@ def build_scheduler(optimizer, schedule: ScheduleConfig) -> OptimizerParamSchedu
         lr_decay_style=s.decay_style, start_wd=s.start_wd, end_wd=s.end_wd,
         wd_incr_steps=s.wd_incr_steps, wd_incr_style=s.wd_incr_style,
         use_checkpoint_opt_param_scheduler=s.use_checkpoint_scheduler,
-        override_opt_param_scheduler=s.override_scheduler)
+        override_opt_param_scheduler=s.override_scheduler,
+        wsd_decay_steps=s.wsd_decay_steps, lr_wsd_decay_style=s.wsd_decay_style)
