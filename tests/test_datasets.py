@@ -2,6 +2,7 @@
 
 import argparse
 import collections
+import json
 
 import numpy
 import pytest
@@ -41,7 +42,8 @@ def make_args(**overrides) -> DataConfig:
                   eod_mask_loss=False, train_iters=20, global_batch_size=4, eval_interval=10,
                   eval_iters=2, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
                   train_samples=None, create_attention_mask_in_dataloader=True,
-                  mmap_bin_files=True)
+                  mmap_bin_files=True, data_args_path=None, train_data_path=None,
+                  valid_data_path=None, test_data_path=None, per_split_data_args_path=None)
     values.update(overrides)
     return DataConfig.from_args(argparse.Namespace(**values))
 
@@ -172,6 +174,32 @@ def test_blend_honours_weights(tmp_path):
     assert abs(counts[0] / 400 - 0.25) < 0.02 and abs(counts[1] / 400 - 0.75) < 0.02
 
 
+@pytest.mark.parametrize("from_file", [False, True], ids=["flags", "json"])
+def test_each_split_reads_its_own_blend(tmp_path, from_file):
+    """--train-data-path / --valid-data-path (or --per-split-data-args-path's JSON): the splits
+    come from their own files whole (no --split); a missing file names the split's flag."""
+    train = make_prefix(tmp_path, "train", documents_in_range(0))
+    valid = make_prefix(tmp_path, "valid", documents_in_range(500))
+    if from_file:
+        table = tmp_path / "splits.json"
+        table.write_text(json.dumps({"train": f"1 {train}", "valid": [valid], "test": None}))
+        per_split = dict(per_split_data_args_path=str(table))
+    else:
+        per_split = dict(train_data_path=["1", train], valid_data_path=[valid])
+    args = make_args(split=None, **per_split)
+    assert args.sources.per_split is not None and args.sources.blend is None
+    train_ds, valid_ds, test_ds = build_datasets(args, TOKENIZER)
+    assert test_ds is None
+    assert all(int(train_ds[i]["tokens"][train_ds[i]["tokens"] != EOD].max()) < 100
+               for i in range(20))
+    assert all(int(valid_ds[i]["tokens"][valid_ds[i]["tokens"] != EOD].min()) >= 500
+               for i in range(8))
+    if not from_file:
+        error = data_error(make_args(split=None, train_data_path=[train],
+                                     valid_data_path=[str(tmp_path / "gone")]))
+        assert error.flag == "--valid-data-path"
+
+
 def test_no_mmap_bin_files_reads_the_same_samples_without_a_memory_map(prefix):
     mapped, _, _ = build_datasets(make_args(data_path=[prefix]), TOKENIZER)
     read, _, _ = build_datasets(make_args(data_path=[prefix], mmap_bin_files=False), TOKENIZER)
@@ -249,3 +277,12 @@ def test_mock_data_items_have_seq_length_tokens():
     assert item["tokens"].shape == (24,) and item["labels"].shape == (24,)
     assert torch.equal(item["labels"][:-1], item["tokens"][1:])  # labels are the next tokens
     assert int(item["tokens"].max()) <= EOD
+
+
+def test_a_per_split_file_without_every_split_is_one_error(tmp_path):
+    from megatron.training.arguments_errors import ArgumentError
+    table = tmp_path / "splits.json"
+    table.write_text(json.dumps({"train": ["a"], "valid": ["b"]}))
+    with pytest.raises(ArgumentError) as err:
+        make_args(split=None, per_split_data_args_path=str(table))
+    assert err.value.flag == "--per-split-data-args-path" and "test" in str(err.value)

@@ -195,6 +195,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
                    help='Dataset prefix, or a blend "W1 PREFIX1 W2 PREFIX2 ...".')
+    g.add_argument("--data-args-path", default=None,
+                   help="A file holding --data-path's list (for long blends).")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"The {split} split's own blend (as --data-path; no --split).")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='A JSON file {"train": [...], "valid": [...], "test": [...]} of blends.')
     g.add_argument("--split", default=None,
                    help=f'Train/valid/test weights, e.g. "949,50,1". Default "{LEGACY_DEFAULT_SPLIT}" '
                         "(with a warning when --data-path is given).")

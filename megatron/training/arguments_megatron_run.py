@@ -6,8 +6,6 @@ from megatron.training.arguments_megatron_reasons import Refusal, not_yet, own_w
 
 _EVAL = not_yet("configures evaluation beyond --eval-interval / --eval-iters over the "
                 "validation split, not supported yet")
-_DATA_SPLITS = not_yet("gives each split its own data, not supported yet",
-                       "use --data-path with --split")
 _CKPT_DEBUG = not_yet("saves debugging tensors (params, activations, gradients, expert tokens) "
                       "on an interval, not supported yet")
 _CKPT_CONVERT = not_yet("converts checkpoints between formats, not supported: ReCoVer reads and "
@@ -149,9 +147,6 @@ RUN_FLAGS: dict[str, Refusal] = {
                            "checks that the replicas hold the same weights)"),
     # data
     "--phase-transition-iterations": _BATCH_SCHEDULE,
-    "--train-data-path": _DATA_SPLITS, "--valid-data-path": _DATA_SPLITS,
-    "--test-data-path": _DATA_SPLITS, "--data-args-path": _DATA_SPLITS,
-    "--per-split-data-args-path": _DATA_SPLITS,
     "--per-dataset-sequences-path": not_yet("reads per-dataset sequence counts, not supported "
                                             "yet"),
     "--dataloader-fast-cache-load": not_yet("changes how dataset indices are cached, not "

@@ -8,6 +8,7 @@ import os
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_flags import LEGACY_DEFAULT_SPLIT
+from megatron.training.data_sources import data_sources
 from megatron.training.replication import foreign_copy
 from recover_patches.topology import Topology
 
@@ -18,15 +19,22 @@ MOCK_DATA_SPLIT = "1,1,1"
 def validate_data(args: argparse.Namespace) -> list[str]:
     """Returns warnings for the caller to print once every check has passed."""
     warnings: list[str] = []
-    if args.mock_data and args.data_path is not None:
-        raise ArgumentError("--mock-data", "--mock-data and --data-path are exclusive",
-                            "drop --data-path to train on mock data, or drop --mock-data")
-    if not args.mock_data and not args.data_path:
+    sources = data_sources(args)
+    if sources.per_split is not None:
+        if not sources.per_split[0]:
+            raise ArgumentError(sources.split_flags[0], "no training split given",
+                                "give the train split's PREFIX or W PREFIX entries")
+        for flag, blend in zip(sources.split_flags, sources.per_split):
+            _check_blend(list(blend or ()), flag)
+    elif not args.mock_data and not sources.blend:
         raise ArgumentError("--data-path", "no training data given",
                             "pass --data-path PREFIX (or 'W1 PREFIX1 W2 PREFIX2 ...'), or --mock-data")
-    if args.data_path:
-        _check_blend(args.data_path)
-    if args.split is None:
+    if sources.blend:
+        _check_blend(list(sources.blend), sources.blend_flag)
+    if sources.per_split is not None:
+        if args.split is not None:
+            warnings.append("--split has no effect with a blend per split (as in Megatron-LM)")
+    elif args.split is None:
         if args.mock_data:
             args.split = MOCK_DATA_SPLIT
         else:
@@ -46,17 +54,17 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _check_blend(data_path: list[str]) -> None:
+def _check_blend(data_path: list[str], flag: str = "--data-path") -> None:
     """A blend is either prefixes only, or weight/prefix pairs: half-weighted lists are typos."""
     if len(data_path) < 2 or len(data_path) % 2 == 1:
         return
     weights = data_path[0::2]
     numeric = [_is_number(w) for w in weights]
     if any(numeric) and not all(numeric):
-        raise ArgumentError("--data-path", f"blend {' '.join(data_path)!r} mixes weighted and "
+        raise ArgumentError(flag, f"blend {' '.join(data_path)!r} mixes weighted and "
                             "unweighted entries", "pass 'W1 PREFIX1 W2 PREFIX2 ...' or only prefixes")
     if all(numeric) and any(float(w) < 0 for w in weights):
-        raise ArgumentError("--data-path", "blend weights must be >= 0", "fix the weights")
+        raise ArgumentError(flag, "blend weights must be >= 0", "fix the weights")
 
 
 def validate_tokenizer(args: argparse.Namespace) -> None:

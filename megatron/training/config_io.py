@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron.training.data_sources import DataSources, data_sources
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # config.py imports megatron-core: not for a parse
@@ -18,7 +20,7 @@ if TYPE_CHECKING:  # config.py imports megatron-core: not for a parse
 class DataConfig:
     """The training data: megatron-core's GPT datasets (or mock data) and their sample counts."""
     mock: bool  # --mock-data
-    data_path: tuple[str, ...]  # prefixes, or WEIGHT PREFIX pairs (a blend)
+    sources: DataSources  # one blend split by --split, or a blend per split (data_sources.py)
     split: str | None  # --split (None: Megatron's default)
     cache_path: str | None  # --data-cache-path
     seed: int
@@ -36,7 +38,7 @@ class DataConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataConfig:
-        return cls(mock=bool(args.mock_data), data_path=tuple(args.data_path or ()),
+        return cls(mock=bool(args.mock_data), sources=data_sources(args),
                    split=args.split, cache_path=args.data_cache_path, seed=args.seed,
                    seq_length=args.seq_length, reset_position_ids=bool(args.reset_position_ids),
                    reset_attention_mask=bool(args.reset_attention_mask),

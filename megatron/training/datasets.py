@@ -90,27 +90,41 @@ def validate_data(data: DataConfig) -> None:
     """Check every data file and the split before building; raise DataError on the first problem."""
     if data.mock:
         return
-    prefixes, _ = parse_blend(list(data.data_path))
-    matrix = split_matrix(data.split)
     _check_cache_dir(data.cache_path)
+    sources = data.sources
+    if sources.per_split is not None:  # each file is wholly its split's
+        for flag, blend in zip(sources.split_flags, sources.per_split):
+            for prefix in parse_blend(list(blend))[0] if blend else []:
+                _read_sequence_lengths(prefix, flag)
+        return
+    prefixes, _ = parse_blend(list(sources.blend or ()))
+    matrix = split_matrix(data.split)
     for prefix in prefixes:
-        lengths = _read_sequence_lengths(prefix)
+        lengths = _read_sequence_lengths(prefix, sources.blend_flag)
         _check_splits(prefix, lengths, matrix, data.sizes, data.split or _DEFAULT_SPLIT)
 
 
 def build_datasets(data: DataConfig, tokenizer
                    ) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
     """(train, valid, test); a split with share 0 in --split is None, as in Megatron."""
+    per_split: list | None = None  # a blend per split: megatron-core takes no --split then
+    split: str | None = data.split or _DEFAULT_SPLIT
     if data.mock:
-        cls, blend, split = MockGPTDataset, None, None
+        cls, blend, split = MockGPTDataset, None, _DEFAULT_SPLIT
     else:
         validate_data(data)
-        cls, blend, split = _CachedGPTDataset, parse_blend(list(data.data_path)), data.split
+        cls, sources = _CachedGPTDataset, data.sources
+        if sources.per_split is None:
+            blend = parse_blend(list(sources.blend or ()))
+        else:
+            blend, split = None, None
+            per_split = [parse_blend(list(b)) if b else None for b in sources.per_split]
     config = _IndexCacheConfig(
         random_seed=data.seed,
         sequence_length=data.seq_length,
         blend=blend,
-        split=split or _DEFAULT_SPLIT,
+        blend_per_split=per_split,
+        split=split,
         # "" rather than None: with None megatron-core caches under <prefix>/cache, racing ranks.
         path_to_cache="",
         index_cache_dir=data.cache_path,
@@ -165,16 +179,16 @@ def _missing_file_fix(prefix: str) -> str:
     return _MAKE_DATA
 
 
-def _read_sequence_lengths(prefix: str) -> numpy.ndarray:
+def _read_sequence_lengths(prefix: str, flag: str = "--data-path") -> numpy.ndarray:
     """Validate PREFIX.idx/.bin against each other; return the per-sequence token counts."""
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     for path in (bin_path, idx_path):
         if not os.path.isfile(path):
-            raise DataError("--data-path", f"{path} does not exist", _missing_file_fix(prefix))
+            raise DataError(flag, f"{path} does not exist", _missing_file_fix(prefix))
     corrupt_fix = f"re-run scripts/preprocess_data.py to rewrite {prefix}.bin/.idx"
 
     def corrupt(why: str) -> DataError:
-        return DataError("--data-path", f"{idx_path} is corrupt: {why}", corrupt_fix)
+        return DataError(flag, f"{idx_path} is corrupt: {why}", corrupt_fix)
 
     with open(idx_path, "rb") as stream:
         head = stream.read(_IDX_HEAD_BYTES)
@@ -192,7 +206,7 @@ def _read_sequence_lengths(prefix: str) -> numpy.ndarray:
     if actual not in (expected, expected + sequences):  # + sequences: multimodal mode bytes
         raise corrupt(f"{actual} bytes, but its header describes {expected}")
     if sequences == 0:
-        raise DataError("--data-path", f"{prefix} holds no documents", _MAKE_DATA)
+        raise DataError(flag, f"{prefix} holds no documents", _MAKE_DATA)
     offset = _IDX_HEAD_BYTES
     lengths = numpy.memmap(idx_path, numpy.int32, "r", offset, (sequences,))
     pointers = numpy.memmap(idx_path, numpy.int64, "r", offset + 4 * sequences, (sequences,))
@@ -205,7 +219,7 @@ def _read_sequence_lengths(prefix: str) -> numpy.ndarray:
     bin_bytes = os.path.getsize(bin_path)
     if bin_bytes != data_bytes:
         raise DataError(
-            "--data-path",
+            flag,
             f"{bin_path} is {bin_bytes} bytes but {idx_path} describes {data_bytes} "
             "(truncated, or .bin and .idx come from different runs)",
             corrupt_fix,
