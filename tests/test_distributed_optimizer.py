@@ -164,39 +164,52 @@ def test_buckets_are_reduce_scattered_into_the_ranges_and_summed_across_instance
 
 
 def _rank_main(rank: int, port: int, world: int, target, args: tuple, failures) -> None:
-    """One rank of a gloo job: `target(rank, *args)`; an error goes to the parent, which asserts."""
+    """One rank of a gloo job: `target(rank, *args)`; its error or its success goes to the
+    parent, which asserts."""
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         target(rank, *args)
-        # every rank done with every group before any tears its sockets down: a gloo pair
-        # closed under a peer's last send aborts that peer ("terminate called without an
-        # active exception", SIGABRT) now and then
+        # every rank done with every group before any tears its sockets down
         dist.barrier()
+        failures.put(("done", rank))
+        # a gloo pair closed under a peer's last message can still abort that peer in teardown
+        # ("terminate called without an active exception", SIGABRT): after "done" the parent
+        # does not count that against the ranks' results
         dist.destroy_process_group()
     except BaseException as error:
-        failures.put(f"rank {rank}: {error!r}")
+        failures.put(("error", f"rank {rank}: {error!r}"))
         raise
 
 
 def _run_ranks(target, nprocs: int, *args) -> list[str]:
-    """Run `target(rank, *args)` on `nprocs` gloo ranks; their errors, every process killed."""
+    """Run `target(rank, *args)` on `nprocs` gloo ranks; their errors, every process killed. A
+    process that dies after every rank reported done died in gloo's teardown, not in the test."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     failures = mp.get_context("spawn").SimpleQueue()
     context = mp.start_processes(_rank_main, args=(_free_port(), nprocs, target, args, failures),
                                  nprocs=nprocs, join=False, start_method="spawn")
+    exited: Exception | None = None
     try:
         while not context.join(timeout=90):
             pass
     except mp.ProcessRaisedException:
-        pass
+        pass  # its error is in the queue
+    except mp.ProcessExitedException as error:  # a signal or an exit code, nothing queued
+        exited = error
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    errors = []
+    errors, done = [], set()
     while not failures.empty():
-        errors.append(failures.get())
+        kind, what = failures.get()
+        if kind == "done":
+            done.add(what)
+        else:
+            errors.append(what)
+    if exited is not None and len(done) < nprocs:
+        errors.append(f"{exited!r} before every rank was done (done: {sorted(done)})")
     return errors
 
 
