@@ -358,7 +358,6 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--transformer-impl": "transformer_engine"}, 1, "cpu", "--transformer-impl", "GPU"),
     ({"--transformer-impl": "transformer_engine"}, 1, "cuda", "--transformer-impl", "not installed"),
     ({"--tensorboard-dir": "/tmp/tb"}, 1, "cpu", "--tensorboard-dir", "tensorboard"),
-    ({"--rerun-mode": "report_stats"}, 1, "cpu", "--rerun-mode", "validate_results"),
     ({"--profile": "", "--profile-step-start": "5", "--profile-step-end": "5"}, 1, "cpu",
      "--profile-step-end", "after"),
     ({"--use-rotary-position-embeddings": "", "--kv-channels": "15"}, 1, "cpu",

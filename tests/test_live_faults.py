@@ -176,3 +176,15 @@ def test_a_spike_another_replica_does_not_repeat_is_fenced(tmp_path):
     assert "replica(s) [1] computed a spiky loss" in run.stdout, run.stdout[-3000:]
     assert "the result is rejected and ranks [1] are fenced" in run.stdout
     assert abs(records[101]["lm_loss"] - records[100]["lm_loss"]) < 0.5 * records[100]["lm_loss"]
+
+
+@pytest.mark.timeout(300)
+def test_report_stats_logs_determinism_and_keeps_the_trajectory(reference, tmp_path):
+    """--rerun-mode report_stats: each iteration one replica's microbatches are re-run by the next
+    (their gradients put back): the losses are the failure-free ones, and every 2 iterations the
+    logging rank writes Megatron's determinism lines; replicas of one layout on one machine
+    compute bitwise alike."""
+    run = run_job(tmp_path, "1,1,4", "--rerun-mode", "report_stats")
+    assert_failure_free_trajectory(run, reference)
+    assert run.stdout.count("Stats on computation determinism in validation calls") == ITERS // 2
+    assert f"{ITERS} samples, all identical" in run.stdout, run.stdout[-3000:]

@@ -79,3 +79,33 @@ def test_with_the_check_an_injected_error_is_a_spike_not_a_nan():
     assert float(injected(loss, spiking, 3, 0, 2)) == 2.0
     nan = injected(loss, RerunConfig("validate_results", 3, "transient_error", None), 3, 1, 2)
     assert torch.isnan(torch.as_tensor(nan))
+
+
+def test_megatrons_comparison_and_its_summary_line():
+    from megatron.training.rerun_stats import DeterminismStats, relative_difference
+    assert relative_difference(2.0, 2.0) == 0.0
+    assert relative_difference(float("nan"), float("nan")) == 0.0
+    assert relative_difference(float("nan"), 1.0) == float("inf")
+    assert relative_difference(3.0, 1.0) == pytest.approx(1.0)  # |3 - 1| / 2
+    stats = DeterminismStats()
+    for _ in range(3):
+        stats.record(0.0)
+    assert stats.summary() == "3 samples, all identical"
+    stats.record(1e-3)
+    assert stats.summary() == ("4/3 total/identical samples, rel. variability: avg= 2.500E-04, "
+                               "p50= 0.0, p90= 1.000E-03, p99= 1.000E-03, p99.9= 1.000E-03, "
+                               "max: 1.000E-03")
+
+
+def test_report_stats_re_runs_one_replica_per_iteration_turn_by_turn():
+    from megatron.training.rerun_stats import compare_once
+    assignment = {0: [0, 1], 1: [2, 3], 2: [4, 5]}
+    for iteration, (compared, validator) in [(6, (0, 1)), (7, (1, 2)), (8, (2, 0))]:
+        host = FakeHost([4.0, 4.0])
+        where = Position(iteration, validator, (0, 1, 2), 3, 0, True)
+        assert compare_once(host, where, assignment, 0.0) == 0.0
+        assert host.reran == assignment[compared]
+    bystander = FakeHost([4.0, 5.0])
+    assert compare_once(bystander, Position(6, 2, (0, 1, 2), 3, 0, True), assignment, 0.0) == \
+        pytest.approx(0.2222222)
+    assert bystander.reran is None  # replica 2 only shares this time

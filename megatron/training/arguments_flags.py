@@ -328,7 +328,9 @@ def _add_rerun_args(g) -> None:
                    choices=["disabled", "validate_results", "report_stats"],
                    help="validate_results: a non-finite loss is re-computed on another replica; "
                         "a replica whose result does not repeat is fenced and training goes on, "
-                        "one that repeats stops the job (status 3). report_stats is refused.")
+                        "one that repeats stops the job (status 3). report_stats: each iteration "
+                        "one replica's microbatches are re-run by another, and the loss sums' "
+                        "relative difference is logged as Megatron's determinism stats.")
     g.add_argument("--error-injection-rate", type=int, default=0,
                    help="Every N-th iteration, replica (iteration / N) mod DP makes its loss NaN "
                         "(Megatron draws it at random at this rate; here it is deterministic).")

@@ -162,9 +162,6 @@ def validate_logging(args: argparse.Namespace) -> None:
     if args.straggler_minmax_count < 1:
         raise ArgumentError("--straggler-minmax-count", f"--straggler-minmax-count must be >= 1, "
                             f"got {args.straggler_minmax_count}", "pass --straggler-minmax-count 1")
-    if args.rerun_mode == "report_stats":
-        raise ArgumentError("--rerun-mode", "--rerun-mode report_stats is not supported yet",
-                            "use --rerun-mode validate_results (the default) or disabled")
     if args.error_injection_rate < 0 or (args.error_injection_rate and
                                          args.rerun_mode != "validate_results"):
         raise ArgumentError("--error-injection-rate", f"--error-injection-rate "

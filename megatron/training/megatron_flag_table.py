@@ -40,8 +40,6 @@ SOME_VALUES: dict[str, str] = {
     "--context-parallel-size": "only 1: context parallelism is not supported yet",
     "--optimizer": "only adam",
     "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",
-    "--rerun-mode": "validate_results (re-run on another replica) and disabled, not "
-                    "report_stats",
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer",
     "--position-embedding-type": "learned_absolute and rope",
     "--normalization": "LayerNorm and RMSNorm",

@@ -21,6 +21,7 @@ from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
 from megatron.training.rerun import (ALARM_NOT_FINITE, ALARM_SPIKY, Position, SpikeDetector,
                                      injected, resolve, resolve_spike)
+from megatron.training.rerun_stats import DeterminismStats, compare_once, report
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -73,6 +74,7 @@ class GPTReplicaStep:
     weights_stale: bool = False
     _injected_at: int = 0  # --error-injection-rate: the iteration last injected into
     spikes: SpikeDetector | None = field(init=False)  # --check-for-spiky-loss, last stage
+    determinism: DeterminismStats = field(default_factory=DeterminismStats)  # report_stats
 
     def __post_init__(self):
         self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
@@ -165,11 +167,14 @@ class GPTReplicaStep:
         alarms = reduced.replica_alarms
         not_finite = [r for r, alarm in enumerate(alarms) if alarm == ALARM_NOT_FINITE]
         spiky = [r for r, alarm in enumerate(alarms) if alarm == ALARM_SPIKY]
-        if not self.config.rerun.validating or not (not_finite or spiky):
-            return
         at = Position(self.iteration() + 1, self.groups.coord.replica,
                       tuple(self.live.live_replicas), self.groups.topology.dp,
                       self.live.epoch, self.groups.is_last_stage)
+        if self.config.rerun.mode == "report_stats":  # every iteration: one replica re-run
+            self.determinism.record(compare_once(self, at, dict(assignment), local.loss_sum))
+            report(self.determinism, at.iteration, self.groups.rank == min(self.live.members()))
+        if not self.config.rerun.validating or not (not_finite or spiky):
+            return
         if not_finite:  # first: a non-finite loss stops or fences on its own
             resolve(self, self.config.rerun, at, not_finite, dict(assignment))
         else:
