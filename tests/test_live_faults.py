@@ -188,3 +188,22 @@ def test_report_stats_logs_determinism_and_keeps_the_trajectory(reference, tmp_p
     assert_failure_free_trajectory(run, reference)
     assert run.stdout.count("Stats on computation determinism in validation calls") == ITERS // 2
     assert f"{ITERS} samples, all identical" in run.stdout, run.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_large_gradients_another_replica_does_not_repeat_are_fenced(tmp_path):
+    """--check-for-large-grads: 100 iterations set the bar; at iteration 102 replica 1's
+    gradients are amplified 1000 x (an injected transient error). Replica 0 re-computes them,
+    its norm differs, and replica 1 is fenced; every iteration commits all its microbatches."""
+    iters = 104
+    run = launch(2, [*TINY_GPT, "--train-iters", str(iters), "--recover-balance", "even",
+                     "--recover-timeout", f"{TIMEOUT:g}", "--check-for-large-grads",
+                     "--error-injection-rate", "102", "--error-injection-type", "transient_error"],
+                 tmp_path / "metrics.jsonl", launcher_args=[], timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, iters + 1))
+    assert all(r["microbatches"] == M for r in records)
+    assert [r["iteration"] for r in records if r["recoveries"]] == [102]
+    assert "replica(s) [1] computed unexpectedly large gradients" in run.stdout, run.stdout[-3000:]
+    assert "replica(s) [1] differ: the result is rejected and ranks [1] are fenced" in run.stdout

@@ -34,6 +34,10 @@ class FakeHost:
         self.reran = ids
         return torch.tensor(self.shared[0])
 
+    def rerun_gradient_norm(self, ids):
+        self.reran = ids
+        return 0.0
+
     def share(self, values):
         return self.shared
 
@@ -109,3 +113,19 @@ def test_report_stats_re_runs_one_replica_per_iteration_turn_by_turn():
     assert compare_once(bystander, Position(6, 2, (0, 1, 2), 3, 0, True), assignment, 0.0) == \
         pytest.approx(0.2222222)
     assert bystander.reran is None  # replica 2 only shares this time
+
+
+def test_large_gradients_compare_each_positions_norm():
+    """(TP 2): the validator re-computes the suspect's gradients; each position compares its own
+    shard's two norms. One position off by more than Megatron's 1e-3 fences the suspect; all
+    within it is the data."""
+    from megatron.training.rerun import resolve_large_grads
+    config = RerunConfig("validate_results", 0, "transient_error", None, large_grads=True)
+    where = Position(9, 0, (0, 1), 2, 0, True, slot=0, slots=2)
+    same = FakeHost([3.0, 3.0 * (1 + 5e-4), 4.0, 4.0])  # [re-run, own] per position
+    resolve_large_grads(same, config, where, [1], {1: [2, 3]}, 0.0)
+    assert same.reran == [2, 3]
+    with pytest.raises(PeerFailure) as failure:
+        resolve_large_grads(FakeHost([3.0, 3.0, 4.0, 4000.0]), config, where, [1], {1: [2, 3]},
+                            0.0)
+    assert failure.value.suspects == {2, 3}

@@ -342,6 +342,11 @@ def _add_rerun_args(g) -> None:
                    help="validate_results also re-runs a replica whose loss per token is 10 x the "
                         "largest of its first 100 (Megatron's rule): the same again goes on, "
                         "another result fences the replica. Injected errors become spikes.")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="validate_results also re-runs a replica whose gradient norm (on one of "
+                        "its ranks, per microbatch) is 10 x the largest of its first 100: the "
+                        "same norms again go on, others fence it. Injected errors amplify the "
+                        "gradients.")
     g.add_argument("--result-rejected-tracker-filename", default=None,
                    help="Append one line per rejected result (iteration, replicas, ranks, "
                         "microbatches) to this file.")

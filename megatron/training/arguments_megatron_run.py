@@ -53,8 +53,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--no-check-for-nan-in-loss-and-grad": own_way(
         "turns off the NaN check; ReCoVer always checks the reduced gradient norm, because a "
         "NaN from one replica must not be committed by all", "drop the flag"),
-    "--check-for-large-grads": not_yet("checks for large gradients, not supported yet "
-                                       "(--check-for-spiky-loss checks the loss)"),
     "--dump-param-to-param-group-map": not_yet("dumps the optimizer's parameter groups, not "
                                                "supported yet"),
     "--dataloader-type": own_way("picks Megatron's data loader; ReCoVer reads each microbatch "

@@ -382,4 +382,5 @@ class StepConfig:
                    rerun=RerunConfig(args.rerun_mode, args.error_injection_rate,
                                      args.error_injection_type,
                                      args.result_rejected_tracker_filename,
-                                     bool(args.check_for_spiky_loss)))
+                                     bool(args.check_for_spiky_loss),
+                                     bool(args.check_for_large_grads)))

@@ -129,9 +129,10 @@ _NO_EFFECT_LINES = {
 def _no_effect_lines(args: argparse.Namespace) -> list[str]:
     lines = [f"{flag} changes nothing: {why}" for flag, why in _NO_EFFECT_LINES.items()
              if getattr(args, flag.lstrip("-").replace("-", "_"))]
-    if args.check_for_spiky_loss and args.rerun_mode != "validate_results":
-        lines.append("--check-for-spiky-loss has no effect without --rerun-mode validate_results "
-                     "(as in Megatron-LM)")
+    for flag in ("check_for_spiky_loss", "check_for_large_grads"):
+        if getattr(args, flag) and args.rerun_mode != "validate_results":
+            lines.append(f"--{flag.replace('_', '-')} has no effect without --rerun-mode "
+                         "validate_results (as in Megatron-LM)")
     if args.calc_ft_timeouts and not args.enable_ft_package:
         lines.append("--calc-ft-timeouts has no effect without --enable-ft-package (as in "
                      "Megatron-LM)")

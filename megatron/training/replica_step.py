@@ -19,8 +19,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.config import StepConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
-from megatron.training.rerun import (ALARM_NOT_FINITE, ALARM_SPIKY, Position, SpikeDetector,
-                                     injected, resolve, resolve_spike)
+from megatron.training.rerun import (ALARM_LARGE_GRADS, ALARM_NOT_FINITE, ALARM_SPIKY,
+                                     SPIKE_INJECTED, Position, SpikeDetector, injected, resolve,
+                                     resolve_large_grads, resolve_spike)
 from megatron.training.rerun_stats import DeterminismStats, compare_once, report
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
@@ -74,6 +75,7 @@ class GPTReplicaStep:
     weights_stale: bool = False
     _injected_at: int = 0  # --error-injection-rate: the iteration last injected into
     spikes: SpikeDetector | None = field(init=False)  # --check-for-spiky-loss, last stage
+    grad_spikes: SpikeDetector | None = field(init=False)  # --check-for-large-grads, every rank
     determinism: DeterminismStats = field(default_factory=DeterminismStats)  # report_stats
 
     def __post_init__(self):
@@ -87,6 +89,7 @@ class GPTReplicaStep:
         self.grads.scatter_into(self.scatter_while(self.live.live_replicas))
         self.spikes = (SpikeDetector() if self.config.rerun.checks_spikes
                        and self.groups.is_last_stage else None)
+        self.grad_spikes = SpikeDetector() if self.config.rerun.checks_grads else None
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
@@ -123,6 +126,8 @@ class GPTReplicaStep:
             done = dataclasses.replace(done, loss_sum=injected(
                 done.loss_sum, self.config.rerun, iteration, self.groups.coord.replica,
                 self.groups.topology.dp))
+            if self.config.rerun.checks_grads:
+                self.grads.amplify_local(SPIKE_INJECTED)
         return done
 
     def _empty_cache(self, level: int) -> None:
@@ -152,8 +157,14 @@ class GPTReplicaStep:
         alarm = (~torch.isfinite(loss)).to(torch.float32).reshape(1) * ALARM_NOT_FINITE
         if self.spikes is not None:
             spiky = self.spikes.spiky(loss / max(local.tokens, 1)).reshape(1)
-            alarm = torch.where(spiky, torch.full_like(alarm, ALARM_SPIKY), alarm)
-        if self.groups.topology.pp > 1 and self.groups.replica.size() > 1:
+            alarm = torch.maximum(alarm, spiky.to(alarm.dtype) * ALARM_SPIKY)
+        if self.grad_spikes is not None:  # this rank's shard, per microbatch, unscaled
+            scaler = self.optimizer.scaler
+            per = max(local.microbatches, 1) * (1.0 if scaler is None else scaler.scale)
+            large = self.grad_spikes.spiky(self.grads.local_norm() / per).reshape(1)
+            alarm = torch.maximum(alarm, large.to(alarm.dtype) * ALARM_LARGE_GRADS)
+        if self.groups.replica.size() > 1 and (self.groups.topology.pp > 1
+                                               or self.grad_spikes is not None):
             dist.all_reduce(alarm, op=dist.ReduceOp.MAX, group=self.groups.replica)
         return alarm[0]
 
@@ -167,16 +178,21 @@ class GPTReplicaStep:
         alarms = reduced.replica_alarms
         not_finite = [r for r, alarm in enumerate(alarms) if alarm == ALARM_NOT_FINITE]
         spiky = [r for r, alarm in enumerate(alarms) if alarm == ALARM_SPIKY]
-        at = Position(self.iteration() + 1, self.groups.coord.replica,
-                      tuple(self.live.live_replicas), self.groups.topology.dp,
-                      self.live.epoch, self.groups.is_last_stage)
+        large = [r for r, alarm in enumerate(alarms) if alarm == ALARM_LARGE_GRADS]
+        c, topo = self.groups.coord, self.groups.topology
+        at = Position(self.iteration() + 1, c.replica, tuple(self.live.live_replicas), topo.dp,
+                      self.live.epoch, self.groups.is_last_stage, c.tp + topo.tp * c.pp,
+                      topo.tp * topo.pp)
         if self.config.rerun.mode == "report_stats":  # every iteration: one replica re-run
             self.determinism.record(compare_once(self, at, dict(assignment), local.loss_sum))
             report(self.determinism, at.iteration, self.groups.rank == min(self.live.members()))
-        if not self.config.rerun.validating or not (not_finite or spiky):
+        if not self.config.rerun.validating or not (not_finite or spiky or large):
             return
         if not_finite:  # first: a non-finite loss stops or fences on its own
             resolve(self, self.config.rerun, at, not_finite, dict(assignment))
+        elif large:
+            resolve_large_grads(self, self.config.rerun, at, large, dict(assignment),
+                                float(self.grads.local_norm()))
         else:
             resolve_spike(self, self.config.rerun, at, spiky, dict(assignment), local.loss_sum)
 
@@ -185,6 +201,15 @@ class GPTReplicaStep:
         self._injected_at = self.iteration() + 1  # a re-run is never the injected computation
         try:
             return self.execute(ids).loss_sum
+        finally:
+            self.restore(before)
+
+    def rerun_gradient_norm(self, ids: list[int]) -> float:
+        before = self.snapshot()
+        self._injected_at = self.iteration() + 1
+        try:
+            self.execute(ids)
+            return float(self.grads.local_norm(since=before))
         finally:
             self.restore(before)
 

@@ -18,6 +18,7 @@ second opinion comes at once, inside the iteration:
    not a rank, and the job stops on every rank (`ResultReproduced`, status 3) as Megatron does.
    With one live replica the re-run runs on it; a result that does not repeat stops the job
    for a restart (status 3) since no other replica can take over.
+   --check-for-large-grads is judged alike on each position's gradient norm (relative 1e-3).
    A spiky loss is judged by its value: a re-run that repeats the suspects' loss sum (relative
    1e-6) means the data spikes, and training goes on (Megatron-LM's spike check is not fatal);
    another value rejects and fences them as above.
@@ -47,7 +48,10 @@ SPIKE_SAMPLES = 100  # Megatron's is_unexpectedly_large: the largest of the firs
 SPIKE_INJECTED = 1000.0  # --error-injection-* with --check-for-spiky-loss: the loss x this
 SAME_LOSS = 1e-6  # relative: a re-run's loss sum repeats the suspect's (the summing order may
 # differ; a spike is orders of magnitude off)
-ALARM_NOT_FINITE, ALARM_SPIKY = 1.0, 2.0  # a replica's alarm slot in the reduction
+# a replica's alarm slot in the reduction (its stages share the largest: a non-finite loss first)
+ALARM_SPIKY, ALARM_LARGE_GRADS, ALARM_NOT_FINITE = 1.0, 2.0, 3.0
+LARGE_GRADS_FACTOR = 10.0  # Megatron's param_and_grad_buffer: 10 x the largest norm seen
+SAME_GRADS = 1e-3  # Megatron's tolerance for the re-computed gradient norm
 INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 
 
@@ -66,6 +70,7 @@ class RerunConfig:
     injection_type: str  # --error-injection-type
     tracker: str | None  # --result-rejected-tracker-filename
     spiky_loss: bool = False  # --check-for-spiky-loss (with validate_results)
+    large_grads: bool = False  # --check-for-large-grads (with validate_results)
 
     def __post_init__(self):
         if self.mode not in MODES or self.injection_type not in INJECTION_TYPES \
@@ -81,10 +86,18 @@ class RerunConfig:
     def checks_spikes(self) -> bool:
         return self.validating and self.spiky_loss
 
+    @property
+    def checks_grads(self) -> bool:
+        return self.validating and self.large_grads
+
     def corrupt(self, loss: Any) -> Any:
-        """An injected error: NaN, or with --check-for-spiky-loss a spike (the check it tests)."""
+        """An injected error's loss: NaN; with --check-for-spiky-loss a spike; with only
+        --check-for-large-grads unchanged (the gradients are amplified instead): the check it
+        tests."""
         tensor = torch.as_tensor(loss, dtype=torch.float64)
-        return tensor * SPIKE_INJECTED if self.checks_spikes else tensor * math.nan
+        if self.checks_spikes:
+            return tensor * SPIKE_INJECTED
+        return tensor if self.checks_grads else tensor * math.nan
 
     def injects(self, iteration: int, replica: int, replicas: int) -> bool:
         """This replica corrupts its loss in `iteration` (the same answer on every rank)."""
@@ -101,6 +114,8 @@ class Position:
     replicas: int  # all replicas of the layout (DP): the length of per-replica vectors
     epoch: int
     is_last_stage: bool  # holds the loss
+    slot: int = 0  # this rank's (tp, pp) position in its replica: tp + TP x pp
+    slots: int = 1  # TP x PP
 
 
 class RerunHost(Protocol):
@@ -108,6 +123,9 @@ class RerunHost(Protocol):
 
     def rerun(self, ids: list[int]) -> Any:
         """This replica's loss sum over `ids` (last stage), its gradients left as they were."""
+
+    def rerun_gradient_norm(self, ids: list[int]) -> float:
+        """The norm of this rank's gradients over `ids` alone; its gradients left as they were."""
 
     def share(self, values: list[float]) -> list[float]:
         """Sum over the replicas at this rank's position, then the largest over the replica."""
@@ -177,6 +195,37 @@ def resolve_spike(host: RerunHost, config: RerunConfig, at: Position, suspects: 
         logger.warning(what + ", the same: the data spikes, not a rank; training goes on")
         return
     _reject(host, config, at, suspects, ids, validator, what, "spiky loss")
+
+
+def resolve_large_grads(host: RerunHost, config: RerunConfig, at: Position, suspects: list[int],
+                        assignment: dict[int, list[int]], own_norm: float) -> None:
+    """--check-for-large-grads: a suspect's gradient norm (on one of its ranks) was 10 x the
+    largest of its first 100. For each suspect the validator re-computes its microbatches'
+    gradients; every (tp, pp) position compares the two norms of its own shard (relative 1e-3,
+    Megatron's tolerance). All the same: the data (training goes on); else the suspects whose
+    norms differ are fenced."""
+    _, validator = _validator(at, suspects)
+    differing = []
+    for suspect in suspects:
+        ids = sorted(assignment.get(suspect, []))
+        pairs = [0.0] * (2 * at.slots)  # per position: [the re-run's norm, the suspect's own]
+        if at.replica == validator:
+            pairs[2 * at.slot] = host.rerun_gradient_norm(ids)
+        if at.replica == suspect:
+            pairs[2 * at.slot + 1] = own_norm
+        shared = host.share(pairs)
+        if any(not math.isclose(shared[i], shared[i + 1], rel_tol=SAME_GRADS)
+               for i in range(0, len(shared), 2)):
+            differing.append(suspect)
+    what = (f"iteration {at.iteration}: replica(s) {suspects} computed unexpectedly large "
+            f"gradients ({LARGE_GRADS_FACTOR:g} x the largest norm seen); re-run on replica "
+            f"{validator}: ")
+    if not differing:
+        logger.warning(what + "the same norms: the data, not a rank; training goes on")
+        return
+    ids = sorted(g for r in differing for g in assignment.get(r, []))
+    _reject(host, config, at, differing, ids, validator,
+            what + f"replica(s) {differing} differ", "large gradients")
 
 
 def _reject(host: RerunHost, config: RerunConfig, at: Position, suspects: list[int],

@@ -60,7 +60,7 @@ class ReducedGradients:
     totals: Totals
     replica_times: list[float]  # wire values of each replica's time per microbatch
     replica_weight_hashes: list[int] = field(default_factory=list)  # 0: not sent
-    replica_alarms: list[float] = field(default_factory=list)  # > 0: that replica's loss is not finite
+    replica_alarms: list[float] = field(default_factory=list)  # > 0: that replica raised one
     scattered: bool = False  # only this rank's ranges of each bucket are reduced (`Scatter`)
 
 
@@ -305,6 +305,19 @@ class GradBuffer:
 
     def restore(self, saved: torch.Tensor) -> None:
         self.local.copy_(saved)
+
+    def local_norm(self, since: torch.Tensor | None = None) -> torch.Tensor:
+        """The L2 norm of this rank's accumulated (not yet reduced) gradients, or of what was
+        accumulated after `since` (a snapshot); on the device."""
+        grads = self.local[:self.numel]
+        if since is not None:
+            grads = grads - since[:self.numel]
+        return torch.linalg.vector_norm(grads)
+
+    def amplify_local(self, factor: float) -> None:
+        """Fault injection (an injected error under --check-for-large-grads): this rank's
+        accumulated gradients times `factor`."""
+        self.local[:self.numel].mul_(factor)
 
     def poison(self) -> None:
         """Fault injection: this rank's gradient overflowed (an inf in the accumulated grads)."""
