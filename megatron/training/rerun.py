@@ -18,14 +18,14 @@ second opinion comes at once, inside the iteration:
    not a rank, and the job stops on every rank (`ResultReproduced`, status 3) as Megatron does.
    With one live replica the re-run runs on it; a result that does not repeat stops the job
    for a restart (status 3) since no other replica can take over.
-   --check-for-large-grads is judged alike on each position's gradient norm (relative 1e-3).
    A spiky loss is judged by its value: a re-run that repeats the suspects' loss sum (relative
    1e-6) means the data spikes, and training goes on (Megatron-LM's spike check is not fatal);
-   another value rejects and fences them as above.
+   another value rejects and fences them as above. --check-for-large-grads is judged alike on
+   each (tp, pp) position's gradient norm (relative 1e-3, Megatron's tolerance).
 
 `--error-injection-rate N` / `--error-injection-type` drive it: at every N-th iteration the
-replica (iteration / N) mod DP makes its loss NaN (with --check-for-spiky-loss: 1000 x, the
-check under test). transient_error and persistent_error (Megatron:
+replica (iteration / N) mod DP makes its loss NaN (with --check-for-spiky-loss: 1000 x; with
+only --check-for-large-grads its gradients 1000 x: the check under test). transient_error and persistent_error (Megatron:
 reproducible on the same GPU, not on another) are wrong only where they were injected, so the
 replica is fenced; correct_result follows the microbatches, so the re-run repeats it.
 """
