@@ -148,9 +148,10 @@ class GPTReplicaStep:
 
     def _alarm(self, local: Totals) -> float | torch.Tensor:
         """--rerun-mode validate_results: ALARM_NOT_FINITE if this replica's own loss sum is not
-        finite, ALARM_SPIKY if its loss per token spikes (--check-for-spiky-loss), on the device
-        (no host wait); with PP > 1 the last stage tells the others inside the replica (before
-        the reduction, where a failure is any failure of the reduce phase)."""
+        finite, ALARM_SPIKY if its loss per token spikes (--check-for-spiky-loss),
+        ALARM_LARGE_GRADS if a rank's gradient norm does (--check-for-large-grads), on the device
+        (no host wait); the replica's ranks share the largest (PP > 1: the last stage holds the
+        loss) before the reduction, where a failure is any failure of the reduce phase."""
         if not self.config.rerun.validating:
             return 0.0
         loss = torch.as_tensor(local.loss_sum, dtype=torch.float64, device=self.device)
