@@ -74,10 +74,9 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.straggler_ctrlr_port != 65535:
         lines.append("--straggler-ctrlr-port has no effect: there is no straggler control server "
                      "(--log-straggler reports at every log line)")
-    for flag in ("openai_gelu", "onnx_safe"):
-        if getattr(args, flag):
-            lines.append(f"--{flag.replace('_', '-')} changes nothing (current Megatron-LM reads "
-                         "it nowhere either)")
+    for flag, given in (("--openai-gelu", args.openai_gelu), ("--onnx-safe", args.onnx_safe)):
+        if given:
+            lines.append(f"{flag} changes nothing (current Megatron-LM reads it nowhere either)")
     if args.rope_type == "rope":  # yarn is refused by the checks
         lines.append("--rope-type rope changes nothing: GPT attention's rope is rope (the type "
                      "matters to multi-latent attention only, as in Megatron-LM)")
@@ -115,24 +114,23 @@ def _checkpoint_differences(args: argparse.Namespace) -> list[str]:
     return lines + _non_persistent_differences(args)
 
 
-# flags accepted because ReCoVer already gives their result (one start-up line each)
-_NO_EFFECT_LINES = {
-    "--ddp-average-in-collective": "gradients are summed over replicas and divided by the global "
-                                   "batch's token count (the same average)",
-    "--overlap-param-gather-with-optimizer-step": "the weights' all-gathers already overlap the "
-                                                  "next forward with --overlap-param-gather",
-    "--defer-embedding-wgrad-compute": "it schedules transformer-engine's fused weight-gradient "
-                                       "GEMMs; the embedding's gradient is the same",
-}
-
-
 def _no_effect_lines(args: argparse.Namespace) -> list[str]:
-    lines = [f"{flag} changes nothing: {why}" for flag, why in _NO_EFFECT_LINES.items()
-             if getattr(args, flag.lstrip("-").replace("-", "_"))]
-    for flag in ("check_for_spiky_loss", "check_for_large_grads"):
-        if getattr(args, flag) and args.rerun_mode != "validate_results":
-            lines.append(f"--{flag.replace('_', '-')} has no effect without --rerun-mode "
-                         "validate_results (as in Megatron-LM)")
+    # accepted because ReCoVer already gives their result
+    given = (
+        (args.ddp_average_in_collective, "--ddp-average-in-collective", "gradients are summed "
+         "over replicas and divided by the global batch's token count (the same average)"),
+        (args.overlap_param_gather_with_optimizer_step,
+         "--overlap-param-gather-with-optimizer-step", "the weights' all-gathers already overlap "
+         "the next forward with --overlap-param-gather"),
+        (args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute", "it schedules "
+         "transformer-engine's fused weight-gradient GEMMs; the embedding's gradient is the same"))
+    lines = [f"{flag} changes nothing: {why}" for on, flag, why in given if on]
+    if args.check_for_spiky_loss and args.rerun_mode != "validate_results":
+        lines.append("--check-for-spiky-loss has no effect without --rerun-mode validate_results "
+                     "(as in Megatron-LM)")
+    if args.check_for_large_grads and args.rerun_mode != "validate_results":
+        lines.append("--check-for-large-grads has no effect without --rerun-mode "
+                     "validate_results (as in Megatron-LM)")
     if args.calc_ft_timeouts and not args.enable_ft_package:
         lines.append("--calc-ft-timeouts has no effect without --enable-ft-package (as in "
                      "Megatron-LM)")
