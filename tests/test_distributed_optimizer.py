@@ -257,10 +257,10 @@ def test_lost_replicas_are_survived_on_the_trajectory_with_two_instances(tmp_pat
     common = [*TINY_GPT, "--train-iters", "8"]
     reference = launch(1, common, tmp_path / "ref.jsonl")
     saved = [] if overlap else ["--save", str(tmp_path / "ckpt"), "--save-interval", "4"]
-    overlapped = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000",
-                  "--recover-balance", "even"]  # even: replica 0 keeps microbatches to wait in
+    overlapped = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
+    # even: every replica keeps microbatches (to wait in, and for the kill in a backward to fire)
     run = launch(4, [*common, "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
-                     "2", "--check-weight-hash-across-dp-replicas-interval", "1",
+                     "2", "--check-weight-hash-across-dp-replicas-interval", "1", "--recover-balance", "even",
                      *(overlapped if overlap else []), *saved,
                      "--inject-fault", "kill:rank=2,iter=3,phase=backward",
                      "--inject-fault", "kill:rank=1,iter=5,phase=param_gather"],
@@ -300,7 +300,10 @@ def test_with_one_instance_a_lost_replica_stops_the_job_for_a_restart(tmp_path):
 
     run = launch(4, [*TINY_GPT, "--train-iters", "6", "--use-distributed-optimizer",
                      "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
-                     "--inject-fault", "kill:rank=1,iter=4,phase=backward"],
+                     "--inject-fault", "kill:rank=1,iter=4,phase=backward",
+                     # even: the throughput plan may give a replica slowed by the save at iteration 2
+                     # no microbatch at iteration 4, and then the kill in its backward never fires
+                     "--recover-balance", "even"],
                  tmp_path / "metrics.jsonl", launcher_args=[])  # recovery on: the coordinator
     # every survivor stops with status 3; the launcher sums that with the kill as a failure (1)
     assert run.returncode == 1, run.stderr[-2000:]
