@@ -10,8 +10,9 @@ import re
 import pytest
 
 from megatron.training.arguments import build_parser, parse_and_validate
-from megatron.training.arguments_megatron import (FACTS, UNCLASSIFIED, megatron_flags,
-                                                  refusal_of)
+from megatron.training.arguments_megatron import (FACTS, UNCLASSIFIED, is_megatrons_default,
+                                                  megatron_flags, refusal_of)
+from megatron.training.config_rules import megatron_differences
 from megatron.training.megatron_flag_table import DIFFERENCES, REFUSED_BY_THE_CHECKS, flag_table
 from tests._launch_util import REPO, TINY_GPT
 
@@ -77,12 +78,33 @@ def test_honoured_flags_keep_megatrons_dest_and_default_or_say_why():
     PARSER._option_string_actions[r["flags"][0]])], ids=lambda r: r["flags"][0])
 def test_a_refused_flag_stops_the_run_with_one_line_naming_it(row, capsys):
     flag = row["flags"][0]
-    value = [] if row["nargs"] == 0 else ["1"]
+    value = [] if row["nargs"] == 0 else ["2" if is_megatrons_default(["1"], row["default"])
+                                          else "1"]  # any value but Megatron's default
     with pytest.raises(SystemExit) as exit_info:
         parse_and_validate([*TINY_GPT, "--train-iters", "2", flag, *value], world_size=1)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"error: {flag}: {flag} " in err and "Fix: " in err, err
+
+
+@pytest.mark.parametrize("given", [["--softmax-type", "vanilla"], ["--cp-comm-type", "p2p"],
+                                   ["--fim-rate", "0.50"], ["--cuda-graph-impl", "none"],
+                                   ["--exit-signal", "15"]])
+def test_a_refused_flag_given_megatrons_default_is_accepted_and_said(given):
+    """Megatron-LM without the flag does the same: nothing to refuse, one start-up line."""
+    args = parse_and_validate([*TINY_GPT, "--train-iters", "2", *given], world_size=1)
+    said = [line for line in megatron_differences(args, "cpu") if line.startswith(given[0])]
+    assert said == [f"{' '.join(given)} is Megatron-LM's default: accepted, it changes nothing "
+                    "(any other value is refused)"]
+
+
+@pytest.mark.parametrize("given", [["--softmax-type", "off-by-one"], ["--cp-comm-type", "a2a"],
+                                   ["--cp-comm-type", "p2p", "a2a"], ["--fim-rate", "0.4"],
+                                   ["--fim-rate", "half"], ["--moe-router-topk"]])
+def test_any_other_value_of_a_refused_flag_stops_the_run(given, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate([*TINY_GPT, "--train-iters", "2", *given], world_size=1)
+    assert exit_info.value.code == 2 and f"error: {given[0]}: {given[0]} " in capsys.readouterr().err
 
 
 def test_the_flag_table_is_current():

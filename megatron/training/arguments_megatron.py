@@ -52,18 +52,52 @@ def refusal_message(flag: str, refusal: Refusal) -> tuple[str, str, str]:
     return flag, f"{flag} {refusal.why}" + ("" if said else f" ({refusal.kind})"), refusal.fix
 
 
+GIVEN_AT_DEFAULT = "_megatron_default_"  # dest prefix of a refused flag given Megatron's default
+
+
+def is_megatrons_default(values: list[str], default) -> bool:
+    """Whether a flag's command-line values are the value Megatron-LM takes when it is left out
+    (compared as Megatron's parser would convert them: numbers as numbers, lists item by item)."""
+    wanted = default if isinstance(default, list) else [default]
+    return default is not None and len(values) == len(wanted) \
+        and all(_same_value(text, item) for text, item in zip(values, wanted))
+
+
+def _same_value(text: str, default) -> bool:
+    if isinstance(default, bool):
+        return text.lower() in ("true", "1") if default else text.lower() in ("false", "0")
+    if isinstance(default, (int, float)):
+        try:
+            return float(text) == float(default)
+        except ValueError:
+            return False
+    return text == str(default)
+
+
+def defaults_given(args: argparse.Namespace) -> list[str]:
+    """`--flag value` of every refused flag the command line gave at Megatron-LM's default."""
+    return sorted(" ".join(given) for dest, given in vars(args).items()
+                  if dest.startswith(GIVEN_AT_DEFAULT))
+
+
 class _RefuseMegatronFlag(argparse.Action):
-    def __init__(self, option_strings, dest, refusal: Refusal, **kwargs) -> None:
-        self.refusal = refusal
+    def __init__(self, option_strings, dest, refusal: Refusal, megatron_default=None,
+                 **kwargs) -> None:
+        self.refusal, self.megatron_default = refusal, megatron_default
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        raise ArgumentError(*refusal_message(option_string or self.option_strings[0],
-                                             self.refusal))
+        flag = option_string or self.option_strings[0]
+        if self.nargs != 0 and is_megatrons_default(values, self.megatron_default):
+            # what Megatron-LM does without the flag: the feature stays off, nothing to refuse
+            setattr(namespace, self.dest, (flag, " ".join(values)))
+            return
+        raise ArgumentError(*refusal_message(flag, self.refusal))
 
 
 def add_megatron_refusals(parser: argparse.ArgumentParser) -> None:
-    """Register every Megatron-LM flag the parser does not declare, refused with its reason."""
+    """Register every Megatron-LM flag the parser does not declare, refused with its reason
+    unless it is given Megatron-LM's own default value (then accepted, said at start-up)."""
     declared = parser._option_string_actions
     for row in megatron_flags()["flags"]:
         for flag in row["flags"]:
@@ -72,5 +106,6 @@ def add_megatron_refusals(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs=0 if row["nargs"] == 0 else "*",
                                 action=_RefuseMegatronFlag,
                                 refusal=refusal_of(flag, row["group"]),
-                                dest=f"_refused_{row['dest']}",
+                                megatron_default=row["default"],
+                                dest=f"{GIVEN_AT_DEFAULT}{row['dest']}",
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)

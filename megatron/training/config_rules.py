@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.arguments_megatron import defaults_given
+
 
 def recompute_granularity_of(args: argparse.Namespace) -> str | None:
     """--recompute-activations means --recompute-granularity selective."""
@@ -87,7 +89,8 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.num_workers != NUM_WORKERS_DEFAULT:
         lines.append(f"--num-workers {args.num_workers} has no effect: each rank reads its "
                      "microbatches by id in the training process, there is no data-loader pool")
-    return lines
+    return lines + [f"{given} is Megatron-LM's default: accepted, it changes nothing (any other "
+                    "value is refused)" for given in defaults_given(args)]
 
 
 def _checkpoint_differences(args: argparse.Namespace) -> list[str]:

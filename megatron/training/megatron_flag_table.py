@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.training.arguments import build_parser
-from megatron.training.arguments_megatron import megatron_flags
+from megatron.training.arguments_megatron import is_megatrons_default, megatron_flags
 
 # flag -> why ReCoVer's dest or default differs from Megatron-LM's (same meaning otherwise)
 DIFFERENCES: dict[str, str] = {
@@ -80,7 +80,14 @@ def _cell(value) -> str:
     return f"`{text}`" if text else ""
 
 
-def _row(flags: list[str], default, group: str | None, parser) -> str:
+def _default_is_accepted(default) -> bool:
+    """A refused flag given its Megatron default on the command line is accepted: can that
+    default be written there (not None, not an enum member's repr)?"""
+    written = [str(item) for item in (default if isinstance(default, list) else [default])]
+    return is_megatrons_default(written, default)
+
+
+def _row(flags: list[str], default, group: str | None, nargs, parser) -> str:
     action = parser._option_string_actions[flags[0]]
     flag = flags[0]
     if action.default is argparse.SUPPRESS:  # registered to refuse
@@ -90,6 +97,8 @@ def _row(flags: list[str], default, group: str | None, parser) -> str:
             status, why = "refused", f"{own.message}; {own.fix}"
         else:
             status, why = f"refused: {refusal.kind}", f"{refusal.why}; {refusal.fix}"
+            if nargs != 0 and _default_is_accepted(default):
+                why += f" (given its default {_cell(default)}: accepted, changes nothing)"
     elif flag in REFUSED_BY_THE_CHECKS:
         status, why = "refused: not supported yet", REFUSED_BY_THE_CHECKS[flag]
     elif flag in NO_EFFECT:
@@ -109,7 +118,7 @@ def flag_table() -> str:
     counts: dict[str, int] = {}
     lines = []
     for r in rows:
-        line = _row(r["flags"], r["default"], r["group"], parser)
+        line = _row(r["flags"], r["default"], r["group"], r["nargs"], parser)
         status = line.rsplit(" | ", 2)[1]
         counts[status] = counts.get(status, 0) + 1
         lines.append(line)
@@ -119,7 +128,8 @@ def flag_table() -> str:
         f"Every option of Megatron-LM's GPT parser at {facts['source']}, commit "
         f"`{facts['commit']}`, and what `pretrain_gpt_recover.py` does with it: {summary}.",
         "A refused flag stops the run with one line naming it, why, and what to do instead "
-        "(exit code 2). Written by `python -m megatron.training.megatron_flag_table`; "
+        "(exit code 2), unless it is given Megatron-LM's own default value: that changes "
+        "nothing, and is accepted with a start-up line saying so. Written by `python -m megatron.training.megatron_flag_table`; "
         "`tests/test_megatron_flags.py` checks it is current.", "",
         "| Flag | Megatron default | Megatron group | ReCoVer | Why / differences |",
         "|---|---|---|---|---|", *lines, ""])
