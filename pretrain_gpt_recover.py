@@ -219,7 +219,8 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
                                  verdict_wait=membership.timeouts.verdict_wait,
                                  replica=replica_vote(groups, device)) if recovering else None,
         log_failure=lambda err, phase: logger.info(f"peer failure in {phase}: {err}"),
-        **({} if membership is None else {"mark": membership.mark}))
+        **({} if membership is None else {"mark": membership.mark,
+                                          "store_ops": lambda: membership.store_ops}))
     if recovering:
         trainer.grow_back_with(membership)
     groups.before_tp_op(lambda op: trainer.hook("tp_allreduce"))

@@ -64,6 +64,8 @@ class Trainer:
     # where this rank is, for the coordinator's progress verdict (MembershipClient.mark)
     mark: Callable[[str, int | None, int | None], None] = lambda where, iteration, microbatch: None
     grow: GrowBack | None = None  # spares and replacements rejoin (recovery on, coordinator)
+    # this rank's operations on the coordinator's store so far (MembershipClient.store_ops)
+    store_ops: Callable[[], int] | None = None  # None: no coordinator
     state: TrainState = field(default_factory=TrainState)
     # recent records on every rank, so a new logging rank can write what a dead one missed
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
@@ -83,6 +85,7 @@ class Trainer:
             self.live, iteration=lambda: self.state.iteration, hook=self.hook)
         self._was_logging = False
         self._store_ops_seen = 0  # the agreement's count at the last record
+        self._rank_ops_seen = 0  # store_ops() at the last record
         self._skipped_at_last_line = 0
         self.faults.set_actions(inf=self.grads.poison, corrupt=self.replica.corrupt_a_weight)
 
@@ -244,6 +247,9 @@ class Trainer:
         if self.agreement is not None:  # this rank's store operations in the commit votes
             rec["commit_store_ops"] = self.agreement.store_ops - self._store_ops_seen
             self._store_ops_seen = self.agreement.store_ops
+        if self.store_ops is not None:  # all of them, from every thread, since the last record
+            ops = self.store_ops()
+            rec["store_ops"], self._rank_ops_seen = ops - self._rank_ops_seen, ops
         self.history.append(rec)
         if not self.is_logging_rank:
             self._was_logging = False

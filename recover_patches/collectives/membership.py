@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
+from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, MembershipTimeout)
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN, Timeouts
@@ -37,7 +38,7 @@ from recover_patches.collectives.timeouts import RECONNECT_WITHIN, Timeouts
 logger = logging.getLogger(__name__)
 
 EpochListener = Callable[[int, frozenset[int]], None]
-ReconnectListener = Callable[[dist.Store], None]
+ReconnectListener = Callable[[CountedStore], None]
 
 
 class MembershipClient:
@@ -58,6 +59,7 @@ class MembershipClient:
         self._marks, self._iteration = 0, 0  # progress: see mark()
         self._where: tuple[int, str, int | None] = (0, "start", None)
         self._address = (host, port, token, source, standby)
+        self._ops = OpCounter()  # every store operation of this rank: see store_ops
         self._open(connect_timeout)
         self.generation = 0  # reconnections to a restarted coordinator so far
         self._spare_slots: list[int] | None = None  # told the coordinator it waits as a spare
@@ -80,7 +82,7 @@ class MembershipClient:
         raw = P.connect(host, port, connect_timeout, source)
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
                     self.timeouts.operation, rejoin)
-        store = dist.PrefixStore(P.job_prefix(token), raw)
+        store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops)
         config = json.loads(store.get(P.CONFIG))
         if config["world_size"] != self.world_size:
             raise CoordinatorConfigError(f"WORLD_SIZE={self.world_size} but the coordinator serves "
@@ -88,14 +90,24 @@ class MembershipClient:
         self._watch_store = self._connection(host, port, token, connect_timeout, source,
                                              blocking=timedelta(days=30))  # pops until news/close
         self._beat_store = self._connection(host, port, token, connect_timeout, source)
-        self.store: dist.Store = store
+        self.store = store
 
-    @staticmethod
-    def _connection(host, port, token, timeout, source, blocking=None) -> dist.Store:
+    def _connection(self, host, port, token, timeout, source, blocking=None) -> CountedStore:
         raw = P.connect(host, port, timeout, source)
         if blocking is not None:
             raw.set_timeout(blocking)
-        return dist.PrefixStore(P.job_prefix(token), raw)
+        return CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops)
+
+    @property
+    def backend_store(self) -> dist.Store:
+        """The store a group's backend meets on (gloo's and NCCL's C++ need a real one)."""
+        return self.store.native
+
+    @property
+    def store_ops(self) -> int:
+        """Operations this rank made on the coordinator's store so far, from every thread (the
+        handshake's and a backend's own connection set-up aside)."""
+        return self._ops.count
 
     @classmethod
     def from_env(cls, **kwargs) -> "MembershipClient":
@@ -253,7 +265,7 @@ class MembershipClient:
 
     # --- the background threads -------------------------------------------------------------
     @staticmethod
-    def _read_latest(store: dist.Store) -> tuple[int, frozenset[int], dict]:
+    def _read_latest(store: CountedStore) -> tuple[int, frozenset[int], dict]:
         epoch = int(store.get(P.EPOCH))
         record = json.loads(store.get(P.epoch_key(epoch)))
         return epoch, frozenset(record["dead"]), record

@@ -210,7 +210,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 inner = backends.shrink(self.backend_kind, retired.backend, excluded,
                                         self.timeout)
             else:
-                inner = backends.build(self.backend_kind, self.membership.store,
+                inner = backends.build(self.backend_kind, self.membership.backend_store,
                                        plan.prefix + "backend/",
                                        plan.members.index(self.membership.rank),
                                        len(plan.members), self.build_timeout, self.timeout)
@@ -243,7 +243,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     # --- internals --------------------------------------------------------------------------
     def _register(self) -> None:
         world = dist.distributed_c10d._world
-        world.pg_map[self] = (self.backend_kind, self.membership.store)
+        world.pg_map[self] = (self.backend_kind, self.membership.backend_store)
         world.pg_group_ranks[self] = {g: i for i, g in enumerate(self.members)}
         # and its backend's configuration: torch's profiler lists every registered group's
         world.pg_backend_config[self] = str(BackendConfig(Backend(self.backend_kind)))

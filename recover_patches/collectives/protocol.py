@@ -29,6 +29,7 @@ import hashlib
 import json
 import time
 from datetime import timedelta
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -144,7 +145,15 @@ class Report(dict):
         return cls(kind=kind, time=time.time(), **fields)
 
 
-def post_report(store: dist.Store, report: Report) -> int:
+class ReportBox(Protocol):
+    """Where reports go: the coordinator's store, counted or not."""
+
+    def add(self, key: str, amount: int, /) -> int: ...
+
+    def set(self, key: str, value: str, /) -> None: ...
+
+
+def post_report(store: ReportBox, report: Report) -> int:
     n = store.add(REPORTS_COUNT, 1)
     store.set(report_key(n), json.dumps(report))
     return n

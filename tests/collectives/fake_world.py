@@ -49,6 +49,7 @@ class FakeMembership:
 
     def __init__(self, world: FakeWorld, rank: int):
         self.world, self.rank, self.store = world, rank, world.store
+        self.backend_store = world.store
         self.reports: list[tuple[list[int], str]] = []
         self.listeners: list = []
 

@@ -1,0 +1,81 @@
+"""A rank's connections to the coordinator's store, counting every operation made through them.
+
+The coordinator serves every rank of the job from one store, so what one rank costs it per
+iteration is the design's scaling figure: the iteration record's `store_ops` is read from here
+(issue [Q]). The membership client opens its three connections (its own, the watcher's and the
+heartbeat's) over one `OpCounter`; the commit vote, the recovery barriers and the groups'
+rendezvous all go through the client's connection, so nothing a rank asks of the coordinator's
+store escapes the count -- except a backend's own connection set-up, which C++ makes on the
+`native` store (gloo's or NCCL's address exchange, only when a group is built or rebuilt).
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class OpCounter:
+    """Operations so far, from any thread (the heartbeat and the watcher have their own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def tick(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+class CountedStore:
+    """The operations ranks make on the coordinator's store, each counted once when it is made
+    (a blocking pop counts when it starts, however long it then waits)."""
+
+    def __init__(self, native: dist.Store, counter: OpCounter):
+        self.native = native  # for backends, which need a real store (not counted)
+        self._counter = counter
+
+    def set(self, key: str, value: str) -> None:
+        self._counter.tick()
+        self.native.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._counter.tick()
+        return self.native.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        self._counter.tick()
+        return self.native.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._counter.tick()
+        return self.native.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        self._counter.tick()
+        return self.native.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        self._counter.tick()
+        return self.native.delete_key(key)
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self._counter.tick()
+        self.native.wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._counter.tick()
+        return self.native.multi_get(keys)
+
+    def queue_push(self, key: str, value: str) -> None:
+        self._counter.tick()
+        self.native.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        self._counter.tick()
+        return self.native.queue_pop(key, block)
