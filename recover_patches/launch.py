@@ -307,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     except CoordinatorError as e:
         logger.error(str(e))
         return 2
+    beats = None
+    if coordinator is not None:  # one heartbeat per node: the ranks beat into a local directory
+        from recover_patches.collectives.node_beats import NodeBeatRelay
+        beats = NodeBeatRelay(f"standby-{args.node_rank}" if args.standby else str(args.node_rank))
+        extra_env.update(beats.env())
     if args.master_port == 0:  # after the coordinator bound its own port 0: never the same one
         args.master_port = free_port(args.master_addr)
     # Block termination signals while forking: a child must not run the launcher's handler in
@@ -339,11 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
 
-    return supervise(args, ranks, respawn, coordinator, stop_signals)
+    return supervise(args, ranks, respawn, coordinator, stop_signals, beats)
 
 
 def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
-              stop_signals: set) -> int:
+              stop_signals: set, beats=None) -> int:
     """Watch the ranks until they end (forwarding SIGTERM/SIGINT, replacing dead ones), tell the
     coordinator, and turn their exits into the launcher's status."""
     link = None
@@ -351,8 +356,10 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
         try:
             link = coordinator.connect()
         except RuntimeError as e:  # includes CoordinatorError: supervise without it
-            logger.info(f"cannot reach the coordinator ({e}); supervising without it")
-    sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements, coordinator)
+            logger.warning(f"cannot reach the coordinator ({e}); supervising without it (this "
+                           "node's heartbeats are not forwarded: its ranks will be found silent)")
+    sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements, coordinator,
+                     beats)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
@@ -362,6 +369,8 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
     finally:
         if coordinator is not None:
             completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
+        if beats is not None:  # not at exit: a forked rank runs the launcher's exit hooks
+            beats.close()
     status = summarize(list(sup.ranks.values()), completion)
     record_completion(completion)
     if sup.stop_signal is not None and status != 0:  # ranks that saved and left cleanly (e.g.

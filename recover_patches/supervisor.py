@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from recover_patches.collectives.node_beats import NodeBeatRelay
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,8 +48,9 @@ class Supervisor:
 
     def __init__(self, ranks: list[Rank], term_grace: float, link=None,
                  respawn: Callable[[Rank], Rank] | None = None, max_replacements: int = 0,
-                 coordinator=None):
+                 coordinator=None, beats: NodeBeatRelay | None = None):
         self.ranks = {r.pid: r for r in ranks}
+        self.beats = beats  # the ranks' heartbeats, forwarded over the link once per interval
         self.coordinator = coordinator  # a CoordinatorHandle: restarted here if its process dies
         self.term_grace = term_grace
         self.link = link
@@ -115,7 +118,10 @@ class Supervisor:
                 if self.link is not None:
                     self._learn_slots()
                     self._fence(self.link.dead_incarnations())
+                    self._forward_beats()
                 timeout = 0.01 if polling else (0.2 if self.link is not None else 5.0)
+                if self.beats is not None and self.link is not None:
+                    timeout = min(timeout, self.beats.due_in())
                 if self.kill_deadline is not None:
                     timeout = max(0.0, min(timeout, self.kill_deadline - time.monotonic()))
                 poller.poll(timeout * 1000)
@@ -127,6 +133,12 @@ class Supervisor:
             signal.set_wakeup_fd(old_wakeup)
             for fd in (*pidfds.values(), wake_r, wake_w):
                 os.close(fd)
+
+    def _forward_beats(self) -> None:
+        if self.beats is not None and self.link is not None:
+            beats = self.beats.collect(r.pid for r in self.live())
+            if beats is not None:
+                self.link.forward_beats(self.beats.node, beats)
 
     def _reap(self) -> None:
         for r in self.live():

@@ -37,6 +37,16 @@ def reference(tmp_path_factory):
     return [r for r in run.records if "lm_loss" in r]
 
 
+def test_a_failure_free_iteration_touches_the_store_only_for_the_commit_vote(reference):
+    """Issue [Q]: ranks beat to their launcher, which forwards one beat per node; what the
+    logging rank still asks of the coordinator's store in a failure-free iteration is its commit
+    vote's operations (`commit_store_ops`: it leads a replica of one rank), nothing else. The
+    first record also carries the start-up's group rendezvous."""
+    steady = reference[1:]
+    assert [r["store_ops"] for r in steady] == [r["commit_store_ops"] for r in steady], steady
+    assert all(r["commit_store_ops"] > 0 for r in steady)  # the vote: [Q]'s next step removes it
+
+
 def assert_failure_free_trajectory(run, reference) -> list[dict]:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [r for r in run.records if "lm_loss" in r]

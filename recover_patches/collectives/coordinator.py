@@ -88,6 +88,7 @@ class Coordinator:
         self.next_hello = 1
         self.next_report = 1
         self.registered: set[int] = set()  # ranks to notify of new epochs
+        self.beats_via: dict[int, str] = {}  # rank -> the node whose launcher forwards its beat
         self.unresolved_logged = False
         self.rejoin_window: float | None = None  # restarted: when the ranks had to be back by
         self.stopping = False
@@ -162,6 +163,7 @@ class Coordinator:
                     self.state.on_register(hello["rank"], hello.get("incarnation", 0))
                 self.liveness.watch(hello["rank"])
                 self.registered.add(hello["rank"])
+                self._beats_from(hello["rank"], hello.get("node"))
             if reason is not None:
                 logger.info(f"refused {hello['role']} {hello['rank']}: {reason}")
             self.raw.set(P.reply_key(n), reason or P.OK)
@@ -240,17 +242,39 @@ class Coordinator:
                                                    "dead": sorted(self.state.dead), "by": by_rank}))
             logger.info(f"job declared complete by rank {by_rank} at epoch {self.state.epoch}")
 
+    def _beats_from(self, rank: int, node: str | None) -> None:
+        """Where this incarnation of `rank` beats: its launcher's node beat, or its own key. A
+        node beat that still lists the rank (a dead launcher's last one) is not read for it."""
+        if node is None:
+            self.beats_via.pop(rank, None)
+        else:
+            self.beats_via[rank] = node
+
+    def _read_present(self, keys: list[str]) -> list[str | None]:
+        values = self.store.multi_get(keys) if self.store.check(keys) else \
+            [self.store.get(k) if self.store.check([k]) else None for k in keys]
+        return [None if v is None else v.decode() for v in values]
+
+    def _heartbeats(self, ranks: list[int]) -> dict[int, str | None]:
+        """Each rank's "<beat> <progress>": one multi_get of the node beats that carry them, one
+        of the ranks beating on their own (started without a ReCoVer launcher)."""
+        nodes = sorted({self.beats_via[r] for r in ranks if r in self.beats_via})
+        by_node = {node: json.loads(value) if value is not None else {} for node, value in
+                   zip(nodes, self._read_present([P.node_heartbeat_key(n) for n in nodes]))}
+        beats = {r: by_node[self.beats_via[r]].get(str(r)) for r in ranks if r in self.beats_via}
+        own = [r for r in ranks if r not in self.beats_via]
+        if own:
+            beats.update(zip(own, self._read_present([P.heartbeat_key(r) for r in own])))
+        return beats
+
     def _check_heartbeats(self) -> None:
-        """Read every watched rank's heartbeat (one multi_get), then declare the silent and the
-        stuck dead; say once what was seen when waiters wait and no one can be named."""
+        """Read every watched rank's heartbeat, then declare the silent and the stuck dead; say
+        once what was seen when waiters wait and no one can be named."""
         ranks = self.liveness.watched()  # members, spares and registered replacements
         if not ranks:
             return
-        keys = [P.heartbeat_key(r) for r in ranks]
-        values = self.store.multi_get(keys) if self.store.check(keys) else \
-            [self.store.get(k) if self.store.check([k]) else None for k in keys]
-        for r, value in zip(ranks, values):
-            self.liveness.observe(r, None if value is None else value.decode())
+        for r, value in self._heartbeats(ranks).items():
+            self.liveness.observe(r, value)
         members = {r for r in ranks if self.state.is_member(r)}
         for r, why in self.liveness.silent() + self.liveness.stuck(members):
             if r in self.liveness.seen:

@@ -77,6 +77,10 @@ class LauncherLink:
         self._guard(lambda: P.post_report(self.store, P.Report.make(
             "exit", rank=rank, code=code, incarnation=incarnation, replacing=replacing)), None)
 
+    def forward_beats(self, node: str, beats: dict[int, str]) -> None:
+        """This node's live ranks' heartbeats in one store write (`node_beats.py`)."""
+        self._guard(lambda: self.store.set(P.node_heartbeat_key(node), json.dumps(beats)), None)
+
     def report_standby_exit(self, standby: str) -> None:
         self._guard(lambda: P.post_report(self.store, P.Report.make("standby_exit", id=standby)),
                     None)

@@ -3,9 +3,11 @@
 * the watcher blocks on this rank's notification queue (``notify/<rank>``), where the coordinator
   pushes every new epoch, so a new epoch is seen at once; it then calls the listeners (the process
   groups), which abort their pending operations;
-* the heartbeat thread writes ``hb/<rank>`` every `heartbeat_interval`: a beat counter and where
-  the rank is (its progress marks, `mark()`: no store operation of their own), so the coordinator
-  can tell a rank that is alive but stuck from one that waits (`liveness.py`).
+* the heartbeat thread writes a beat counter and where the rank is (its progress marks, `mark()`:
+  no store operation of their own), so the coordinator can tell a rank that is alive but stuck
+  from one that waits (`liveness.py`): into a file its launcher forwards with the node's other
+  ranks (`node_beats.py`: no store operation), or, without a ReCoVer launcher, to ``hb/<rank>``
+  every `heartbeat_interval`.
 Each has its own store connection: a TCPStore client serializes its requests, so a blocked pop
 would otherwise stall everyone. (A blocking pop rather than timed waits: every timed-out store
 wait prints two C++ warnings.)
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
 from recover_patches.collectives.counted_store import CountedStore, OpCounter
+from recover_patches.collectives.node_beats import LOCAL_BEATS_PER_INTERVAL, NodeBeats, write_beat
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, MembershipTimeout)
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN, Timeouts
@@ -49,7 +52,7 @@ class MembershipClient:
     def __init__(self, host: str, port: int, token: str, rank: int, world_size: int, *,
                  timeout: float = 10.0, connect_timeout: float = 30.0,
                  source: str = "RECOVER_COORDINATOR", incarnation: int = 0,
-                 standby: str | None = None):
+                 standby: str | None = None, node_beats: NodeBeats | None = None):
         self.rank = rank
         self.world_size = world_size
         self.incarnation = incarnation  # > 0: a replacement process for this rank's slot
@@ -59,6 +62,9 @@ class MembershipClient:
         self._marks, self._iteration = 0, 0  # progress: see mark()
         self._where: tuple[int, str, int | None] = (0, "start", None)
         self._address = (host, port, token, source, standby)
+        self._node_beats = node_beats  # beat into the launcher's directory, not the store
+        self._beat_every = self.heartbeat_interval if node_beats is None else \
+            self.heartbeat_interval / LOCAL_BEATS_PER_INTERVAL
         self._ops = OpCounter()  # every store operation of this rank: see store_ops
         self._open(connect_timeout)
         self.generation = 0  # reconnections to a restarted coordinator so far
@@ -81,7 +87,8 @@ class MembershipClient:
         host, port, token, source, standby = self._address
         raw = P.connect(host, port, connect_timeout, source)
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
-                    self.timeouts.operation, rejoin)
+                    self.timeouts.operation, rejoin,
+                    node=None if self._node_beats is None else self._node_beats.node)
         store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops)
         config = json.loads(store.get(P.CONFIG))
         if config["world_size"] != self.world_size:
@@ -89,7 +96,8 @@ class MembershipClient:
                                          f"a job of {config['world_size']} ranks")
         self._watch_store = self._connection(host, port, token, connect_timeout, source,
                                              blocking=timedelta(days=30))  # pops until news/close
-        self._beat_store = self._connection(host, port, token, connect_timeout, source)
+        self._beat_store = None if self._node_beats is not None else \
+            self._connection(host, port, token, connect_timeout, source)
         self.store = store
 
     def _connection(self, host, port, token, timeout, source, blocking=None) -> CountedStore:
@@ -124,7 +132,8 @@ class MembershipClient:
         host, port = P.parse_address(env["RECOVER_COORDINATOR"], "RECOVER_COORDINATOR")
         return cls(host, port, env["RECOVER_JOB_TOKEN"], int(env["RANK"]), int(env["WORLD_SIZE"]),
                    incarnation=int(env.get("RECOVER_INCARNATION", "0")),
-                   standby=env.get("RECOVER_STANDBY") or None, **kwargs)
+                   standby=env.get("RECOVER_STANDBY") or None,
+                   node_beats=NodeBeats.from_env(env), **kwargs)
 
     # --- the current view -------------------------------------------------------------------
     def epoch(self) -> int:
@@ -272,13 +281,20 @@ class MembershipClient:
 
     def _beat_once(self) -> None:
         self._beats += 1
-        self._beat_store.set(P.heartbeat_key(self.rank), f"{self._beats} {self.progress()}")
+        beat = f"{self._beats} {self.progress()}"
+        if self._node_beats is not None:  # a file on the node; its launcher forwards it
+            write_beat(self._node_beats.directory, self.rank, self.heartbeat_interval, beat)
+        else:
+            assert self._beat_store is not None
+            self._beat_store.set(P.heartbeat_key(self.rank), beat)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_interval):
+        while not self._stop.wait(self._beat_every):
             generation = self.generation
             try:
                 self._beat_once()
+            except OSError:  # the node's directory is gone: this rank falls silent, as it must
+                pass
             except RuntimeError:  # the watcher reconnects; beat on the new connection
                 if not self.wait_reconnected(generation):
                     return

@@ -10,7 +10,10 @@ Under the job prefix:
   epoch/<e>        JSON {epoch, dead: [global ranks], reason, dead_incarnations: {rank: k} (k > 0
                    only), joining: [ranks a grow epoch made members again]}
   hb/<rank>        "<beat> <progress>": a counter the rank bumps every heartbeat interval, then
-                   where it is (marks counted, epoch, phase, iteration, microbatch)
+                   where it is (marks counted, epoch, phase, iteration, microbatch); written
+                   only by ranks started without a ReCoVer launcher
+  hbn/<node>       JSON {rank: "<beat> <progress>"}: a launcher forwards its live ranks' beats,
+                   one write per node per heartbeat interval (`node_beats.py`)
   notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
                    its own queue to end its watcher
   reports/count    number of reports; reports/<n> is the n-th report (JSON, see `Report`)
@@ -66,6 +69,10 @@ def heartbeat_key(rank: int) -> str:
     return f"hb/{rank}"
 
 
+def node_heartbeat_key(node: str) -> str:
+    return f"hbn/{node}"
+
+
 def notify_key(rank: int) -> str:
     return f"notify/{rank}"
 
@@ -112,14 +119,17 @@ def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
 
 def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
               incarnation: int = 0, standby: str | None = None,
-              recover_timeout: float | None = None, rejoin: dict | None = None) -> None:
+              recover_timeout: float | None = None, rejoin: dict | None = None,
+              node: str | None = None) -> None:
     """Present the job token (and, for a process that started as a standby, its name; for a rank
-    its --recover-timeout, and `rejoin` = {epoch, record} when it registers again with a restarted
-    coordinator); raise JobTokenRefused with the coordinator's reason if refused."""
+    its --recover-timeout, `rejoin` = {epoch, record} when it registers again with a restarted
+    coordinator, and `node`: the launcher whose node beat carries its heartbeat, if any); raise
+    JobTokenRefused with the coordinator's reason if refused."""
     n = store.add(HELLO_COUNT, 1)
     store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank,
                                         "incarnation": incarnation, "standby": standby,
-                                        "timeout": recover_timeout, "rejoin": rejoin}))
+                                        "timeout": recover_timeout, "rejoin": rejoin,
+                                        "node": node}))
     try:
         store.wait([reply_key(n)], timedelta(seconds=timeout))
     except RuntimeError as e:

@@ -13,7 +13,10 @@ progress for T fails. Everything else follows from T so that the waits agree:
                       verdict comes within stall + one heartbeat interval (+ a margin) of it.
 
 A hang is thus seen T + GRACE + at most one heartbeat interval after the rank stopped moving,
-i.e. T + <= 0.9 s, for any T >= 1 s.
+i.e. T + <= 0.9 s, for any T >= 1 s. Where a launcher forwards its node's beats (`node_beats.py`),
+a rank replaces its local beat 8 times per interval and the launcher forwards once: a death is
+still seen within T + GRACE + one interval of the last beat, a stop of progress within an eighth
+of an interval more (T + <= 0.95 s), both within `verdict_wait`'s margin.
 """
 from __future__ import annotations
 
