@@ -6,6 +6,7 @@ dropout off), and a user error is one message with exit code 2.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -81,3 +82,29 @@ def test_recovery_breakdown_refuses_a_layout_without_a_second_replica():
     run = run_script(["--layout", "2,2,1"], timeout=50,
                      script=SCRIPT.parent / "recovery_breakdown.py")
     assert run.returncode == 2 and "--layout" in run.stderr and run.stdout == ""
+
+
+COORDINATOR_LOAD = SCRIPT.parent / "coordinator_load.py"
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_load_benchmark_names_the_storm_and_the_stuck_rank(tmp_path):
+    """Four nodes, T = 1 s: in both arms the coordinator names every rank of the storm's node
+    and the stuck rank, each within its window (the verdict's budget is T + 1 s)."""
+    run = run_script(["--nodes", "4", "--warmup", "0.5", "--recover-timeout", "1",
+                      "--out", str(tmp_path)], timeout=110, script=COORDINATOR_LOAD)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads((tmp_path / "coordinator_load.json").read_text())
+    assert [(r["nodes"], r["arm"]) for r in rows] == [(4, "node"), (4, "rank")]
+    for r in rows:
+        assert r["named"] == r["storm_ranks"] == 8, r  # the storm's one node, all 8 ranks
+        assert 1.5 - 0.2 <= r["death_to_verdict_max_s"] <= 2.0 + 1.0, r  # stall, then T + 1 s
+        assert r["stuck_verdict_after_progress_s"] >= 1.5 - 0.2, r
+    assert (tmp_path / "coordinator_load.png").stat().st_size > 0
+    assert re.search(r"^\s+4 node\s+\d+", run.stdout, re.MULTILINE), run.stdout
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_load_benchmark_refuses_a_node_count_below_two():
+    run = run_script(["--nodes", "1"], timeout=50, script=COORDINATOR_LOAD)
+    assert run.returncode == 2 and "--nodes" in run.stderr and run.stdout == ""

@@ -53,6 +53,7 @@ from recover_patches.log import configure
 logger = logging.getLogger("recover_patches.collectives.coordinator")
 
 TICK = 0.02  # seconds between polls of the store: bounds detection latency, costs ~nothing
+SWEEPS_PER_INTERVAL = 8  # heartbeat reads per heartbeat interval (every 50 ms at the default T)
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Coordinator:
         self.next_report = 1
         self.registered: set[int] = set()  # ranks to notify of new epochs
         self.beats_via: dict[int, str] = {}  # rank -> the node whose launcher forwards its beat
+        self._node_beats_seen: dict[str, str] = {}  # node -> its beat as last parsed
+        self._next_sweep = 0.0  # of the heartbeats
         self.unresolved_logged = False
         self.rejoin_window: float | None = None  # restarted: when the ranks had to be back by
         self.stopping = False
@@ -249,6 +252,11 @@ class Coordinator:
             self.beats_via.pop(rank, None)
         else:
             self.beats_via[rank] = node
+        # the key exists from now on (empty until the first beat), so that a sweep reads all of
+        # them in one multi_get instead of checking each
+        key, empty = (P.heartbeat_key(rank), "") if node is None else \
+            (P.node_heartbeat_key(node), "{}")
+        self.store.compare_set(key, "", empty)
 
     def _read_present(self, keys: list[str]) -> list[str | None]:
         values = self.store.multi_get(keys) if self.store.check(keys) else \
@@ -256,26 +264,36 @@ class Coordinator:
         return [None if v is None else v.decode() for v in values]
 
     def _heartbeats(self, ranks: list[int]) -> dict[int, str | None]:
-        """Each rank's "<beat> <progress>": one multi_get of the node beats that carry them, one
-        of the ranks beating on their own (started without a ReCoVer launcher)."""
+        """The "<beat> <progress>" of every rank whose beat may have moved since the last sweep:
+        those in the node beats that changed (one multi_get of the nodes carrying `ranks`; an
+        unchanged node is not parsed again) and those beating on their own key (one multi_get)."""
         nodes = sorted({self.beats_via[r] for r in ranks if r in self.beats_via})
-        by_node = {node: json.loads(value) if value is not None else {} for node, value in
-                   zip(nodes, self._read_present([P.node_heartbeat_key(n) for n in nodes]))}
-        beats = {r: by_node[self.beats_via[r]].get(str(r)) for r in ranks if r in self.beats_via}
+        beats: dict[int, str | None] = {}
+        for node, value in zip(nodes, self._read_present([P.node_heartbeat_key(n) for n in nodes])):
+            if value is None or value == self._node_beats_seen.get(node):
+                continue
+            self._node_beats_seen[node] = value
+            for rank, beat in json.loads(value).items():
+                if self.beats_via.get(int(rank)) == node:
+                    beats[int(rank)] = beat
         own = [r for r in ranks if r not in self.beats_via]
         if own:
             beats.update(zip(own, self._read_present([P.heartbeat_key(r) for r in own])))
         return beats
 
     def _check_heartbeats(self) -> None:
-        """Read every watched rank's heartbeat, then declare the silent and the stuck dead; say
-        once what was seen when waiters wait and no one can be named."""
+        """Read every watched rank's heartbeat (SWEEPS_PER_INTERVAL times per heartbeat interval,
+        not every tick: at 100,000 ranks a sweep is most of the coordinator's work), then declare
+        the silent and the stuck dead; say once what was seen when waiters wait and no one can
+        be named."""
         ranks = self.liveness.watched()  # members, spares and registered replacements
-        if not ranks:
+        now = time.monotonic()
+        if not ranks or self.timeouts is None or now < self._next_sweep:
             return
+        self._next_sweep = now + self.timeouts.heartbeat_interval / SWEEPS_PER_INTERVAL
         for r, value in self._heartbeats(ranks).items():
             self.liveness.observe(r, value)
-        members = {r for r in ranks if self.state.is_member(r)}
+        members = {r for r in ranks if self.state.is_member(r)} if self.liveness.waiters else set()
         for r, why in self.liveness.silent() + self.liveness.stuck(members):
             if r in self.liveness.seen:
                 self.state.mark_dead(r, why)

@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""The real coordinator under the liveness load of N nodes x 8 ranks: one beat per node (what the
+launchers send now, `recover_patches/collectives/node_beats.py`) beside one beat per rank (what
+every rank sent before), side by side (issue [Q]).
+
+    OMP_NUM_THREADS=1 python scripts/bench/coordinator_load.py [--nodes 1000 4000 12500]
+        [--recover-timeout 10] [--warmup 4] [--beaters 2] [--out runs/coordinator_load]
+
+For each N and each arm (`node`, `rank`): the coordinator runs as its own process
+(`python -m recover_patches.collectives.coordinator`, the one a job runs); `--beaters` generator
+processes write the beats of all N nodes at the heartbeat interval the ranks' --recover-timeout T
+gives (node: one `hbn/<node>` JSON of 8 ranks per node; rank: one `hb/<rank>` per rank), each
+write its own store request, as a launcher or a rank makes it; the main process registers the
+8 N ranks (pipelined handshakes, each saying which node beat carries it). After `--warmup`
+seconds of beating: a storm (1 % of the nodes stop at once) and one rank stuck (its beat goes on,
+its progress stops; rank 0 reports it waits for it T later, as a timed-out peer would). Printed
+per arm: the beat writes/s the generators reached (and the target), the coordinator's CPU (share
+of one core over the warm-up), time from each death to the epoch that names it (median, max;
+the budget is T + 1 s), time from the storm to the epoch that names all, and the stuck rank's
+verdict after its last progress. The generators run on the same 2 cores as the coordinator: an
+arm whose generators fall short of the target rate is marked so and not read as the coordinator's
+limit. Not simulated: the hop from a rank's file to its launcher (an eighth of an interval).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from recover_patches.collectives import protocol as P  # noqa: E402  (after the path)
+from recover_patches.collectives.timeouts import Timeouts  # noqa: E402
+
+RANKS_PER_NODE = 8
+TOKEN = "coordinator-load-bench"
+
+
+def job_store(port: int):
+    import torch.distributed as dist
+    return dist.PrefixStore(P.job_prefix(TOKEN), P.connect("127.0.0.1", port, 30, "the bench"))
+
+
+# --- a generator process: the beats of a slice of the nodes ---------------------------------
+def beater(port: int, nodes: list[int], arm: str, interval: float, control, done) -> None:
+    """Beat `nodes` every `interval` until `control['stop']`; from `control['storm_at']` the
+    storm's nodes stay silent, from `control['stuck_at']` the stuck rank's progress is frozen."""
+    store = job_store(port)
+    storm, stuck = set(control["storm_nodes"]), control["stuck_rank"]
+    beats, writes, started = 0, 0, time.monotonic()
+    while not control["stop"]:
+        round_start, beats = time.monotonic(), beats + 1
+        silent = storm if control["storm_at"] and round_start >= control["storm_at"] else set()
+        frozen = control["stuck_at"] and round_start >= control["stuck_at"]
+        for node in nodes:
+            if node in silent:
+                continue
+            ranks = range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
+            line = {r: f"{beats} e0 it{1 if frozen and r == stuck else beats} forward"
+                    for r in ranks}
+            if arm == "node":
+                store.set(P.node_heartbeat_key(str(node)), json.dumps(line))
+                writes += 1
+            else:
+                for r in ranks:
+                    store.set(P.heartbeat_key(r), line[r])
+                writes += RANKS_PER_NODE
+        time.sleep(max(0.0, interval - (time.monotonic() - round_start)))
+    done.put(writes / (time.monotonic() - started))
+
+
+# --- the main process: the coordinator, registration, faults, verdicts -----------------------
+def start_coordinator(world: int, timeout: float, log: Path) -> tuple[subprocess.Popen, int]:
+    err = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "recover_patches.collectives.coordinator",
+                             "--port", "0", "--world-size", str(world), "--job-token", TOKEN,
+                             "--recover-timeout", f"{timeout:g}", "--stay"], cwd=REPO,
+                            stderr=err, stdout=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if found := re.search(r"serving on port (\d+)", log.read_text()):
+            return proc, int(found.group(1))
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the coordinator did not start: {log.read_text()[-500:]}")
+
+
+def register(port: int, world: int, arm: str, timeout: float, within: float) -> bool:
+    """Every rank's handshake, pipelined (a real rank waits for its own reply); False if the
+    coordinator did not answer the last one within `within` seconds."""
+    raw = P.connect("127.0.0.1", port, within, "the bench")
+    digest = P.token_digest(TOKEN)
+    last = 0
+    for rank in range(world):
+        last = raw.add(P.HELLO_COUNT, 1)
+        node = str(rank // RANKS_PER_NODE) if arm == "node" else None
+        raw.set(P.hello_key(last), json.dumps({
+            "digest": digest, "role": "rank", "rank": rank, "incarnation": 0, "standby": None,
+            "timeout": timeout, "rejoin": None, "node": node}))
+    try:
+        raw.wait([P.reply_key(last)])
+    except RuntimeError:
+        return False
+    return True
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Verdicts:
+    """When each rank was first named dead by a published epoch (the store polled every 10 ms)."""
+
+    def __init__(self, store):
+        self.store, self.epoch, self.named = store, 0, {}
+
+    def wait_for(self, wanted: set[int], within: float) -> None:
+        deadline = time.monotonic() + within
+        while wanted - set(self.named) and time.monotonic() < deadline:
+            epoch = int(self.store.get(P.EPOCH))
+            now = time.monotonic()
+            for e in range(self.epoch + 1, epoch + 1):
+                for r in json.loads(self.store.get(P.epoch_key(e)))["dead"]:
+                    self.named.setdefault(r, now)
+            self.epoch = epoch
+            time.sleep(0.01)
+
+
+def run_arm(nodes: int, arm: str, args, out: Path) -> dict:
+    timeouts = Timeouts(args.recover_timeout)
+    world = nodes * RANKS_PER_NODE
+    proc, port = start_coordinator(world, timeouts.operation, out / f"coordinator-{arm}-{nodes}.log")
+    manager = mp.Manager()
+    storm_nodes = list(range(1, nodes, 100))[: max(1, nodes // 100)]  # 1 %, never node 0
+    stuck_rank = 3  # on node 0, which stays alive
+    control = manager.dict(stop=False, storm_at=0.0, stuck_at=0.0, storm_nodes=storm_nodes,
+                           stuck_rank=stuck_rank)
+    done = manager.Queue()
+    ctx = mp.get_context("fork")
+    slices = [list(range(b, nodes, args.beaters)) for b in range(args.beaters)]
+    procs = [ctx.Process(target=beater, args=(port, s, arm, timeouts.heartbeat_interval, control,
+                                              done), daemon=True) for s in slices]
+    try:
+        for p in procs:
+            p.start()
+        t0 = time.monotonic()
+        if not register(port, world, arm, timeouts.operation, args.register_within):
+            return {"nodes": nodes, "arm": arm, "ranks": world, "registered": False,
+                    "registered_s": time.monotonic() - t0}
+        registered_in = time.monotonic() - t0
+        cpu0, wall0 = cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(args.warmup)
+        cpu = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - wall0)
+        verdicts = Verdicts(job_store(port))
+        storm_at = time.monotonic() + 0.05
+        control["storm_at"] = storm_at
+        dead = {n * RANKS_PER_NODE + i for n in storm_nodes for i in range(RANKS_PER_NODE)}
+        verdicts.wait_for(dead, timeouts.stall + 30)
+        stuck_at = time.monotonic() + 0.05  # after the storm's epoch: a report counts in its own
+        control["stuck_at"] = stuck_at
+        time.sleep(0.05 + timeouts.operation)  # the stuck rank's peer times out, and reports it
+        P.post_report(verdicts.store, P.Report.make(
+            "suspect", rank=0, epoch=verdicts.epoch, suspects=[stuck_rank],
+            where="bench: dp.allreduce timed out"))
+        verdicts.wait_for({stuck_rank}, timeouts.stall + 30)
+        named = verdicts.named
+        control["stop"] = True
+        rates = [done.get(timeout=30) for _ in procs]
+    finally:
+        control["stop"] = True
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        manager.shutdown()
+    latencies = sorted(named[r] - storm_at for r in dead if r in named)
+    target = nodes / timeouts.heartbeat_interval * (1 if arm == "node" else RANKS_PER_NODE)
+    return {"nodes": nodes, "arm": arm, "ranks": world, "registered": True,
+            "registered_s": registered_in,
+            "writes_per_s": sum(rates), "target_writes_per_s": target,
+            "generator_short": sum(rates) < 0.9 * target, "coordinator_cpu": cpu,
+            "storm_ranks": len(dead), "named": len(latencies),
+            "death_to_verdict_median_s": latencies[len(latencies) // 2] if latencies else None,
+            "death_to_verdict_max_s": latencies[-1] if len(latencies) == len(dead) else None,
+            "stuck_verdict_after_progress_s": named[stuck_rank] - stuck_at
+            if stuck_rank in named else None,
+            "budget_s": timeouts.operation + 1.0}
+
+
+def fmt(value, digits=2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report(rows: list[dict], out: Path, args_budget: float) -> None:
+    print(f"{'nodes':>6} {'arm':>4} {'writes/s':>9} {'target':>9} {'coord CPU':>9} "
+          f"{'death->verdict med/max':>22} {'stuck':>6} {'budget':>6}")
+    for r in rows:
+        if not r["registered"]:
+            print(f"{r['nodes']:>6} {r['arm']:>4} the coordinator did not answer the {r['ranks']} "
+                  f"handshakes within {r['registered_s']:.0f} s")
+            continue
+        short = " (generators short)" if r["generator_short"] else ""
+        print(f"{r['nodes']:>6} {r['arm']:>4} {r['writes_per_s']:>9.0f} "
+              f"{r['target_writes_per_s']:>9.0f} {r['coordinator_cpu']:>9.2f} "
+              f"{fmt(r['death_to_verdict_median_s']):>10} / {fmt(r['death_to_verdict_max_s']):<9} "
+              f"{fmt(r['stuck_verdict_after_progress_s']):>6} {r['budget_s']:>6.1f}{short}")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm, marker in (("node", "o"), ("rank", "s")):
+        mine = [r for r in rows if r["arm"] == arm and r["registered"]]
+        xs = [r["nodes"] for r in mine]
+        line, = left.plot(xs, [r["writes_per_s"] for r in mine], marker=marker,
+                          label=f"{arm} beats (reached)")
+        left.plot(xs, [r["target_writes_per_s"] for r in mine], linestyle=":",
+                  color=line.get_color(), label=f"{arm} beats (needed)")
+        right.plot(xs, [r["death_to_verdict_max_s"] or float("nan") for r in mine],
+                   marker=marker, label=f"{arm} beats")
+    left.set(xscale="log", yscale="log", xlabel="nodes (x 8 ranks)", ylabel="beat writes / s",
+             title="store writes for liveness")
+    right.axhline(args_budget, color="grey", linestyle="--", label="T + 1 s")
+    right.set(xscale="log", xlabel="nodes (x 8 ranks)", ylabel="s",
+              title="storm: death -> verdict (max)")
+    for ax in (left, right):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "coordinator_load.png", dpi=110)
+    print(f"wrote {out / 'coordinator_load.json'} and {out / 'coordinator_load.png'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[1000, 4000, 12500])
+    p.add_argument("--arms", nargs="+", default=["node", "rank"], choices=["node", "rank"])
+    p.add_argument("--recover-timeout", type=float, default=10.0)
+    p.add_argument("--warmup", type=float, default=4.0)
+    p.add_argument("--beaters", type=int, default=2)
+    p.add_argument("--register-within", type=float, default=300.0,
+                   help="seconds the coordinator may take to answer every handshake")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "coordinator_load")
+    args = p.parse_args(argv)
+    if min(args.nodes) < 2 or args.beaters < 1 or args.warmup <= 0 or args.recover_timeout < 1:
+        print("error: --nodes >= 2 each, --beaters >= 1, --warmup > 0, --recover-timeout >= 1",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for nodes in args.nodes:
+        for arm in args.arms:
+            print(f"[bench] {nodes} nodes, {arm} beats ...", flush=True)
+            rows.append(run_arm(nodes, arm, args, args.out))
+            (args.out / "coordinator_load.json").write_text(json.dumps(rows, indent=1))
+    report(rows, args.out, args.recover_timeout + 1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
