@@ -192,3 +192,27 @@ def test_cli_prints_table_and_writes_png(tmp_path):
     bad = subprocess.run([sys.executable, script, "--scenario", "paper", "--out", str(tmp_path / "x.txt")],
                          capture_output=True, text=True, timeout=100, env=env)
     assert bad.returncode == 2 and "--out" in bad.stderr and not (tmp_path / "x.txt").exists()
+
+
+def test_the_recovery_model_builds_the_pause_from_the_verdict_and_the_rebuild():
+    """Issue Q: verdict (T + the excess measured at 12,500 nodes) + shrinking the groups that lost
+    a member, or re-creating every communicator; a shorter pause gives recover a higher ETTR."""
+    from scripts.sim.recovery_model import (MEASURED_VERDICT_EXCESS, models,
+                                            with_recovery_model)
+    kept, rebuilt = models(10.0)["kept"], models(10.0)["rebuilt"]
+    assert kept.recovery_seconds == pytest.approx(10.0 + MEASURED_VERDICT_EXCESS + 2.0)
+    assert rebuilt.recovery_seconds == pytest.approx(10.0 + MEASURED_VERDICT_EXCESS + 40.0)
+    config = small(gpu_mtbf_hours=4.0)
+    assert with_recovery_model(config, "assumed") is config
+    assert with_recovery_model(config, "kept").recovery_seconds == kept.recovery_seconds
+    ettr = {name: simulate(with_recovery_model(config, name), "recover").ettr
+            for name in ("kept", "rebuilt")}
+    assert ettr["kept"] > ettr["rebuilt"]
+
+
+def test_cli_takes_a_recovery_model():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "sim" / "run_sim.py"), "--scenario",
+                           "paper", "--no-plot", "--recovery-model", "kept"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "[recovery: kept groups]" in done.stdout and "recovery 14.5 s" in done.stdout

@@ -28,6 +28,7 @@ from scripts.sim import (
     simulate_all,
 )
 from scripts.sim.calibration import MODES, MeasuredCosts, calibrate
+from scripts.sim.recovery_model import models, with_recovery_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calibration", type=Path, default=None,
                         help="calibration.json from scripts/bench/effective_throughput.py")
     parser.add_argument("--calibration-mode", choices=MODES, default="per_iteration")
+    parser.add_argument("--recovery-model", choices=["assumed", *models()], default="assumed",
+                        help="the in-job recovery pause: the scenario's assumption, or verdict + "
+                             "group rebuild (scripts/sim/recovery_model.py)")
     return parser.parse_args(argv)
 
 
@@ -129,9 +133,13 @@ def run_scenario(name: str, args: argparse.Namespace, costs: MeasuredCosts | Non
     config, suffix = scenario.config, ""
     if costs is not None:
         config, suffix = calibrate(config, costs, args.calibration_mode), "_calibrated"
+    if args.recovery_model != "assumed":  # after calibrating: the model replaces the pause
+        config = with_recovery_model(config, args.recovery_model)
+        suffix += f"_{args.recovery_model}"
     out = args.out or Path("runs") / "sim" / f"{scenario.name}{suffix}.png"
     results = simulate_all(config, seed=args.seed)
-    label = scenario.description + ("" if costs is None else f" [costs measured, {args.calibration_mode}]")
+    label = scenario.description + ("" if costs is None else f" [costs measured, {args.calibration_mode}]") \
+        + ("" if args.recovery_model == "assumed" else f" [recovery: {args.recovery_model} groups]")
     print(report(scenario.name, label, results))
     if not args.no_plot:
         try:
