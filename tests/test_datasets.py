@@ -43,7 +43,8 @@ def make_args(**overrides) -> DataConfig:
                   eval_iters=2, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
                   train_samples=None, create_attention_mask_in_dataloader=True,
                   mmap_bin_files=True, data_args_path=None, train_data_path=None,
-                  valid_data_path=None, test_data_path=None, per_split_data_args_path=None)
+                  valid_data_path=None, test_data_path=None, per_split_data_args_path=None,
+                  num_dataset_builder_threads=1, mid_level_dataset_surplus=0.005)
     values.update(overrides)
     return DataConfig.from_args(argparse.Namespace(**values))
 
@@ -286,3 +287,51 @@ def test_a_per_split_file_without_every_split_is_one_error(tmp_path):
     with pytest.raises(ArgumentError) as err:
         make_args(split=None, per_split_data_args_path=str(table))
     assert err.value.flag == "--per-split-data-args-path" and "test" in str(err.value)
+
+
+def test_a_blend_built_on_threads_reads_the_same_samples(tmp_path, monkeypatch):
+    """--num-dataset-builder-threads: the prefixes are built on that many threads (counted), in
+    blend order, so the samples are those of a serial build."""
+    import threading
+    from megatron.training import datasets
+    low = make_prefix(tmp_path, "low", documents_in_range(0))
+    high = make_prefix(tmp_path, "high", documents_in_range(500))
+    threads: set[str] = set()
+    build = datasets._LocalBuilder._build_megatron_dataset_splits
+
+    def recording(self, *args):
+        threads.add(threading.current_thread().name)
+        return build(self, *args)
+    monkeypatch.setattr(datasets._LocalBuilder, "_build_megatron_dataset_splits", recording)
+    blend = ["0.5", low, "0.5", high]
+    serial, _, _ = build_datasets(make_args(data_path=blend), TOKENIZER)
+    assert len(threads) == 1
+    threads.clear()
+    threaded, _, _ = build_datasets(make_args(data_path=blend, num_dataset_builder_threads=2),
+                                    TOKENIZER)
+    assert len(threads) == 2 and tokens(threaded, 40) == tokens(serial, 40)
+
+
+def test_mid_level_dataset_surplus_sizes_a_blends_datasets(tmp_path):
+    """Each dataset of a blend builds its weight's share of the samples plus the surplus
+    (megatron-core's rule) in whole epochs of its documents: 40 x 1.005 samples fit in one (69
+    here), 40 x 2 (a surplus of 1) need two (139)."""
+    low = make_prefix(tmp_path, "low", documents_in_range(0))
+    high = make_prefix(tmp_path, "high", documents_in_range(500))
+    blend = ["0.5", low, "0.5", high]
+    default, _, _ = build_datasets(make_args(data_path=blend), TOKENIZER)
+    larger, _, _ = build_datasets(make_args(data_path=blend, mid_level_dataset_surplus=1.0),
+                                  TOKENIZER)
+    assert [len(d) for d in default.datasets] == [69, 69]
+    assert [len(d) for d in larger.datasets] == [139, 139]  # two epochs of its documents
+
+
+@pytest.mark.parametrize("flag,value", [("--num-dataset-builder-threads", "0"),
+                                        ("--mid-level-dataset-surplus", "-0.1")])
+def test_bad_dataset_builder_values_are_one_line(flag, value, capsys):
+    from megatron.training.arguments import parse_and_validate
+    from tests._launch_util import TINY_GPT
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate([*TINY_GPT, "--train-iters", "2", flag, value], world_size=1)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and f"error: {flag}: " in err, err

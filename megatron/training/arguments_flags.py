@@ -231,6 +231,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                    help="Read the .bin files with plain file reads instead of memory-mapping them "
                         "(megatron-core's IndexedDataset option).")
+    g.add_argument("--num-dataset-builder-threads", type=int, default=1,
+                   help="Threads that build a blend's datasets (each prefix's index arrays).")
+    g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                   help="Extra share of samples each dataset of a blend builds beyond its weight's.")
 
 
 def add_logging_args(parser: argparse.ArgumentParser) -> None:

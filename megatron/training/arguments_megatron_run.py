@@ -153,9 +153,6 @@ RUN_FLAGS: dict[str, Refusal] = {
                                                  "supported yet"),
     "--dataloader-inter-document-masking": not_yet("masks attention across documents, not "
                                                    "supported yet"),
-    "--num-dataset-builder-threads": not_yet("builds dataset indices on threads, not supported "
-                                             "yet"),
-    "--mid-level-dataset-surplus": not_yet("changes blended-dataset sampling, not supported yet"),
     "--allow-ambiguous-pad-tokens": not_yet("allows a pad token equal to another special token, "
                                             "not supported yet"),
     # tokenizer

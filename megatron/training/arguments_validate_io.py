@@ -43,6 +43,12 @@ def validate_data(args: argparse.Namespace) -> list[str]:
             args.split = LEGACY_DEFAULT_SPLIT
     if args.num_workers < 0:
         raise ArgumentError("--num-workers", "--num-workers must be >= 0", "pass --num-workers 2")
+    if args.num_dataset_builder_threads < 1:
+        raise ArgumentError("--num-dataset-builder-threads", "--num-dataset-builder-threads must "
+                            "be >= 1", "pass --num-dataset-builder-threads 1")
+    if not args.mid_level_dataset_surplus >= 0:
+        raise ArgumentError("--mid-level-dataset-surplus", "--mid-level-dataset-surplus must be "
+                            ">= 0", "pass --mid-level-dataset-surplus 0.005")
     return warnings
 
 

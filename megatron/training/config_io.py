@@ -31,6 +31,8 @@ class DataConfig:
     create_attention_mask: bool  # --create-attention-mask-in-dataloader
     mmap_bin_files: bool
     sizes: tuple[int, int, int]  # samples requested per split (train, valid, test)
+    builder_threads: int = 1  # --num-dataset-builder-threads
+    mid_level_surplus: float = 0.005  # --mid-level-dataset-surplus
 
     def __post_init__(self):
         if min(self.sizes) < 0 or self.seq_length < 1:
@@ -44,7 +46,9 @@ class DataConfig:
                    reset_attention_mask=bool(args.reset_attention_mask),
                    eod_mask_loss=bool(args.eod_mask_loss),
                    create_attention_mask=bool(args.create_attention_mask_in_dataloader),
-                   mmap_bin_files=bool(args.mmap_bin_files), sizes=dataset_sizes(args))
+                   mmap_bin_files=bool(args.mmap_bin_files), sizes=dataset_sizes(args),
+                   builder_threads=args.num_dataset_builder_threads,
+                   mid_level_surplus=args.mid_level_dataset_surplus)
 
 
 def dataset_sizes(args: argparse.Namespace) -> tuple[int, int, int]:

@@ -21,6 +21,7 @@ import re
 import shutil
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -133,7 +134,8 @@ def build_datasets(data: DataConfig, tokenizer
         reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.create_attention_mask,
-        mid_level_dataset_surplus=0.005,  # megatron-core's default (no flag sets it)
+        mid_level_dataset_surplus=data.mid_level_surplus,
+        num_dataset_builder_threads=data.builder_threads,
         mmap_bin_files=data.mmap_bin_files,  # --no-mmap-bin-files: read the .bin with file reads
     )
     train, valid, test = _LocalBuilder(cls, list(data.sizes), lambda: True, config).build()
@@ -263,9 +265,13 @@ class _LocalBuilder(BlendedMegatronDatasetBuilder):
         return cls(*args)
 
     def _build_megatron_datasets_parallel(self, prefixes, split, sizes_per_dataset):
+        """Each prefix's splits, on --num-dataset-builder-threads threads, kept in blend order."""
+        def build(prefix, sizes):
+            return self._build_megatron_dataset_splits(prefix, split, sizes, False)
+        with ThreadPoolExecutor(max_workers=self.config.num_dataset_builder_threads) as pool:
+            built_per_prefix = list(pool.map(build, prefixes, sizes_per_dataset))
         per_split: list[list] = [[] for _ in Split]
-        for prefix, sizes in zip(prefixes, sizes_per_dataset):
-            built = self._build_megatron_dataset_splits(prefix, split, sizes, False)
+        for built in built_per_prefix:
             for datasets, dataset in zip(per_split, built):
                 datasets.append(dataset)
         return per_split
