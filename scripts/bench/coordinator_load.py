@@ -134,9 +134,33 @@ class Verdicts:
             time.sleep(0.01)
 
 
+def faults(port: int, control, timeouts: Timeouts, dead: set[int], stuck_rank: int) -> dict:
+    """The storm, then the stuck rank (after the storm's epoch: a waiter's report counts in its
+    own epoch); the time each was named dead after its fault."""
+    verdicts = Verdicts(job_store(port))
+    storm_at = time.monotonic() + 0.05
+    control["storm_at"] = storm_at
+    verdicts.wait_for(dead, timeouts.stall + 30)
+    stuck_at = time.monotonic() + 0.05
+    control["stuck_at"] = stuck_at
+    time.sleep(0.05 + timeouts.operation)  # the stuck rank's peer times out, and reports it
+    P.post_report(verdicts.store, P.Report.make(
+        "suspect", rank=0, epoch=verdicts.epoch, suspects=[stuck_rank],
+        where="bench: dp.allreduce timed out"))
+    verdicts.wait_for({stuck_rank}, timeouts.stall + 30)
+    latencies = sorted(verdicts.named[r] - storm_at for r in dead if r in verdicts.named)
+    return {"storm_ranks": len(dead), "named": len(latencies),
+            "death_to_verdict_median_s": latencies[len(latencies) // 2] if latencies else None,
+            "death_to_verdict_max_s": latencies[-1] if len(latencies) == len(dead) else None,
+            "stuck_verdict_after_progress_s": verdicts.named[stuck_rank] - stuck_at
+            if stuck_rank in verdicts.named else None}
+
+
 def run_arm(nodes: int, arm: str, args, out: Path) -> dict:
     timeouts = Timeouts(args.recover_timeout)
     world = nodes * RANKS_PER_NODE
+    row = {"nodes": nodes, "arm": arm, "ranks": world, "registered": False,
+           "budget_s": timeouts.operation + 1.0}
     proc, port = start_coordinator(world, timeouts.operation, out / f"coordinator-{arm}-{nodes}.log")
     manager = mp.Manager()
     storm_nodes = list(range(1, nodes, 100))[: max(1, nodes // 100)]  # 1 %, never node 0
@@ -144,36 +168,24 @@ def run_arm(nodes: int, arm: str, args, out: Path) -> dict:
     control = manager.dict(stop=False, storm_at=0.0, stuck_at=0.0, storm_nodes=storm_nodes,
                            stuck_rank=stuck_rank)
     done = manager.Queue()
-    ctx = mp.get_context("fork")
     slices = [list(range(b, nodes, args.beaters)) for b in range(args.beaters)]
-    procs = [ctx.Process(target=beater, args=(port, s, arm, timeouts.heartbeat_interval, control,
-                                              done), daemon=True) for s in slices]
+    procs = [mp.get_context("fork").Process(target=beater, daemon=True, args=(
+        port, s, arm, timeouts.heartbeat_interval, control, done)) for s in slices]
     try:
         for p in procs:
             p.start()
         t0 = time.monotonic()
-        if not register(port, world, arm, timeouts.operation, args.register_within):
-            return {"nodes": nodes, "arm": arm, "ranks": world, "registered": False,
-                    "registered_s": time.monotonic() - t0}
-        registered_in = time.monotonic() - t0
+        row["registered"] = register(port, world, arm, timeouts.operation, args.register_within)
+        row["registered_s"] = time.monotonic() - t0
+        if not row["registered"]:
+            return row
         cpu0, wall0 = cpu_seconds(proc.pid), time.monotonic()
         time.sleep(args.warmup)
-        cpu = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - wall0)
-        verdicts = Verdicts(job_store(port))
-        storm_at = time.monotonic() + 0.05
-        control["storm_at"] = storm_at
+        row["coordinator_cpu"] = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - wall0)
         dead = {n * RANKS_PER_NODE + i for n in storm_nodes for i in range(RANKS_PER_NODE)}
-        verdicts.wait_for(dead, timeouts.stall + 30)
-        stuck_at = time.monotonic() + 0.05  # after the storm's epoch: a report counts in its own
-        control["stuck_at"] = stuck_at
-        time.sleep(0.05 + timeouts.operation)  # the stuck rank's peer times out, and reports it
-        P.post_report(verdicts.store, P.Report.make(
-            "suspect", rank=0, epoch=verdicts.epoch, suspects=[stuck_rank],
-            where="bench: dp.allreduce timed out"))
-        verdicts.wait_for({stuck_rank}, timeouts.stall + 30)
-        named = verdicts.named
+        row.update(faults(port, control, timeouts, dead, stuck_rank))
         control["stop"] = True
-        rates = [done.get(timeout=30) for _ in procs]
+        row["writes_per_s"] = sum(done.get(timeout=30) for _ in procs)
     finally:
         control["stop"] = True
         for p in procs:
@@ -183,18 +195,10 @@ def run_arm(nodes: int, arm: str, args, out: Path) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         manager.shutdown()
-    latencies = sorted(named[r] - storm_at for r in dead if r in named)
-    target = nodes / timeouts.heartbeat_interval * (1 if arm == "node" else RANKS_PER_NODE)
-    return {"nodes": nodes, "arm": arm, "ranks": world, "registered": True,
-            "registered_s": registered_in,
-            "writes_per_s": sum(rates), "target_writes_per_s": target,
-            "generator_short": sum(rates) < 0.9 * target, "coordinator_cpu": cpu,
-            "storm_ranks": len(dead), "named": len(latencies),
-            "death_to_verdict_median_s": latencies[len(latencies) // 2] if latencies else None,
-            "death_to_verdict_max_s": latencies[-1] if len(latencies) == len(dead) else None,
-            "stuck_verdict_after_progress_s": named[stuck_rank] - stuck_at
-            if stuck_rank in named else None,
-            "budget_s": timeouts.operation + 1.0}
+    row["target_writes_per_s"] = nodes / timeouts.heartbeat_interval * (
+        1 if arm == "node" else RANKS_PER_NODE)
+    row["generator_short"] = row["writes_per_s"] < 0.9 * row["target_writes_per_s"]
+    return row
 
 
 def fmt(value, digits=2) -> str:
