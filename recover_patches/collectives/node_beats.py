@@ -18,6 +18,7 @@ standby, on another -- is the only voice of its rank. Ranks started without such
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -56,8 +57,12 @@ def write_beat(directory: str, rank: int, interval: float, beat: str) -> None:
 def _beat_files(directory: str, live_pids: set[int]) -> list[tuple[int, str]]:
     """(rank, path) of the beat files of live processes; the files of ended ones are removed
     (a later process given the same pid must not speak for their ranks)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # the directory was removed under us: nothing to forward, the launcher lives on
+        return []
     found = []
-    for name in os.listdir(directory):
+    for name in names:
         pid, _, rank = name.partition("-")
         if not (rank.isdigit() and pid.isdigit()):
             continue  # a file being written
@@ -65,7 +70,8 @@ def _beat_files(directory: str, live_pids: set[int]) -> list[tuple[int, str]]:
         if int(pid) in live_pids:
             found.append((int(rank), path))
         else:
-            os.remove(path)
+            with contextlib.suppress(OSError):
+                os.remove(path)
     return found
 
 

@@ -51,6 +51,8 @@ def test_the_relay_forwards_live_processes_beats_once_per_interval(tmp_path):
     assert relay.collect([]) == {}  # due; no live process: nothing to forward for them
     relay.close()
     assert not tmp_path.exists()
+    clock.now += 1.0
+    assert relay.collect([os.getpid()]) == {}  # its directory gone: the launcher goes on
 
 
 def test_node_beats_from_env_needs_both_variables():
