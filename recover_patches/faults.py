@@ -26,7 +26,10 @@ inf and corrupt run the action the trainer registered in `FaultInjector.actions`
 kill, node, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored. iter=any matches the
 first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1;
-phase `eval` with iter=I is a forward pass of the evaluation after iteration I; phase
+phase `eval` with iter=I is a forward pass of the evaluation after iteration I; between the
+reduction and the step come `reduced` (the DP reduction returned), `ack` (before the ack over the
+DP group), `exchange` (acked, before the exchange over the replica) and `confirmed` (committed,
+before the step; `optimizer` follows the gradient norm); phase
 `param_gather` is the distributed optimizer's weight all-gather, after this rank stepped its slice. A
 replacement process (launch --max-replacements) gets its rank's specs again; a one-shot fault at
 an iteration it joins after never fires.
@@ -43,8 +46,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt", "coordinator")
-PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "optimizer", "param_gather",
-          "checkpoint", "recovery", "join", "eval")
+PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "reduced", "ack", "exchange",
+          "confirmed", "optimizer", "param_gather", "checkpoint", "recovery", "join", "eval")
 ENV_VAR = "RECOVER_INJECT_FAULT"
 ANY = -1  # iter=any: the first matching call, whatever the iteration
 FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K] (slow: seconds=S instead of iter) "

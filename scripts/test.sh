@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-python -m pytest -q -p no:cacheprovider tests "$@"
+python -m pytest -q -p no:cacheprovider --durations=25 tests "$@"  # the slowest 25: keep CI < 30 min

@@ -37,14 +37,13 @@ def reference(tmp_path_factory):
     return [r for r in run.records if "lm_loss" in r]
 
 
-def test_a_failure_free_iteration_touches_the_store_only_for_the_commit_vote(reference):
-    """Issue [Q]: ranks beat to their launcher, which forwards one beat per node; what the
-    logging rank still asks of the coordinator's store in a failure-free iteration is its commit
-    vote's operations (`commit_store_ops`: it leads a replica of one rank), nothing else. The
-    first record also carries the start-up's group rendezvous."""
+def test_a_failure_free_iteration_touches_no_store(reference):
+    """Issue [Q]: ranks beat to their launcher, which forwards one beat per node, and the commit
+    rides in the collectives (an ack and an exchange), so a failure-free iteration makes no
+    operation on the coordinator's store. The first record also carries the start-up's group
+    rendezvous."""
     steady = reference[1:]
-    assert [r["store_ops"] for r in steady] == [r["commit_store_ops"] for r in steady], steady
-    assert all(r["commit_store_ops"] > 0 for r in steady)  # the vote: [Q]'s next step removes it
+    assert [r["store_ops"] for r in steady] == [0] * len(steady), steady
 
 
 def assert_failure_free_trajectory(run, reference) -> list[dict]:
@@ -56,6 +55,38 @@ def assert_failure_free_trajectory(run, reference) -> list[dict]:
         assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
         assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
     return records
+
+
+@pytest.mark.timeout(300)
+def test_kills_between_the_reduction_and_the_step_keep_the_trajectory(reference, tmp_path):
+    """Issue [Q], (1,1,4): rank 1 dies before its ack at iteration 2 -- every survivor's ack
+    fails after its reduction completed, so all hold their sums, settle commits and each rolls
+    forward (no recomputation); rank 2 dies after committing iteration 4, before its step -- the
+    others committed too and meet its loss in iteration 5, recomputing its share there."""
+    run = run_job(tmp_path, "1,1,4", "--inject-fault", "kill:rank=1,iter=2,phase=ack",
+                  "--inject-fault", "kill:rank=2,iter=4,phase=confirmed")
+    records = assert_failure_free_trajectory(run, reference)
+    (rolled,) = records[1]["recoveries"]
+    assert rolled["rolled_forward"] and rolled["phase"] == "commit" and rolled["lost_ids"] == []
+    assert [r["iteration"] for r in records if r["recoveries"]] == [2, 5], run.stderr[-3000:]
+    assert records[4]["recoveries"][-1]["lost_replicas"] == [2]
+    assert "stepped with the sum it held" in run.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_kill_between_ack_and_exchange_commits_on_one_replica_and_not_the_other(reference,
+                                                                                   tmp_path):
+    """Issue [Q], (1,2,2) (replica 0: ranks 0, 2; replica 1: ranks 1, 3): rank 3 dies after its
+    ack at iteration 3. Replica 0's exchange completes (committed by the collectives); rank 1's
+    fails, it holds its sum and waits in settle until replica 0's ranks report their commit (on
+    meeting the failure in iteration 4), then rolls forward and leaves with its broken replica."""
+    run = run_job(tmp_path, "1,2,2", "--inject-fault", "kill:rank=3,iter=3,phase=exchange")
+    records = assert_failure_free_trajectory(run, reference)
+    assert [r["iteration"] for r in records if r["recoveries"]] == [4], run.stderr[-3000:]
+    assert records[3]["recoveries"][-1]["lost_replicas"] == [1]
+    assert "rank 1 suspects [3] in replica1.allreduce" in run.stderr  # the exchange
+    assert "rank 1: peer failure in step" in run.stdout  # it rolled forward: its step failed
+    assert "replica 1 lost rank(s) [3]" in run.stdout
 
 
 @pytest.mark.timeout(300)

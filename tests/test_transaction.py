@@ -8,7 +8,8 @@ from recover_patches.collectives import Regrouped
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.agreement import Decision
 from recover_patches.recovery.iteration import (IterationTransaction, LiveReplicas, ReplicaLost,
-                                                TooFewReplicas)
+                                                StepInterrupted, TooFewReplicas)
+from recover_patches.recovery.settle import NOTHING, SUM
 from recover_patches.recovery.grad_buffer import ReducedGradients
 from recover_patches.recovery.reduce import CommitError, Totals
 from recover_patches.pipeline.schedule import ScheduleResult
@@ -35,6 +36,10 @@ class FakeJob:
         self.peer_torn = False  # another rank of this replica stopped short in round 0
         self.plans: list[dict[int, list[int]]] = []  # every plan made, round 0 first
         self.extra: list[int] = []  # ids some replica reduced beyond the plans
+        self.settled: list[tuple[str, str]] = []  # (round key, status) of every settle
+        self.committed: list[tuple[str, Decision]] = []  # note_commit calls
+        self.roll_forward = Decision.ABORT  # what settling a SUM rank's round decides
+        self.steps = 0
         self.live = LiveReplicas(replica=me, live_replicas=list(range(replicas)), epoch=0,
                                  replica_ranks=lambda r: RANKS[r])
 
@@ -59,7 +64,13 @@ class FakeJob:
         all_ids += self.extra
         return ReducedGradients(Totals.of_ids(all_ids, 10 * len(all_ids)), [])
 
+    def confirm(self, news):
+        if self.script.get(self.round, ("", set()))[0] == "commit":  # the ack or the exchange
+            raise PeerFailure(self.live.epoch, self.script[self.round][1], "dp.allreduce")
+        return news
+
     def step(self, reduced):
+        self.steps += 1
         return {"loss": reduced.totals.loss_sum}
 
     def plan(self, ids, replicas):
@@ -71,11 +82,12 @@ class FakeJob:
     def latest_epoch(self):
         return 0
 
-    def commit_vote(self, key, members, reduced_ok, news=False):
-        fails = self.round in self.script
-        if not reduced_ok or fails:
-            return Decision.ABORT
-        return Decision.COMMIT
+    def note_commit(self, key, decision):
+        self.committed.append((key, decision))
+
+    def settle(self, key, members, status):
+        self.settled.append((key, status))
+        return self.roll_forward if status == SUM else Decision.ABORT
 
     def agree_on_epoch(self, key, since):
         self.dead |= self.script[self.round][1]
@@ -119,6 +131,8 @@ def test_failure_free_iteration_commits_its_share():
     out = job.transaction().run(6, IDS)
     assert job.executed == [[42, 43]]
     assert out.ids == IDS and out.totals.microbatches == 8 and out.recoveries == []
+    # committed by the collectives alone: noted for a later failure, nothing settled
+    assert job.committed == [("6/after0", Decision.COMMIT)] and job.settled == []
 
 
 def test_lost_ids_only_are_recomputed_by_survivors():
@@ -187,10 +201,6 @@ def test_without_agreement_a_failure_propagates():
 def test_a_failure_latched_after_the_reduction_returned_aborts_the_commit():
     # NCCL: the reduction's wait() returned, then the watchdog latched that it never ended
     job = FakeJob(me=0, script={0: ("latched", {2})})
-    votes: list[bool] = []
-    vote = job.commit_vote
-    job.commit_vote = lambda key, members, reduced_ok, news=False: (
-        votes.append(reduced_ok) or vote(key, members, reduced_ok, news))
 
     def check_reduced():
         if job.round == 0:
@@ -198,9 +208,33 @@ def test_a_failure_latched_after_the_reduction_returned_aborts_the_commit():
     tx = job.transaction()
     job.check_reduced = check_reduced
     out = tx.run(6, IDS)
-    assert votes[0] is False  # this rank told the others no commit is possible
+    assert job.settled[0] == ("6/after0", NOTHING)  # holds no sum: aborts for everyone
     assert out.recoveries[0].phase == "reduce" and out.recoveries[0].lost_replicas == [2]
     assert out.totals.microbatches == 8 and out.ids == IDS
+
+
+@pytest.mark.parametrize("decided", [Decision.COMMIT, Decision.COMMIT_AND_SYNC])
+def test_a_rank_whose_ack_failed_after_the_round_committed_elsewhere_rolls_forward(decided):
+    """Settle says the round committed (another rank's exchange completed): this rank holds its
+    full sum, so it steps with it -- no recovery round, no recomputation, the decision's sync."""
+    job = FakeJob(me=1, script={0: ("commit", {2})})
+    job.roll_forward = decided
+    out = job.transaction().run(6, IDS)
+    assert job.settled == [("6/after0", SUM)] and job.steps == 1
+    assert job.executed == [[42, 43]] and job.rebuilt == [] and job.abandoned == 0
+    (record,) = out.recoveries
+    assert record.rolled_forward and record.phase == "commit" and record.lost_ids == []
+    assert out.ids == IDS and out.totals.microbatches == 8
+    assert out.sync is (decided is Decision.COMMIT_AND_SYNC)
+
+
+def test_a_rank_whose_ack_failed_in_an_aborted_round_recovers_keeping_its_work():
+    job = FakeJob(me=0, script={0: ("commit", {2})})  # settle: ABORT (someone held nothing)
+    out = job.transaction().run(6, IDS)
+    assert job.settled == [("6/after0", SUM)] and job.steps == 1
+    assert job.executed == [[40, 41], [44]]  # round 0 kept, then a share of replica 2's ids
+    assert out.recoveries[0].phase == "commit" and not out.recoveries[0].rolled_forward
+    assert out.ids == IDS and out.totals.microbatches == 8
 
 
 def test_a_rejected_result_is_recovered_like_a_failure_and_validation_sees_the_plan():
@@ -222,25 +256,23 @@ def test_a_rejected_result_is_recovered_like_a_failure_and_validation_sees_the_p
     assert out.totals.microbatches == 8 and out.ids == IDS
 
 
-def test_a_failure_in_the_step_is_seen_in_step_and_casts_no_late_vote():
-    """The commit was decided before the step: a collective failing inside it (e.g. a peer of
-    the distributed optimizer's all-gather died) must not vote on that decided key again."""
+@pytest.mark.parametrize("dead, raised", [({4}, ReplicaLost), ({2}, StepInterrupted)])
+def test_a_failure_inside_the_step_is_never_settled_and_the_step_never_redone(dead, raised):
+    """The exchange committed the round before the step: a collective failing inside it (a
+    member of this replica died: ReplicaLost) settles nothing, and a replica that stays live
+    cannot redo a step half done, so the job stops (StepInterrupted)."""
     job = FakeJob(me=0, script={})
-    votes: list[bool] = []
-    job.commit_vote = lambda key, members, reduced_ok, news=False: (
-        votes.append(reduced_ok) or Decision.COMMIT)
-    steps = []
 
     def step(reduced):
-        steps.append(reduced)
-        if len(steps) == 1:
-            job.script[job.round] = ("", {2})  # the epoch that follows declares replica 2 dead
-            raise PeerFailure(0, {2}, "distopt.position.allgather")
-        return {"loss": reduced.totals.loss_sum}
+        job.steps += 1
+        job.script[job.round] = ("", dead)  # the epoch that follows declares them dead
+        raise PeerFailure(0, dead, "replica.allreduce")
     tx = job.transaction()
     job.step = step
-    out = tx.run(6, IDS)
-    assert out.recoveries[0].phase == "step" and False not in votes, (out.recoveries, votes)
+    with pytest.raises(raised):
+        tx.run(6, IDS)
+    assert job.committed == [("6/after0", Decision.COMMIT)] and job.settled == []
+    assert job.steps == 1 and job.executed == [[40, 41]]
 
 
 def test_a_replica_with_incomplete_weights_computes_its_quota_after_recovery():

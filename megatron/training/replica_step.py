@@ -143,8 +143,27 @@ class GPTReplicaStep:
         if self.weight_check_due():
             self.weights_ready()
             fingerprint = weight_fingerprint(self.params)
-        return self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
-                                 fingerprint, self._alarm(local))
+        reduced = self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
+                                    fingerprint, self._alarm(local))
+        self.hook("reduced")
+        # Megatron's finalisation, here: a rank rolling forward steps from `reduced` (settle.py)
+        grads = [self.grads.reduced_grad(p) for p in self.params]
+        sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
+        sync_sequence_parallel_grads(self.params, grads, self.groups.tp)
+        return reduced
+
+    def confirm(self, news: bool) -> bool:
+        """4: the ack over the DP group, then the exchange over the replica's group, each read on
+        the host and checked for latched failures: no exchange unless this rank's ack completed."""
+        flag = torch.tensor([int(news)], dtype=torch.int32, device=self.device)
+        for phase, group in (("ack", self.groups.dp), ("exchange", self.groups.replica)):
+            self.hook(phase)
+            if group.size() > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                news = bool(flag.item())
+                self.groups.raise_latched()
+        self.hook("confirmed")
+        return news
 
     def _alarm(self, local: Totals) -> float | torch.Tensor:
         """--rerun-mode validate_results: ALARM_NOT_FINITE if this replica's own loss sum is not
@@ -198,19 +217,16 @@ class GPTReplicaStep:
             resolve_spike(self, self.config.rerun, at, spiky, dict(assignment), local.loss_sum)
 
     def rerun(self, ids: list[int]) -> Any:
+        return self._rerun(ids, lambda done, before: done.loss_sum)
+
+    def rerun_gradient_norm(self, ids: list[int]) -> float:
+        return self._rerun(ids, lambda done, before: float(self.grads.local_norm(since=before)))
+
+    def _rerun(self, ids: list[int], result: Callable[[ScheduleResult, Any], Any]) -> Any:
         before = self.snapshot()
         self._injected_at = self.iteration() + 1  # a re-run is never the injected computation
         try:
-            return self.execute(ids).loss_sum
-        finally:
-            self.restore(before)
-
-    def rerun_gradient_norm(self, ids: list[int]) -> float:
-        before = self.snapshot()
-        self._injected_at = self.iteration() + 1
-        try:
-            self.execute(ids)
-            return float(self.grads.local_norm(since=before))
+            return result(self.execute(ids), before)
         finally:
             self.restore(before)
 
@@ -226,15 +242,13 @@ class GPTReplicaStep:
         return self.live.replica_ranks(replica)
 
     def step(self, reduced: ReducedGradients) -> dict:
-        """Megatron's order: finalise the reduced grads (tied embeddings, sequence-parallel norms),
-        unscale, norm (the overflow check), clip, step -- or skip the step on an fp16 overflow.
+        """Megatron's order (the reduced grads were finalised in `reduce`): unscale, norm (the
+        overflow check), clip, step -- or skip the step on an fp16 overflow.
         The report's `skipped_step` says which (the Trainer counts them)."""
         checked = self.weight_check_due()
         if checked:
             self.check_weights_agree(reduced)
         grads = [self.grads.reduced_grad(p) for p in self.params]
-        sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
-        sync_sequence_parallel_grads(self.params, grads, self.groups.tp)
         tokens = max(reduced.totals.tokens, 1)
         scaler = self.optimizer.scaler
         scale = 1.0 if scaler is None else scaler.scale

@@ -84,7 +84,6 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.link,
             self.live, iteration=lambda: self.state.iteration, hook=self.hook)
         self._was_logging = False
-        self._store_ops_seen = 0  # the agreement's count at the last record
         self._rank_ops_seen = 0  # store_ops() at the last record
         self._skipped_at_last_line = 0
         self.faults.set_actions(inf=self.grads.poison, corrupt=self.replica.corrupt_a_weight)
@@ -244,9 +243,6 @@ class Trainer:
                 seconds, 1e-9) / gpus / 1e12
         if config.log_memory:  # every rank: a successor logs what it recorded
             rec["memory"] = memory_scalars(self.device)
-        if self.agreement is not None:  # this rank's store operations in the commit votes
-            rec["commit_store_ops"] = self.agreement.store_ops - self._store_ops_seen
-            self._store_ops_seen = self.agreement.store_ops
         if self.store_ops is not None:  # all of them, from every thread, since the last record
             ops = self.store_ops()
             rec["store_ops"], self._rank_ops_seen = ops - self._rank_ops_seen, ops
@@ -266,7 +262,9 @@ class Trainer:
                 f"iteration {self.state.iteration} round {r.round}: {r.failure} "
                 f"(seen in {r.phase}) | epoch {r.epoch}, dead ranks {r.dead}, lost replicas "
                 f"{r.lost_replicas} | lost microbatches {r.lost_ids} -> "
-                + (", ".join(f"replica {k}: {v}" for k, v in r.replanned.items() if v) or "dropped")
+                + (", ".join(f"replica {k}: {v}" for k, v in r.replanned.items() if v)
+                   or ("none: committed, this rank stepped with the sum it held" if r.rolled_forward
+                       else "dropped"))
                 + " | " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r.seconds.items())
                 + f" | groups kept {len(r.groups_kept)}, shrunk {len(r.groups_shrunk)}, "
                 f"rebuilt {len(r.groups_rebuilt)}")

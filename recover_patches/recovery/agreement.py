@@ -1,9 +1,11 @@
 """Decisions every survivor must take identically, made through the coordinator's store.
 
 Two questions need one answer across ranks even when failures strike between them:
-  * did round k of iteration i commit? A reduction can complete on one rank and fail on another
-    (a peer dies after sending its last message to some but not all), so each rank's local outcome
-    is not enough. Rule: commit iff every member reported its reduction done. The first rank to
+  * did round k of iteration i commit? A training round decides it by its collectives and uses
+    the store only once a failure interrupted it (`settle`: the protocol is in `settle.py`).
+    An evaluation, and a join, vote (`commit_vote`): a reduction can complete on one rank and
+    fail on another (a peer dies after sending its last message to some but not all), so each
+    rank's local outcome is not enough. Rule: commit iff every member reported its reduction done. The first rank to
     know the answer writes it with compare_set; everyone follows the stored decision.
     With a `ReplicaLink`, the ranks of a replica first agree over their own group that all of
     them got this far, and only the replica's leader votes on the store and passes the decision
@@ -29,7 +31,6 @@ progress (`collectives/liveness.py`). Recovery waits `verdict_wait` for that ver
 """
 from __future__ import annotations
 
-import enum
 import json
 import time
 from dataclasses import dataclass
@@ -38,23 +39,10 @@ from typing import Callable, Iterable, TypeVar
 import torch.distributed as dist
 
 from recover_patches.collectives import PeerFailure
-
-
+from recover_patches.recovery import settle
+from recover_patches.recovery.decision import Decision
 
 T = TypeVar("T")
-
-
-class Decision(enum.Enum):
-    """The outcome of a commit vote, the same on every member."""
-    ABORT = "abort"
-    COMMIT = "commit"
-    COMMIT_AND_SYNC = "commit+sync"  # committed, and a member saw a newer membership epoch: all
-    #                                  members meet at the iteration boundary (grow / rebuild)
-
-    @property
-    def committed(self) -> bool:
-        return self is not Decision.ABORT
-
 
 COMMIT, ABORT = Decision.COMMIT.value, Decision.ABORT.value
 CODES = list(Decision)  # a decision travels inside a replica as its index here
@@ -85,10 +73,11 @@ class StoreAgreement:
         self.verdict_wait = timeout if verdict_wait is None else verdict_wait  # for an epoch
         self.poll, self.max_poll = poll, max_poll
         self.replica = replica
-        self.store_ops = 0  # by this rank's commit votes: what a failure-free iteration costs
+        self.store_ops = 0  # by this rank's commit votes (evaluations, joins)
         self._previous_vote: list[str] = []  # keys of the vote before: see the module docstring
         self._previous_barrier: list[str] = []
         self._known: dict[str, str] = {}  # what this rank last read: re-published on a new store
+        self._unreported: tuple[str, Decision] | None = None  # see note_commit
         if hasattr(membership, "add_reconnect_listener"):
             membership.add_reconnect_listener(self._republish)
 
@@ -206,6 +195,55 @@ class StoreAgreement:
                                   f"{self.timeout:g}s", confirmed=False)
             pause = self._sleep(pause)
 
+    # --- an interrupted training round (settle.py) -------------------------------------------
+    def note_commit(self, key: str, decision: Decision) -> None:
+        """This rank committed round `key` by its collectives (no store operation): the first
+        time it uses the store again it reports so, for ranks whose round was interrupted."""
+        self._unreported = (key, decision)
+
+    def _report_commit(self) -> None:
+        if self._unreported is not None:
+            key, decision = self._unreported
+            self._surviving_restarts(
+                lambda: settle.report(self.store, key, self.rank, settle.COMMITTED, decision))
+            self._unreported = None
+            self._know_settled(key, decision)
+
+    def _know_settled(self, key: str, decision: Decision) -> None:
+        """Re-published on a new store: ranks still settling `key` find the decision there."""
+        self._known = {k: v for k, v in self._known.items() if not k.startswith("recover/settle/")}
+        self._known[settle.prefix_of(key) + "decision"] = decision.value
+
+    def settle(self, key: str, members: Iterable[int], status: str) -> Decision:
+        """The decision of round `key`, interrupted on this rank with `status` (settle.NOTHING or
+        settle.SUM); the same on every member. A SUM rank waits for it; RecoveryStalled if
+        nothing decides it within the timeout and the verdict wait."""
+        self._report_commit()
+        members = frozenset(members)
+        self.membership.mark("commit")
+        decided = self._surviving_restarts(lambda: self._settle(key, members, status))
+        self._know_settled(key, decided)
+        return decided
+
+    def _settle(self, key: str, members: frozenset[int], status: str) -> Decision:
+        decided = settle.report(self.store, key, self.rank, status)
+        start, pause, reported = time.monotonic(), self.poll, False
+        while decided is None:
+            decided = settle.poll(self.store, key, members, self.membership.dead_ranks())
+            if decided is not None:
+                break
+            waited = time.monotonic() - start
+            if waited > self.timeout and not reported:  # the coordinator names the silent ones
+                absent = settle.missing(self.store, key, members, self.membership.dead_ranks())
+                self.membership.report_failure(absent, f"settle {key}: no status in "
+                                                       f"{self.timeout:g}s")
+                reported = True
+            if waited > self.timeout + self.verdict_wait:
+                raise RecoveryStalled(f"round {key} of the commit was not settled in "
+                                      f"{waited:.1f}s: live members neither reported nor died")
+            pause = self._sleep(pause)
+        return decided
+
     def _store(self, op: str, *args):
         """A store operation of the failure-free commit path, counted."""
         self.store_ops += 1
@@ -214,6 +252,7 @@ class StoreAgreement:
     def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]:
         """Wait until this rank sees an epoch after `since_epoch` (the last agreed one), propose
         it, and return the epoch -- and its dead set -- that won the proposal."""
+        self._report_commit()
         return self._surviving_restarts(lambda: self._agree_on_epoch(key, since_epoch))
 
     def _agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]:

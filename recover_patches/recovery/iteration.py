@@ -8,13 +8,18 @@
                 an overlapped all-gather mid-forward, computes its quota again from zero, with
                 its share of the lost ids)
     3. reduce   out-of-place DP reduction of grads + microbatch count, tokens, id checksums, loss;
-                then the results are validated (--rerun-mode: a non-finite loss is re-run on
-                another replica, and a replica whose result did not repeat is fenced)
-    4. commit   all members agree the reduction completed everywhere; exactly the planned ids
-                were reduced, else stop loudly (a bug, not a failure)
-    5. step     tied-embedding sync, divide by the global token count, clip, optimizer, LR schedule
+                tied-embedding and sequence-parallel sync; then the results are validated
+                (--rerun-mode: a non-finite loss is re-run on another replica, and a replica
+                whose result did not repeat is fenced)
+    4. commit   an ack over the DP group, an exchange over the replica: the round committed
+                without a store operation (`settle.py` says why that is safe); exactly the
+                planned ids were reduced, else stop loudly (a bug, not a failure)
+    5. step     divide by the global token count, clip, optimizer, LR schedule
 
-On PeerFailure in 2-4 every survivor enters recovery: agree on the new membership epoch, drop the
+A PeerFailure in 2-4 is settled first (`settle.py`, through the store): if the round committed
+elsewhere -- this rank's ack or exchange failed after the others' completed -- this rank holds its
+full sum and steps with it ("rolls forward"). Otherwise every survivor enters recovery: agree on
+the new membership epoch, drop the
 broken replicas, rebuild the DP groups among the survivors, re-plan *only the ids the broken
 replicas owned*, compute them on top of the gradients already accumulated, and reduce again.
 Nothing is rolled back, no survivor recomputes its own microbatches, and a failure during recovery
@@ -25,10 +30,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Protocol, Sequence
 
 from recover_patches.collectives import PeerFailure, Regrouped
-from recover_patches.recovery.agreement import Decision
+from recover_patches.recovery.decision import Decision
+from recover_patches.recovery.settle import NOTHING, SUM
 from recover_patches.recovery.grad_buffer import ReducedGradients
 from recover_patches.recovery.reduce import Totals, check_commit
 
@@ -39,6 +45,12 @@ class ReplicaLost(Exception):
 
 class TooFewReplicas(Exception):
     """Fewer complete replicas remain than required: the job stops (checkpoint-restart)."""
+
+
+class StepInterrupted(RuntimeError):
+    """A replica that stays live failed inside its step (its exchange had committed the round):
+    a step is not redone, so the job stops (checkpoint-restart). A lost member ends the replica
+    (ReplicaLost) before this is raised."""
 
 
 class Executed(Protocol):
@@ -73,8 +85,13 @@ class ReplicaStep(Protocol):
                  assignment: Mapping[int, list[int]]) -> None:
         """3b: the reduced results are plausible (a rejected replica: PeerFailure naming it)."""
 
+    def confirm(self, news: bool) -> bool:
+        """4: the ack over the DP group, then the exchange over the replica's group, each waited
+        for on the host (`settle.py`); returns whether any member passed news=True."""
+
     def step(self, reduced: ReducedGradients) -> dict:
-        """5: finalise, clip, optimizer and LR step; returns what the iteration reports."""
+        """5: clip, optimizer and LR step; returns what the iteration reports. Runs from the same
+        `reduced` on a rank that rolls forward, so nothing before the optimizer changes it."""
 
     def abandon(self, phase: str) -> None:
         """Drop the backends peers may be blocked on (which: by the phase the failure came in)."""
@@ -97,8 +114,9 @@ class ReplicaStep(Protocol):
 class Agreement(Protocol):
     def latest_epoch(self) -> int: ...
 
-    def commit_vote(self, key: str, members: list[int], reduced_ok: bool,
-                    news: bool = False, per_rank: bool = False) -> Decision: ...
+    def note_commit(self, key: str, decision: Decision) -> None: ...
+
+    def settle(self, key: str, members: list[int], status: str) -> Decision: ...
 
     def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]: ...
 
@@ -176,6 +194,19 @@ class RecoveryRecord:
     groups_kept: list[str] = field(default_factory=list)  # backend intact on every member
     groups_shrunk: list[str] = field(default_factory=list)  # NCCL: shrunk, not re-created
     connect_seconds: float = 0.0  # of `rebuild`: creating or shrinking backends
+    rolled_forward: bool = False  # the round committed elsewhere: this rank stepped with its sum
+
+
+@dataclass
+class _Progress:
+    """One iteration's ids and what the transaction learned of them so far."""
+    iteration: int
+    ids: list[int]
+    owner: dict[int, int]  # round-0 owner of every id, never changed
+    replanned: dict[int, list[int]] = field(default_factory=dict)  # this recovery round's plan
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"execute": 0.0, "reduce": 0.0, "commit": 0.0})
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -206,12 +237,10 @@ class IterationTransaction:
 
     def run(self, iteration: int, ids: Sequence[int]) -> IterationOutcome:
         ids, m = list(ids), self.live
-        seconds: dict[str, float] = {"execute": 0.0, "reduce": 0.0, "commit": 0.0}
         first_plan = {r: list(q) for r, q in self.replica.plan(ids, m.live_replicas).items()}
-        owner = {g: r for r, q in first_plan.items() for g in q}  # round-0 owners, never changed
-        replanned: dict[int, list[int]] = {}  # the current recovery round's plan of lost ids
+        # round-0 owners, never changed
+        it = _Progress(iteration, ids, {g: r for r, q in first_plan.items() for g in q})
         todo, kept = first_plan.get(m.replica, []), Totals.of_ids([])
-        recoveries: list[RecoveryRecord] = []
         saved = None  # gradients as of `kept`, taken before each recovery round
         owed: list[int] = []  # this replica's round-0 quota, if its round 0 stopped short
         self._attempts = 0
@@ -222,29 +251,28 @@ class IterationTransaction:
                 phase = "execute"
                 done = self.replica.execute(todo)  # 2: accumulates on top of `kept`
                 local = kept + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
-                seconds["execute"] += time.perf_counter() - clock
-                if recoveries:
-                    recoveries[-1].seconds["recompute"] = time.perf_counter() - clock
+                it.seconds["execute"] += time.perf_counter() - clock
+                if it.recoveries:
+                    it.recoveries[-1].seconds["recompute"] = time.perf_counter() - clock
                 phase, clock = "reduce", time.perf_counter()
                 reduced = self.replica.reduce(local)  # 3: out of place
                 self.replica.check_reduced()
-                self.replica.validate(reduced, local, self._assignment(ids, owner, replanned))
-                seconds["reduce"] += time.perf_counter() - clock
+                self.replica.validate(reduced, local, self._assignment(it))
+                it.seconds["reduce"] += time.perf_counter() - clock
                 phase, clock = "commit", time.perf_counter()
-                decision = Decision.COMMIT if self.agreement is None else self.agreement.commit_vote(
-                    f"{iteration}/after{self._attempts}", m.members(), reduced_ok=True,
-                    news=self.agreement.latest_epoch() > m.epoch)
-                seconds["commit"] += time.perf_counter() - clock
-                if decision.committed:  # 4, then 5
-                    phase = "step"
-                    return self._commit_and_step(iteration, ids, owner, replanned, reduced,
-                                                 seconds, recoveries, decision)
-                failure = PeerFailure(m.epoch, (), "commit.vote", "another member's reduction failed")
+                decision = self._confirm(iteration)  # 4
+                it.seconds["commit"] += time.perf_counter() - clock
+                phase = "step"
+                return self._commit_and_step(it, reduced, decision)  # 5
             except PeerFailure as err:
                 if self.agreement is None:
                     raise
                 failure = err
-            self._seen(failure, phase, iteration)
+            if phase == "step":  # committed; then a member of this replica failed mid-step
+                self._interrupted(it, failure)
+            decision = self._settle(failure, phase, iteration)
+            if decision.committed:  # this rank holds its full sum: it steps with it
+                return self._roll_forward(it, reduced, decision, failure, clock)
             if round_ > 0:  # recovery rounds are atomic: undo this one's partial work
                 self.replica.restore(saved)
             elif phase not in ("refresh", "execute"):  # round 0 finished on every stage
@@ -252,56 +280,87 @@ class IterationTransaction:
             # round 0 stopped short of its end on some rank of a live replica (its weights were
             # incomplete, or a wait for them failed mid-forward): the whole replica computes its
             # round-0 quota again, from zero, with its share of the lost ids
-            record = self._recover(iteration, failure, phase, ids, owner,
+            record = self._recover(it, failure, phase,
                                    torn=phase in ("refresh", "execute") if round_ == 0 else None)
             if record.redo:
                 self.replica.reset()
                 kept, owed = Totals.of_ids([]), first_plan.get(m.replica, [])
-            replanned = record.replanned
+            it.replanned = record.replanned
             saved = self.replica.snapshot()
-            todo = owed + replanned.get(m.replica, [])
-            recoveries.append(record)
+            todo = owed + it.replanned.get(m.replica, [])
+            it.recoveries.append(record)
         raise RuntimeError(f"iteration {iteration}: no commit after {self.max_attempts} rounds")
 
-    def _commit_and_step(self, iteration: int, ids: list[int], owner: dict[int, int],
-                         replanned: dict[int, list[int]], reduced: ReducedGradients,
-                         seconds: dict[str, float], recoveries: list[RecoveryRecord],
-                         decision: Decision) -> IterationOutcome:
-        """Exactly the planned ids were reduced (else stop loudly: a bug), then the step."""
-        assignment = self._assignment(ids, owner, replanned)
-        owned = {g for q in assignment.values() for g in q}
-        committed = [g for g in ids if g in owned]  # the lost ids of --recover-policy drop are not
-        check_commit(reduced.totals, committed)
-        clock = time.perf_counter()
-        report = self.replica.step(reduced)  # 5
-        seconds["step"] = time.perf_counter() - clock
-        return IterationOutcome(iteration, committed, assignment, reduced.totals, report, seconds,
-                                recoveries, sync=decision is Decision.COMMIT_AND_SYNC)
+    def _key(self, iteration: int) -> str:
+        """The current round's name, the same on every survivor (see `_attempts`)."""
+        return f"{iteration}/after{self._attempts}"
 
-    def _assignment(self, ids: list[int], owner: dict[int, int],
-                    replanned: dict[int, list[int]]) -> dict[int, list[int]]:
-        """Each live replica's ids as of this round: its round-0 ones and its re-planned ones."""
-        live = self.live.live_replicas
-        final = {g: (r if r in live else None) for g, r in owner.items()}
-        final.update({g: r for r, q in replanned.items() for g in q})
-        return {r: [g for g in ids if final[g] == r] for r in live}
+    def _confirm(self, iteration: int) -> Decision:
+        """4: the ack and the exchange (`settle.py`): no store operation. COMMIT, or
+        COMMIT_AND_SYNC if a member saw a newer membership epoch (all meet at the boundary)."""
+        if self.agreement is None:
+            return Decision.COMMIT
+        news = self.replica.confirm(self.agreement.latest_epoch() > self.live.epoch)
+        decision = Decision.COMMIT_AND_SYNC if news else Decision.COMMIT
+        self.agreement.note_commit(self._key(iteration), decision)
+        return decision
 
-    def _seen(self, failure: PeerFailure, phase: str, iteration: int) -> None:
-        """Report a failure at once; before the vote, tell the others no commit is possible this
-        round (from the step on, the vote is over: it was a commit)."""
+    def _settle(self, failure: PeerFailure, phase: str, iteration: int) -> Decision:
+        """Report the failure at once, then settle the round through the store: ABORT, or a
+        commit this rank joins by rolling forward (it holds its sum: phase "commit")."""
         assert self.agreement is not None  # recovery is on
         if self.on_failure is not None:
             self.on_failure(failure, phase)
-        if phase not in ("commit", "step"):
-            self.agreement.commit_vote(f"{iteration}/after{self._attempts}", self.live.members(),
-                                       False)
+        status = SUM if phase == "commit" else NOTHING
+        return self.agreement.settle(self._key(iteration), self.live.members(), status)
 
-    def _recover(self, iteration: int, failure: PeerFailure, phase: str,
-                 ids: list[int], owner: dict[int, int], torn: bool | None) -> RecoveryRecord:
+    def _roll_forward(self, it: _Progress, reduced: ReducedGradients, decision: Decision,
+                      failure: PeerFailure, since: float) -> IterationOutcome:
+        """The round committed while this rank's ack or exchange failed: it steps with the sum it
+        holds, as the ranks that committed did (a member lost mid-step: as in `run`)."""
+        it.recoveries.append(RecoveryRecord(
+            self._attempts, str(failure), "commit", self.live.epoch, [], [], [], {},
+            {"detection": time.perf_counter() - since}, rolled_forward=True))
+        try:
+            return self._commit_and_step(it, reduced, decision)
+        except PeerFailure as err:
+            self._interrupted(it, err)
+
+    def _interrupted(self, it: _Progress, failure: PeerFailure) -> NoReturn:
+        """A step failed after the round committed: recovery ends this rank's replica
+        (ReplicaLost), or the job stops (a live replica cannot redo a step half done)."""
+        if self.on_failure is not None:
+            self.on_failure(failure, "step")
+        self._recover(it, failure, "step", torn=None)
+        raise StepInterrupted(f"iteration {it.iteration}: {failure}")
+
+    def _commit_and_step(self, it: _Progress, reduced: ReducedGradients, decision: Decision
+                         ) -> IterationOutcome:
+        """Exactly the planned ids were reduced (else stop loudly: a bug), then the step."""
+        assignment = self._assignment(it)
+        owned = {g for q in assignment.values() for g in q}
+        committed = [g for g in it.ids if g in owned]  # the lost ids of --recover-policy drop are not
+        check_commit(reduced.totals, committed)
+        clock = time.perf_counter()
+        report = self.replica.step(reduced)  # 5
+        it.seconds["step"] = time.perf_counter() - clock
+        return IterationOutcome(it.iteration, committed, assignment, reduced.totals, report,
+                                it.seconds, it.recoveries,
+                                sync=decision is Decision.COMMIT_AND_SYNC)
+
+    def _assignment(self, it: _Progress) -> dict[int, list[int]]:
+        """Each live replica's ids as of this round: its round-0 ones and its re-planned ones."""
+        live = self.live.live_replicas
+        final = {g: (r if r in live else None) for g, r in it.owner.items()}
+        final.update({g: r for r, q in it.replanned.items() for g in q})
+        return {r: [g for g in it.ids if final[g] == r] for r in live}
+
+    def _recover(self, it: _Progress, failure: PeerFailure, phase: str, torn: bool | None
+                 ) -> RecoveryRecord:
         """Abandon every group, agree on the epoch, meet all survivors, rebuild, re-plan. A
         failure on the way (a newer epoch) just starts the next attempt. `torn` (round 0 only):
         this rank's round 0 stopped short; after the rebuild the replica's ranks agree on it."""
-        m, clock = self.live, time.perf_counter()
+        m, clock, iteration = self.live, time.perf_counter(), it.iteration
         assert self.agreement is not None  # recovery is on
         self.replica.abandon(phase)
         timing = {"detection": 0.0, "rebuild": 0.0}
@@ -329,10 +388,10 @@ class IterationTransaction:
                 clock = time.perf_counter()
         else:
             raise RuntimeError(f"iteration {iteration}: recovery did not converge")
-        lost = [g for g in ids if owner[g] not in m.live_replicas]
+        lost = [g for g in it.ids if it.owner[g] not in m.live_replicas]
         replanned = {} if self.drop_lost or not lost else {
             r: list(q) for r, q in self.replica.plan(lost, m.live_replicas).items()}
         return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
-                              sorted(set(owner.values()) - set(m.live_replicas)), lost, replanned,
+                              sorted(set(it.owner.values()) - set(m.live_replicas)), lost, replanned,
                               timing, redo, regrouped.rebuilt, regrouped.kept,
                               regrouped.shrunk, regrouped.connect_seconds)
