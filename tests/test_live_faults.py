@@ -59,17 +59,21 @@ def assert_failure_free_trajectory(run, reference) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_kills_between_the_reduction_and_the_step_keep_the_trajectory(reference, tmp_path):
-    """Issue [Q], (1,1,4): rank 1 dies before its ack at iteration 2 -- every survivor's ack
-    fails after its reduction completed, so all hold their sums, settle commits and each rolls
-    forward (no recomputation); rank 2 dies after committing iteration 4, before its step -- the
-    others committed too and meet its loss in iteration 5, recomputing its share there."""
+    """Issue [Q], (1,1,4): rank 1 dies before its ack at iteration 2, rank 3 as soon as its
+    reduction returned at iteration 3 -- every survivor's ack fails after its reduction completed,
+    so all hold their sums, settle commits and each rolls forward (no recomputation); rank 2 dies
+    after committing iteration 4, before its step -- the others committed too and meet its loss in
+    iteration 5, recomputing its share there."""
     run = run_job(tmp_path, "1,1,4", "--inject-fault", "kill:rank=1,iter=2,phase=ack",
+                  "--inject-fault", "kill:rank=3,iter=3,phase=reduced",
                   "--inject-fault", "kill:rank=2,iter=4,phase=confirmed")
     records = assert_failure_free_trajectory(run, reference)
-    (rolled,) = records[1]["recoveries"]
-    assert rolled["rolled_forward"] and rolled["phase"] == "commit" and rolled["lost_ids"] == []
-    assert [r["iteration"] for r in records if r["recoveries"]] == [2, 5], run.stderr[-3000:]
+    for rolled in (records[1]["recoveries"][0], records[2]["recoveries"][0]):
+        assert rolled["rolled_forward"] and rolled["phase"] == "commit", rolled
+        assert rolled["lost_ids"] == []
+    assert [r["iteration"] for r in records if r["recoveries"]] == [2, 3, 5], run.stderr[-3000:]
     assert records[4]["recoveries"][-1]["lost_replicas"] == [2]
+    assert [len(r["live_replicas"]) for r in records] == [4, 4, 3, 2, 1, 1]
     assert "stepped with the sum it held" in run.stdout
 
 

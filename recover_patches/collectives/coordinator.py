@@ -89,6 +89,7 @@ class Coordinator:
         self.next_hello = 1
         self.next_report = 1
         self.registered: set[int] = set()  # ranks to notify of new epochs
+        self.launchers: set[int] = set()  # node ranks of the launchers to notify of new epochs
         self.beats_via: dict[int, str] = {}  # rank -> the node whose launcher forwards its beat
         self._node_beats_seen: dict[str, str] = {}  # node -> its beat as last parsed
         self._next_sweep = 0.0  # of the heartbeats
@@ -110,6 +111,8 @@ class Coordinator:
         self.store.set(P.EPOCH, str(epoch))  # after epoch/<e>: readers of EPOCH find its record
         for rank in sorted(self.registered):
             self.store.queue_push(P.notify_key(rank), str(epoch))
+        for node in sorted(self.launchers):
+            self.store.queue_push(P.launcher_notify_key(node), str(epoch))
         if epoch:
             logger.info(f"epoch {epoch}: dead ranks {sorted(self.state.dead)} ({reason})")
             self.liveness.new_epoch(epoch)
@@ -167,6 +170,8 @@ class Coordinator:
                 self.liveness.watch(hello["rank"])
                 self.registered.add(hello["rank"])
                 self._beats_from(hello["rank"], hello.get("node"))
+            if reason is None and hello["role"] == "launcher":
+                self.launchers.add(hello["rank"])
             if reason is not None:
                 logger.info(f"refused {hello['role']} {hello['rank']}: {reason}")
             self.raw.set(P.reply_key(n), reason or P.OK)

@@ -13,10 +13,13 @@ import sys
 import time
 import traceback
 from argparse import Namespace
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
+from recover_patches.collectives.counted_store import CountedStore, OpCounter
+from recover_patches.collectives.epoch_watch import EpochWatch
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN
 
@@ -32,6 +35,7 @@ class LauncherLink:
 
     def __init__(self, host: str, port: int, token: str, node_rank: int):
         self._address = (host, port, token, node_rank)
+        self.ops = OpCounter()  # every operation on the coordinator's store, the watch's too
         self.store = self._connect(START_TIMEOUT)
         self.broken = False
         self._lost_at: float | None = None  # when the connection broke, while reconnecting
@@ -39,12 +43,20 @@ class LauncherLink:
         self._epoch = -1
         self._dead: dict[int, int] = {}  # dead rank -> the incarnation declared dead
         self._assigned_count = 0  # assignments to standby processes seen so far
+        self._watch = EpochWatch(lambda wait: self._connect(1.0, wait), node_rank)
 
-    def _connect(self, timeout: float) -> dist.Store:
+    def _connect(self, timeout: float, wait: timedelta | None = None) -> CountedStore:
+        """`wait`: how long its blocking operations wait (the connection timeout otherwise)."""
         host, port, token, node_rank = self._address
         raw = P.connect(host, port, timeout, "the launcher")
         P.handshake(raw, token, "launcher", node_rank, timeout)
-        return dist.PrefixStore(P.job_prefix(token), raw)
+        if wait is not None:
+            raw.set_timeout(wait)
+        return CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self.ops)
+
+    def close(self) -> None:
+        """Stop the epoch watch (the launcher is done with the coordinator)."""
+        self._watch.close(self.store)
 
     def _guard(self, action, default):
         if self.broken or (self._lost_at is not None and not self._reconnected()):
@@ -69,6 +81,7 @@ class LauncherLink:
                 logger.warning(f"the coordinator did not come back ({e}); supervising without it")
             return False
         self._lost_at, self._epoch = None, -1
+        self._watch.news.set()  # read the successor's epoch
         logger.info("reconnected to the coordinator")
         return True
 
@@ -102,14 +115,21 @@ class LauncherLink:
         return self._guard(read, {})
 
     def dead_incarnations(self) -> dict[int, int]:
-        """Dead ranks of the latest epoch, each with the incarnation declared dead."""
+        """Dead ranks of the latest epoch, each with the incarnation declared dead; read from the
+        store only once the epoch watch saw a newer epoch land (or lost its connection)."""
+        if not self._watch.news.is_set():
+            return self._dead
+        self._watch.news.clear()
+
         def read():
-            epoch = int(self.store.get(P.EPOCH))
+            epoch = int(self.store.get(P.EPOCH))  # written after the push's record
             if epoch != self._epoch:
                 self._dead = P.dead_incarnations(json.loads(self.store.get(P.epoch_key(epoch))))
                 self._epoch = epoch
-            return self._dead
-        return self._guard(read, self._dead)
+            return True
+        if not self._guard(read, False):  # not read (the coordinator is away): next time
+            self._watch.news.set()
+        return self._dead
 
     def dead_ranks(self) -> frozenset[int]:
         return frozenset(self.dead_incarnations())
@@ -158,6 +178,8 @@ class CoordinatorHandle:
             while not link.finished() and not should_stop():
                 time.sleep(0.5)
         completion = link.completion() if link is not None else None
+        if link is not None:
+            link.close()
         if self.pid is not None:
             stop_process(self.pid, grace=5.0)
         return completion

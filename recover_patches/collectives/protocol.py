@@ -16,6 +16,8 @@ Under the job prefix:
                    one write per node per heartbeat interval (`node_beats.py`)
   notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
                    its own queue to end its watcher
+  notify/launcher/<node>  the same for the launcher of node <node> (`epoch_watch.py`): it fences
+                   the ranks an epoch declares dead without polling
   reports/count    number of reports; reports/<n> is the n-th report (JSON, see `Report`)
   complete         JSON {epoch, dead} stamped by the coordinator when the job declares completion
   finished         set once every rank of the world has exited or been declared dead
@@ -75,6 +77,10 @@ def node_heartbeat_key(node: str) -> str:
 
 def notify_key(rank: int) -> str:
     return f"notify/{rank}"
+
+
+def launcher_notify_key(node_rank: int) -> str:
+    return f"notify/launcher/{node_rank}"
 
 
 def report_key(n: int) -> str:

@@ -117,13 +117,42 @@ def test_wrong_token_is_refused_with_a_clear_message(coordinator):
     assert "rank 0" in str(e.value)
 
 
+def launcher_sees(link: LauncherLink, dead: set[int], within: float = 2.0) -> bool:
+    """The launcher's view of the dead ranks becomes `dead` (its epoch watch is asynchronous)."""
+    deadline = time.monotonic() + within
+    while link.dead_ranks() != dead and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return link.dead_ranks() == dead
+
+
+def test_an_idle_launcher_leaves_the_store_alone_and_learns_each_epoch_at_once(coordinator):
+    """Issue [Q]: the launcher fences by the epoch's dead ranks without polling; the coordinator
+    pushes each epoch to its queue. Idle, its reads of the dead ranks cost no store operation;
+    a new epoch costs a few and reaches it within milliseconds."""
+    port, clients = coordinator
+    watcher = client(port, clients, 0)
+    link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    clients.append(link)
+    assert launcher_sees(link, set())  # epoch 0, read once
+    time.sleep(0.3)
+    before = link.ops.count
+    for _ in range(50):  # the supervisor's loop asks every 0.2 s: 10 s of it
+        assert link.dead_ranks() == set()
+        time.sleep(0.005)
+    assert link.ops.count - before <= 1  # at most the watch's own pop, re-issued
+    link.report_exit(1, -9)
+    assert watcher.wait_for_epoch_after(0, 2) == 1
+    assert launcher_sees(link, {1}, within=0.5)
+
+
 def test_launcher_exit_report_starts_an_epoch_at_once(coordinator):
     port, clients = coordinator
     watcher = client(port, clients, 0)
     link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    clients.append(link)
     link.report_exit(2, -9)  # rank 2 never registered: no heartbeat could declare it dead
     assert watcher.wait_for_epoch_after(0, 2) == 1
-    assert watcher.dead_ranks() == {2} and link.dead_ranks() == {2}
+    assert watcher.dead_ranks() == {2} and launcher_sees(link, {2})
     with pytest.raises(JobTokenRefused, match="declared dead"):  # a dead rank cannot come back
         client(port, clients, 2)
     assert watcher.declare_complete() == (1, frozenset({2}))
@@ -222,6 +251,7 @@ def test_a_standby_gets_a_slot_over_the_store_and_a_late_replacement_finds_it_ta
     monkeypatch.setenv("RECOVER_JOB_TOKEN", TOKEN)
     watcher = client(port, clients, 0)
     link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    clients.append(link)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(wait_for_slot, "9.0")
         time.sleep(0.3)  # the first to wait is the first to get a slot

@@ -86,6 +86,7 @@ def job(tmp_path):
     yield server, relay, launcher_alive, clients
     launcher_alive.clear()
     forwarding.join(5)
+    link.close()
     for c in clients:
         c.close()
     coord.stopping = True
