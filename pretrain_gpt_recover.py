@@ -345,7 +345,7 @@ def _stopping(err: Exception, args, trainer, membership) -> int:
     from recover_patches.collectives.errors import PeerFailure
     from recover_patches.recovery.agreement import RecoveryStalled
     from recover_patches.recovery.grow import JobComplete, JobStopped
-    from recover_patches.recovery.iteration import TooFewReplicas
+    from recover_patches.recovery.iteration import StepInterrupted, TooFewReplicas
     restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
     if isinstance(err, CheckpointError):  # found only when reading the files (a damaged archive)
         return _user_error(str(err))
@@ -358,8 +358,8 @@ def _stopping(err: Exception, args, trainer, membership) -> int:
         status, line = EXIT_RESTART, f"stopping: {err}. Restart with --load {restart_from}"
     elif isinstance(err, ResultReproduced):  # likewise (--rerun-mode validate_results)
         status, line = EXIT_RESTART, f"stopping: {err}"
-    elif isinstance(err, ResultRejected):  # fenced: it exits like a dead rank, without leaving
-        logger.error(f"fenced: {err}")
+    elif isinstance(err, (ResultRejected, StepInterrupted)):
+        logger.error(f"fenced: {err}")  # it exits like a dead rank: its replica is lost
         os._exit(1)
     elif isinstance(err, (TooFewReplicas, RecoveryStalled)):  # likewise
         reason = str(err)

@@ -43,7 +43,7 @@ class LauncherLink:
         self._epoch = -1
         self._dead: dict[int, int] = {}  # dead rank -> the incarnation declared dead
         self._assigned_count = 0  # assignments to standby processes seen so far
-        self._watch = EpochWatch(lambda wait: self._connect(1.0, wait), node_rank)
+        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), node_rank)
 
     def _connect(self, timeout: float, wait: timedelta | None = None) -> CountedStore:
         """`wait`: how long its blocking operations wait (the connection timeout otherwise)."""

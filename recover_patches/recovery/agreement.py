@@ -5,8 +5,9 @@ Two questions need one answer across ranks even when failures strike between the
     the store only once a failure interrupted it (`settle`: the protocol is in `settle.py`).
     An evaluation, and a join, vote (`commit_vote`): a reduction can complete on one rank and
     fail on another (a peer dies after sending its last message to some but not all), so each
-    rank's local outcome is not enough. Rule: commit iff every member reported its reduction done. The first rank to
-    know the answer writes it with compare_set; everyone follows the stored decision.
+    rank's local outcome is not enough. Rule: commit iff every member reported its reduction
+    done. The first rank to know the answer writes it with compare_set; everyone follows the
+    stored decision.
     With a `ReplicaLink`, the ranks of a replica first agree over their own group that all of
     them got this far, and only the replica's leader votes on the store and passes the decision
     back: O(replicas) store operations per commit instead of O(ranks).
@@ -245,7 +246,7 @@ class StoreAgreement:
         return decided
 
     def _store(self, op: str, *args):
-        """A store operation of the failure-free commit path, counted."""
+        """A store operation of a commit vote, counted (`store_ops`)."""
         self.store_ops += 1
         return getattr(self.store, op)(*args)
 

@@ -48,9 +48,9 @@ class TooFewReplicas(Exception):
 
 
 class StepInterrupted(RuntimeError):
-    """A replica that stays live failed inside its step (its exchange had committed the round):
-    a step is not redone, so the job stops (checkpoint-restart). A lost member ends the replica
-    (ReplicaLost) before this is raised."""
+    """A rank of a replica that stays live failed inside its step (its exchange had committed the
+    round): a step is never run twice, so the rank leaves as a dead rank would and its replica is
+    lost like any other. A lost member ends the replica (ReplicaLost) before this is raised."""
 
 
 class Executed(Protocol):
@@ -328,7 +328,7 @@ class IterationTransaction:
 
     def _interrupted(self, it: _Progress, failure: PeerFailure) -> NoReturn:
         """A step failed after the round committed: recovery ends this rank's replica
-        (ReplicaLost), or the job stops (a live replica cannot redo a step half done)."""
+        (ReplicaLost), or this rank leaves (StepInterrupted: a step half done is never redone)."""
         if self.on_failure is not None:
             self.on_failure(failure, "step")
         self._recover(it, failure, "step", torn=None)
