@@ -42,6 +42,41 @@ class Kind:
     device: Callable[[], torch.device] = lambda: torch.device("cpu")
     # a probe per operation: its inputs are ready (a CUDA event on the compute stream)
     ready_probe: Callable[[], Callable[[], bool] | None] = lambda: None
+    # what watches an operation the backend ran in stream order and returned no work for
+    stream_work: Callable[[], "StreamOrderedWork"] = lambda: StreamOrderedWork(lambda: True)
+
+
+class _Succeeded:
+    """A published WorkResult of SUCCESS (the backend's own error state is read beside it)."""
+
+    def done(self) -> bool:
+        return True
+
+    def value(self) -> int:
+        return 0
+
+
+class StreamOrderedWork:
+    """The work of an operation a backend ran in stream order and returned none for: torch >= 2.8's
+    NCCL does that for a synchronous collective (`async_op=False`, megatron-core's tensor-parallel
+    all-reduces): the kernel runs on the current stream, so there is nothing to wait for. Taking
+    that None for a broken group stopped every TP > 1 job on an H200. Completion is an event
+    recorded on the stream right after the operation; the watchdog bounds it like any work."""
+
+    def __init__(self, done: Callable[[], bool]):
+        self._done = done
+
+    def is_completed(self) -> bool:
+        return self._done()
+
+    def get_future_result(self) -> _Succeeded:
+        return _Succeeded()
+
+    def exception(self) -> None:
+        return None
+
+    def wait(self, timeout=None) -> bool:
+        return True  # already ordered before whatever the stream runs next
 
 
 def _make_gloo(store, rank: int, size: int, build_timeout: float, op_timeout: float):
@@ -82,7 +117,8 @@ KINDS: dict[str, Kind] = {
     "gloo": Kind(_make_gloo, host_waits=True),
     "nccl": Kind(_make_nccl, host_waits=False,
                  device=lambda: torch.device("cuda", torch.cuda.current_device()),
-                 ready_probe=_cuda_ready_probe),
+                 ready_probe=_cuda_ready_probe,
+                 stream_work=lambda: StreamOrderedWork(_cuda_ready_probe())),
 }
 
 

@@ -260,8 +260,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if inner is None or (self.membership.epoch() > self._epoch and self._stale()):
             raise self._fail(op, "the group's epoch is over", peer)
         ready = None if self.host_waits else self._kind.ready_probe()
-        try:
-            work = start(inner)
+        try:  # no work: it ran in stream order (NCCL, async_op=False); watch the stream instead
+            work = start(inner) or self._kind.stream_work()
         except RuntimeError as e:
             raise self._fail(op, str(e), peer) from e
         if not self.host_waits:  # one lane per stream: collectives, and p2p per peer

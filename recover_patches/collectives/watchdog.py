@@ -174,13 +174,28 @@ def result_of(work, backend=None) -> object | None:
         return error
     if not future.done():
         return PENDING
-    value = future.value()
-    if getattr(value, "name", str(value)) != "SUCCESS":
-        return f"work result {getattr(value, 'name', value)}"
+    result = _result_name(future.value())
+    if result != "SUCCESS":
+        return f"work result {result}"
     state = backend.get_error() if hasattr(backend, "get_error") else None
-    if state is not None and getattr(state, "name", str(state)) != "SUCCESS":
-        return f"communicator error {getattr(state, 'name', state)}"
+    if state is not None and _result_name(state) != "SUCCESS":
+        return f"communicator error {_result_name(state)}"
     return None
+
+
+# c10d's WorkResult (Work.hpp). The NCCL work's future holds the bare integer, not the enum: read
+# on an H200 (torch 2.11, NCCL 2.28.9), where `0` taken for a failure stopped every connect.
+_WORK_RESULTS = {0: "SUCCESS", 1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
+
+
+def _result_name(value: object) -> str:
+    """An outcome's name, whether torch hands over an enum (`.name`) or its integer."""
+    name = getattr(value, "name", None)
+    if isinstance(name, str):
+        return name
+    if isinstance(value, int):
+        return _WORK_RESULTS.get(value, str(value))
+    return str(value)
 
 
 WATCHDOG = Watchdog()  # the process's one watchdog

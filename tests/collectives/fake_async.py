@@ -1,8 +1,9 @@
 """A fake asynchronous backend that behaves like torch 2.13's ProcessGroupNCCL where ReCoVer
 depends on it, so the NCCL path's logic runs on CPU: works complete later (the test decides
-when); the outcome is published through `get_future_result()` (a Future of a WorkResult-like
-value, filled in a moment after completion); `exception()` is unreadable, as the NCCL binding's
-was; `get_error()`, `abort()`, `eager_connect_single_device()` and `shrink()` exist.
+when); the outcome is published through `get_future_result()` (a Future of WorkResult's
+integer, filled in a moment after completion); `exception()` is unreadable, as the NCCL binding's
+was; `get_error()`, `abort()`, `eager_connect_single_device()` and `shrink()` exist. A
+synchronous all-reduce (`asyncOp` False) returns no work, as torch >= 2.8's NCCL does.
 
 `install()` registers it in `backends.KINDS` under the name "fake-nccl"; every backend it makes
 is recorded in `Fabric.made`, every shrink in `Fabric.shrunk`.
@@ -33,8 +34,8 @@ class FakeFuture:
     def done(self) -> bool:
         return self._work.published.is_set()
 
-    def value(self) -> Result:
-        return self._work.result
+    def value(self) -> int:  # the bare integer, as ProcessGroupNCCL's future holds it
+        return self._work.result.value
 
 
 class FakeWork:
@@ -79,6 +80,7 @@ class Fabric:
     connecting: int = 0  # eager connects running now, and the most that ever ran at once
     most_connecting: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    stream: list[FakeWork] = field(default_factory=list)  # synchronous ops, in stream order
 
 
 class FakeBackend:
@@ -111,8 +113,11 @@ class FakeBackend:
             fabric.connecting -= 1
         self.connected = True
 
-    def allreduce(self, tensors, opts=None) -> FakeWork:
+    def allreduce(self, tensors, opts=None) -> FakeWork | None:
         self.works.append(FakeWork(complete=self.fabric.complete))
+        if opts is not None and not opts.asyncOp:  # torch >= 2.8: run in stream order, no work
+            self.fabric.stream.append(self.works[-1])  # the stream passes it when it completes
+            return None
         return self.works[-1]
 
     def send(self, tensors, dst: int, tag: int = 0) -> FakeWork:
@@ -143,7 +148,10 @@ def install(fabric: Fabric) -> None:
         backend = FakeBackend(fabric, rank, size)
         fabric.made.append(backend)
         return backend
-    backends.KINDS[NAME] = backends.Kind(make, host_waits=False)
+    def stream_work() -> backends.StreamOrderedWork:  # an event after the latest stream op
+        latest = fabric.stream[-1]
+        return backends.StreamOrderedWork(latest.is_completed)
+    backends.KINDS[NAME] = backends.Kind(make, host_waits=False, stream_work=stream_work)
 
 
 def uninstall() -> None:

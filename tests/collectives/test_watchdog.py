@@ -197,3 +197,36 @@ def test_forgetting_an_owner_drops_its_lanes():
     watchdog.track("c", None, 1.0, lambda reason: None)  # NCCL may return no work: nothing to watch
     watchdog.forget("b")  # its backend was discarded: nothing left to watch
     assert watchdog.pending() == 0
+
+
+def test_a_results_integer_is_read_by_name():
+    """ProcessGroupNCCL's future holds WorkResult's bare integer (0 read as a failure stopped every
+    NCCL connect on an H200): 0 is a success, any other value the failure it names."""
+    from tests.collectives.fake_async import Result
+    ok, failed = FakeWork(), FakeWork()
+    ok.finish()
+    failed.finish(Result.COMM_ERROR)
+    assert ok.get_future_result().value() == 0
+    assert result_of(ok) is None
+    assert result_of(failed) == "work result COMM_ERROR"
+
+
+def test_a_synchronous_collective_without_a_work_is_watched_on_its_stream(group):
+    """torch >= 2.8's NCCL returns no work for `async_op=False` (megatron-core's TP all-reduces):
+    it ran in stream order. It is no failure (taken for one, it stopped every TP > 1 job on an
+    H200), and the stream is watched instead: completed, nothing latched; never completing, the
+    communicator is aborted like any overdue work."""
+    import torch.distributed as dist
+    g, backend, watchdog, membership = group
+    fabric = backend.fabric
+    dist.all_reduce(torch.ones(2), group=g)  # returns: the kernel is ordered on the stream
+    fabric.stream[-1].finish()
+    deadline = time.monotonic() + 5
+    while watchdog.pending() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert watchdog.pending() == 0 and membership.reports == []
+    g.raise_latched()
+    dist.all_reduce(torch.ones(2), group=g)  # a peer died inside it: the stream never passes it
+    assert backend.aborted.wait(5.0)
+    with pytest.raises(PeerFailure, match="no completion within"):
+        g.raise_latched()
