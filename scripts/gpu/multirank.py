@@ -15,7 +15,8 @@ kill run's inits minus the free run's are what its recovery created. --survive-m
 one kill run at (2,1,2) that trains on for M minutes after the failure: torch's heartbeat
 monitor, left on, would end a survivor about 8 minutes after an NCCL error.
 Then VP = 2 (issue [J]): (1,2,2) free and kill, (1,4,1) free, against one process of the same
-8-layer model. --quick: only (2,1,2), free and kill. Results: OUT/summary.json and one line per run on stdout;
+8-layer model. --quick: only (2,1,2), free and kill; --only NAME...: those runs of the full
+plan (a short lease). Results: OUT/summary.json and one line per run on stdout;
 exit status 1 if any check failed.
 """
 from __future__ import annotations
@@ -123,10 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "runs/gpu/multirank")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--survive-minutes", type=float, default=0.0)
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="run only these of the full plan (e.g. 2x2x2-kill 1x2x2-vp2-kill)")
     a = p.parse_args(argv)
     references: dict[tuple, list[float]] = {}
     results = []
-    for name, layout, faults, model, schedule in plan(a.quick):
+    runs = [r for r in plan(a.quick) if a.only is None or r[0] in a.only]
+    for name, layout, faults, model, schedule in runs:
         if model not in references:  # one process, the same model and global batch
             tag = "".join(f"-{v}" for v in model[1::2])  # "-8": the 8-layer model
             ref = launch(a.out, f"one-process{tag}", (1, 1, 1), ITERS, [], timeout=300,
