@@ -13,6 +13,13 @@ if [ ! -x "$_venv/bin/python" ] || [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" 
     "$_venv/bin/pip" install --quiet -e "$_root[test,plot]"
     echo "$_want" > "$_stamp"
 fi
+# etcd (Debian's etcd-server) for the tests of the coordinator's leadership; they skip without it
+if ! command -v etcd > /dev/null && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    echo "[env] installing etcd-server (apt) ..." >&2
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
+    } > /dev/null 2>&1 || echo "[env] etcd-server not installed: its tests will be skipped" >&2
+fi
 # shellcheck disable=SC1091
 source "$_venv/bin/activate"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
