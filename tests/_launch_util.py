@@ -5,11 +5,14 @@ rank can outlive the test.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,13 +49,14 @@ def launch(nproc: int, args: list[str], metrics: Path, *, timeout: float = 240,
            env: dict | None = None, launcher_args: list[str] | None = None,
            script: tuple[str, ...] = (str(REPO / "pretrain_gpt_recover.py"),)) -> Run:
     """`script`: the rank script and its leading arguments (a wrapper, then the entry point)."""
-    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", str(nproc),
-           "--master-port", "0", *(["--no-coordinator"] if launcher_args is None else launcher_args),
-           *script, *args, "--metrics-file", str(metrics)]
-    # megatron-core writes NVTE_*_ATTN into os.environ when it builds a model for the attention
-    # backend (in-process tests do) and asserts they agree in the next model: not inherited
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
-    full_env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    launch_args = ["--nproc-per-node", str(nproc), "--master-port", "0",
+                   *(["--no-coordinator"] if launcher_args is None else launcher_args),
+                   *script, *args, "--metrics-file", str(metrics)]
+    full_env = {**base_env(), **(env or {})}
+    if _ZYGOTE.usable(env):
+        returncode, out, err = _ZYGOTE.run(launch_args, full_env, metrics, timeout)
+        return Run(returncode, out, err, read_metrics(metrics))
+    cmd = [sys.executable, "-m", "recover_patches.launch", *launch_args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -60,9 +64,83 @@ def launch(nproc: int, args: list[str], metrics: Path, *, timeout: float = 240,
     except subprocess.TimeoutExpired:
         out, err = "", f"timed out after {timeout}s"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_session(proc.pid)
         proc.wait()
     return Run(proc.returncode, out, err, read_metrics(metrics))
+
+
+def base_env() -> dict[str, str]:
+    # megatron-core writes NVTE_*_ATTN into os.environ when it builds a model for the attention
+    # backend (in-process tests do) and asserts they agree in the next model: not inherited
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    return {**inherited, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class _Zygote:
+    """The warm launcher-forking server of `tests/_launch_zygote.py`, started at the first launch
+    and ended with the test process. A launch whose extra environment could matter while torch or
+    megatron-core import (their own variables) starts a fresh interpreter instead, as does any
+    launch with RECOVER_TEST_ZYGOTE=0 in the environment."""
+    IMPORT_TIME_ENV = ("TORCH", "NVTE_", "CUDA", "OMP_", "MKL_", "PYTHON", "NCCL")
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def usable(self, extra_env: dict | None) -> bool:
+        if os.environ.get("RECOVER_TEST_ZYGOTE", "1") == "0" or sys.platform != "linux":
+            return False
+        return not any(k.startswith(self.IMPORT_TIME_ENV) for k in (extra_env or {}))
+
+    def _server(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(REPO / "tests/_launch_zygote.py")], cwd=REPO, env=base_env(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+            atexit.register(self.close)
+        return self.proc
+
+    def run(self, args: list[str], env: dict, metrics: Path, timeout: float
+            ) -> tuple[int, str, str]:
+        files = {k: Path(f"{metrics}.launcher.{k}") for k in ("out", "err", "status")}
+        for path in files.values():
+            path.unlink(missing_ok=True)
+        with self.lock:
+            server = self._server()
+            assert server.stdin is not None and server.stdout is not None
+            server.stdin.write(json.dumps({"args": args, "env": env, "cwd": str(REPO),
+                                           **{k: str(v) for k, v in files.items()}}) + "\n")
+            server.stdin.flush()
+            pid = int(server.stdout.readline())
+        deadline, timed_out = time.monotonic() + timeout, False
+        while not files["status"].exists():
+            if time.monotonic() > deadline:
+                timed_out = True
+                kill_session(pid)
+                deadline = time.monotonic() + 30  # its status once reaped
+            time.sleep(0.02)
+        kill_session(pid)  # whatever the launcher left behind in its session
+        returncode = int(files["status"].read_text())
+        out, err = (files[k].read_text(errors="replace") for k in ("out", "err"))
+        for path in files.values():
+            path.unlink(missing_ok=True)
+        return (returncode, "", f"timed out after {timeout}s") if timed_out else \
+            (returncode, out, err)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()  # end of requests: the server returns
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                kill_session(self.proc.pid)
+
+
+_ZYGOTE = _Zygote()
