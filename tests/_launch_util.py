@@ -122,12 +122,14 @@ class _Zygote:
         deadline, timed_out = time.monotonic() + timeout, False
         while not files["status"].exists():
             if time.monotonic() > deadline:
+                if timed_out:  # killed 30 s ago and never reaped: the server is gone
+                    break
                 timed_out = True
                 kill_session(pid)
                 deadline = time.monotonic() + 30  # its status once reaped
             time.sleep(0.02)
         kill_session(pid)  # whatever the launcher left behind in its session
-        returncode = int(files["status"].read_text())
+        returncode = int(files["status"].read_text()) if files["status"].exists() else -9
         out, err = (files[k].read_text(errors="replace") for k in ("out", "err"))
         for path in files.values():
             path.unlink(missing_ok=True)
