@@ -8,9 +8,11 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ def launch(nproc: int, args: list[str], metrics: Path, *, timeout: float = 240,
                    *script, *args, "--metrics-file", str(metrics)]
     full_env = {**base_env(), **(env or {})}
     if _ZYGOTE.usable(env):
-        returncode, out, err = _ZYGOTE.run(launch_args, full_env, metrics, timeout)
+        returncode, out, err = _ZYGOTE.run(launch_args, full_env, timeout)
         return Run(returncode, out, err, read_metrics(metrics))
     cmd = [sys.executable, "-m", "recover_patches.launch", *launch_args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
@@ -107,11 +109,11 @@ class _Zygote:
             atexit.register(self.close)
         return self.proc
 
-    def run(self, args: list[str], env: dict, metrics: Path, timeout: float
+    def run(self, args: list[str], env: dict, timeout: float
             ) -> tuple[int, str, str]:
-        files = {k: Path(f"{metrics}.launcher.{k}") for k in ("out", "err", "status")}
-        for path in files.values():
-            path.unlink(missing_ok=True)
+        # not beside `metrics`: a test may assert that a refused run created nothing there
+        scratch = Path(tempfile.mkdtemp(prefix="recover-launch-"))
+        files = {k: scratch / k for k in ("out", "err", "status")}
         with self.lock:
             server = self._server()
             assert server.stdin is not None and server.stdout is not None
@@ -131,8 +133,7 @@ class _Zygote:
         kill_session(pid)  # whatever the launcher left behind in its session
         returncode = int(files["status"].read_text()) if files["status"].exists() else -9
         out, err = (files[k].read_text(errors="replace") for k in ("out", "err"))
-        for path in files.values():
-            path.unlink(missing_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         return (returncode, "", f"timed out after {timeout}s") if timed_out else \
             (returncode, out, err)
 
