@@ -34,7 +34,7 @@ class Leadership:
     node: str  # the leading launcher's node
     address: str  # host:port of its coordinator's store: where ranks and launchers connect
     revision: int  # the leader key's create revision: the fencing token
-    lease: int  # the etcd lease the key lives by (0 when read by a follower)
+    lease: int  # the etcd lease the key lives by (its id, as the key records it)
 
 
 class Election:

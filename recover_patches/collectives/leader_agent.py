@@ -2,8 +2,9 @@
 
 Each launcher runs one `LeaderAgent`. Every `ttl / 3` seconds it takes one step:
   * leading: renew the lease. If the renewal fails (the lease lapsed: this node was paused or cut
-    off from etcd's majority), another node may already lead: stop this coordinator at once
-    (fencing: two coordinators must never decide at once), then campaign again like any follower;
+    off from etcd's majority), or etcd has not answered for a TTL, another node may already lead:
+    stop this coordinator at once (fencing: two coordinators must never decide at once), then
+    campaign again like any follower;
   * following: campaign. Winning starts a coordinator here, as a successor (`restarted`: the
     ranks bring their latest epoch records, as when node 0's coordinator restarts) unless no
     leader ran the job before (etcd's record says). Losing reads who leads.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -48,9 +50,11 @@ class Elector(Protocol):
 
 class LeaderAgent:
     def __init__(self, election: Elector, node: str, address: str, address_file: Path,
-                 start_coordinator: Callable[[bool], None], stop_coordinator: Callable[[], None]):
+                 start_coordinator: Callable[[bool], None], stop_coordinator: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic):
         self.election, self.node, self.address = election, node, address
-        self.address_file = address_file
+        self.address_file, self.clock = address_file, clock
+        self._renewed_at = 0.0  # the last renewal etcd confirmed (the lease runs from there)
         self._start, self._stop_coordinator = start_coordinator, stop_coordinator
         self.leading: Leadership | None = None
         self._last: Leadership | None = None
@@ -58,16 +62,21 @@ class LeaderAgent:
         self._thread: threading.Thread | None = None
 
     def step(self) -> None:
-        """One round of keeping, campaigning or following; etcd unreachable counts as a failed
-        renewal for a leader (it cannot prove it still leads) and as nothing for a follower."""
+        """One round of keeping, campaigning or following. A leader that cannot reach etcd
+        leads on until its lease may have lapsed (a TTL after its last confirmed renewal: an etcd
+        member's death, or its Raft election, must not stop the job's coordinator), then stops;
+        a follower that cannot reach etcd just waits."""
         try:
-            if self.leading is not None and not self.election.keep(self.leading):
-                self._depose("its lease lapsed")
+            if self.leading is not None:
+                if not self.election.keep(self.leading):
+                    self._depose("its lease lapsed")
+                else:
+                    self._renewed_at = self.clock()
             if self.leading is None:
                 self._campaign()
         except ClusterUnreachable as e:
-            if self.leading is not None:
-                self._depose(f"etcd unreachable ({str(e)[:80]})")
+            if self.leading is not None and self.clock() - self._renewed_at >= self.election.ttl:
+                self._depose(f"etcd unreachable for its lease's TTL ({str(e)[:80]})")
 
     def _campaign(self) -> None:
         won = self.election.campaign(self.node, self.address)
@@ -77,7 +86,7 @@ class LeaderAgent:
             self._publish(current.address)
         if won is None:
             return
-        self.leading = won
+        self.leading, self._renewed_at = won, self.clock()
         successor = self.election.read("started") is not None  # an earlier leader ran the job
         self.election.write(won, "started", {"node": self.node, "revision": won.revision})
         logger.info(f"node {self.node} leads (revision {won.revision}): "

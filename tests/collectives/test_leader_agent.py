@@ -83,12 +83,19 @@ def test_one_node_leads_the_rest_follow_and_a_lapsed_leader_stops_before_its_suc
     assert election.current is None  # a clean exit does not make the others wait a TTL
 
 
-def test_a_leader_that_cannot_reach_etcd_stops_its_coordinator(tmp_path):
-    """It cannot prove it still leads, and after its TTL another node may."""
-    election, events = MemoryElection(), []
-    a = agent(election, "a", tmp_path, events)
+def test_a_leader_that_cannot_reach_etcd_leads_on_until_its_lease_may_have_lapsed(tmp_path):
+    """An etcd member's death (a Raft election) must not stop the job's coordinator; but once a
+    TTL passed since its last confirmed renewal, another node may lead: it stops."""
+    election, events, now = MemoryElection(), [], [0.0]
+    a = LeaderAgent(election, "a", "a:29400", tmp_path / "a.address",
+                    start_coordinator=lambda successor: events.append(("a", "start", successor)),
+                    stop_coordinator=lambda: events.append(("a", "stop")), clock=lambda: now[0])
     a.step()
     election.reachable = False
+    now[0] = 0.9 * election.ttl
+    a.step()
+    assert events == [("a", "start", False)] and a.leading is not None
+    now[0] = 1.0 * election.ttl
     a.step()
     assert events == [("a", "start", False), ("a", "stop")] and a.leading is None
     follower = agent(election, "b", tmp_path, events)
