@@ -298,15 +298,23 @@ def test_a_blend_built_on_threads_reads_the_same_samples(tmp_path, monkeypatch):
     high = make_prefix(tmp_path, "high", documents_in_range(500))
     threads: set[str] = set()
     build = datasets._LocalBuilder._build_megatron_dataset_splits
+    # in the threaded build, both prefixes must be under way at once: a pool that ran them one
+    # after the other (or one that reused its first thread) breaks the barrier; without it, a
+    # first build finishing before the second was submitted made this test flaky under load
+    both_at_once = threading.Barrier(2, timeout=30)
+    threaded_build = [False]
 
     def recording(self, *args):
         threads.add(threading.current_thread().name)
+        if threaded_build[0]:
+            both_at_once.wait()
         return build(self, *args)
     monkeypatch.setattr(datasets._LocalBuilder, "_build_megatron_dataset_splits", recording)
     blend = ["0.5", low, "0.5", high]
     serial, _, _ = build_datasets(make_args(data_path=blend), TOKENIZER)
     assert len(threads) == 1
     threads.clear()
+    threaded_build[0] = True
     threaded, _, _ = build_datasets(make_args(data_path=blend, num_dataset_builder_threads=2),
                                     TOKENIZER)
     assert len(threads) == 2 and tokens(threaded, 40) == tokens(serial, 40)
