@@ -71,11 +71,11 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._sweeping = threading.Lock()  # one sweep at a time: a work expires once
 
-    def track(self, owner: object, work: AsyncWork | None, timeout: float,
+    def track(self, owner: object, work: AsyncWork, timeout: float,
               on_expired: Callable[[str], None], lane: Hashable = None,
               ready: Callable[[], bool] | None = None) -> None:
-        if work is None:  # a backend that returned no work (seen from NCCL's list all-gather)
-            return        # leaves nothing to watch; a watchdog thread must not die on it
+        """Watch `work` (an operation a backend ran in stream order and returned no work for
+        comes as a `backends.StreamOrderedWork`: every operation is watched)."""
         with self._cond:
             key = (id(owner), lane)
             if key not in self._lanes:

@@ -7,10 +7,7 @@ set -euo pipefail
 source "$(dirname "$0")/env.sh"
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', \
-torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'megatron-core', m.__version__)" \
-    | tee -a "$out/device.txt"
+record_device "$out"
 status=0
 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/tests.txt" || status=1
 python3 scripts/bench/gpu_throughput.py --out "$out" 2>&1 | tee "$out/throughput.txt" || status=1

@@ -9,3 +9,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="/tmp/recover-site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+
+record_device() {  # $1 = results folder: the GPU, driver and package versions, and the load
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$1/device.txt"
+    python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'megatron-core', m.__version__)" \
+        | tee -a "$1/device.txt"
+    uptime | tee -a "$1/device.txt"
+}

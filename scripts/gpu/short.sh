@@ -8,11 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/env.sh"
 out="${OUT:-runs/gpu}"
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', \
-torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'megatron-core', m.__version__)" \
-    | tee -a "$out/device.txt"
-uptime | tee -a "$out/device.txt"
+record_device "$out"
 stage() {  # name seconds command...: bounded; ranks a killed stage left behind are killed too
     local name=$1 seconds=$2; shift 2
     echo "== $name ($(date -u +%T), at most ${seconds} s)" | tee -a "$out/stages.txt"
