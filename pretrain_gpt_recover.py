@@ -15,8 +15,10 @@ the checkpoint named in the message.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import warnings
 
@@ -79,6 +81,9 @@ class _Exit(Exception):
 def main(argv: list[str] | None = None) -> int:
     """Parse and check everything a user can get wrong, join the membership, build the trainer,
     train; the exit status says how it ended."""
+    # a stuck rank's threads, on request (a bounded run's last look before its kill; the exit
+    # signal's handler, installed later, replaces this one if it is the same signal)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
         args, layout = _parse(argv)
         tokenizer, faults, checkpointer = _check_inputs(args, layout)

@@ -6,6 +6,7 @@ rank can outlive the test.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -63,8 +64,11 @@ def launch(nproc: int, args: list[str], metrics: Path, *, timeout: float = 240,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out, err = "", f"timed out after {timeout}s"
+    except subprocess.TimeoutExpired:  # kept: what a hung run printed is what explains it
+        native = dump_stacks(proc.pid)
+        kill_session(proc.pid)
+        out, err = proc.communicate(timeout=30)
+        err += f"{native}\ntimed out after {timeout}s"
     finally:
         kill_session(proc.pid)
         proc.wait()
@@ -76,6 +80,32 @@ def base_env() -> dict[str, str]:
     # backend (in-process tests do) and asserts they agree in the next model: not inherited
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
     return {**inherited, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def dump_stacks(pgid: int, wait: float = 3.0) -> str:
+    """Every thread's Python stack of each rank in the launcher's process group, into the rank's
+    stderr (faulthandler on SIGUSR2); returned, each rank's native stacks where `py-spy` is on
+    the PATH."""
+    ranks = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            pid = int(stat.parent.name)  # not the launcher: the group's leader, no handler
+            if int(fields[2]) == pgid and pid != pgid and b"pretrain_gpt_recover" in \
+                    (stat.parent / "cmdline").read_bytes():
+                ranks.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    native = []
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+        if shutil.which("py-spy"):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                native.append(subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],
+                                             timeout=30, capture_output=True, text=True).stdout)
+    time.sleep(wait if ranks else 0)
+    return "".join(native)
 
 
 def kill_session(pid: int) -> None:

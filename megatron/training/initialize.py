@@ -99,9 +99,9 @@ class ParallelGroups:
         aborts a stuck collective), then raise what the watchdog latched. Nothing on gloo."""
         groups = self.resilient_groups()
         if any(g.backend_kind == "nccl" for g in groups):
-            # Not a stream synchronize: a DP backend set aside for shrinking (its member died)
-            # is not aborted, and its stuck kernel would hold the stream until the regroup.
-            # The watchdog or the epoch latches such a failure within the operation timeout.
+            # Not a stream synchronize: a failure the epoch or the watchdog latched is raised
+            # as soon as it is known (a backend busy when its member died is aborted at once,
+            # only an idle one is set aside for shrinking: a stuck kernel never holds the stream)
             finished = torch.cuda.Event()
             finished.record()
             while not finished.query():

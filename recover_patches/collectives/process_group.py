@@ -1,9 +1,8 @@
 """ResilientProcessGroup: a torch ProcessGroup whose every operation completes or raises
 PeerFailure within its bound, and whose inner backend can be replaced in place (DESIGN §5). Rules:
-  * A newer epoch that declares one of this group's *members* dead discards the inner backend at
-    once on every member (peers blocked on it fail in milliseconds); every later operation raises
-    PeerFailure until a rebuild. A group none of whose members died adopts the epoch and carries
-    on: a healthy replica's TP/PP groups never see another replica's failure (DESIGN §3).
+  * A newer epoch that declares a *member* dead discards the inner backend at once on every
+    member; every later operation raises PeerFailure until a rebuild. A group none of whose
+    members died adopts the epoch: a healthy replica never sees another's failure (DESIGN §3).
   * `rebuild`/`regroup(e, members, key)` raise PeerFailure if an epoch after e declares one of
     `members` dead (all survivors then retry with it); any other epoch (a replica growing back)
     leaves them to finish, each member alike, and is met at the iteration boundary. The
@@ -13,18 +12,16 @@ PeerFailure within its bound, and whose inner backend can be replaced in place (
     the dead, awaited up to `verdict_timeout`) names the right rank in the PeerFailure.
   * No thread and no callback per operation: the caller's wait() is the backend's. gloo blocks
     inside the backend, bounded by its timeouts, and fails within milliseconds when a peer's
-    process dies or drops the group; an alive, silent, unfenced peer costs the timeout. NCCL only
-    makes the stream wait: the process's one watchdog (`watchdog.py`) bounds the work, aborts the
-    communicator past its deadline and latches a PeerFailure for `raise_latched()` (the commit).
-  * After a PeerFailure, do not reuse its buffers: the old backend may still write them.
-  * Works returned for async ops only implement wait() (is_completed() stays False).
+    process dies or drops the group. NCCL only makes the stream wait: the process's watchdog
+    (`watchdog.py`) bounds the work, aborts the communicator and latches a PeerFailure.
+  * After a PeerFailure, do not reuse its buffers: the old backend may still write them. Works
+    returned for async ops only implement wait() (is_completed() stays False).
 
 It registers in torch.distributed's group tables: `dist.get_rank(group)`, `broadcast(src=...)` work.
 """
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -39,9 +36,8 @@ from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
 
 
 class _Op:
-    """An issued operation not yet waited for: the group's only reference to the backend's work.
-    `_discard` drops it: a work pins its backend, whose open sockets would make blocked peers wait
-    for their timeout instead of failing at once."""
+    """An issued operation not yet waited for, the group's only reference to its work: `_discard`
+    drops it (a work pins its backend, whose sockets would keep blocked peers waiting)."""
     __slots__ = ("work",)
 
     def __init__(self, work):
@@ -307,8 +303,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def _expire(self, inner, op: str, peer: int | None, reason: str) -> None:
         """Watchdog thread: `inner`'s operation failed or is overdue. Abort that backend (its
         stuck kernels end) and latch the failure; the coordinator's verdict will name the dead."""
-        with self._cond:
-            current = self._inner is inner
+        with self._cond:  # issued on a backend as it was set aside, and stuck: no shrink then
+            current, parent = self._inner is inner, self._parent
+            self._parent = None if parent is not None and parent.backend is inner else parent
+        if parent is not None and parent.backend is inner:
+            backends.discard(inner, [])
         if not current:
             return  # an old backend's late news: the group has moved on
         guess = {peer} if peer is not None else set(self.members) - {self.membership.rank}
@@ -360,8 +359,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self._ops.clear()
         if inner is None:
             return
-        self.watchdog.forget(inner)
-        if retire and backends.can_shrink(inner):  # its stuck works end with the shrink's abort
+        # Set aside only an idle backend: a work in flight with a dead member never ends, and
+        # the compute stream waits for it, so every host read would hang until the shrink (H200)
+        if self.watchdog.forget(inner) == 0 and retire and backends.can_shrink(inner):
             self._parent = Retired(inner, self.members, self._prefix)
         else:
             backends.discard(inner, [])

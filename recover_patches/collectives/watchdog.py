@@ -87,10 +87,13 @@ class Watchdog:
                 self._thread.start()
             self._cond.notify()
 
-    def forget(self, owner: object) -> None:
-        """The owner's backend is gone (aborted, rebuilt): its works need no watching."""
+    def forget(self, owner: object) -> int:
+        """The owner's backend is gone (aborted, rebuilt): its works need no watching. Returns
+        how many of them had not been seen to end."""
         with self._cond:
+            dropped = sum(len(v.works) for v in self._lanes.values() if v.owner is owner)
             self._lanes = {k: v for k, v in self._lanes.items() if v.owner is not owner}
+        return dropped
 
     def pending(self) -> int:
         with self._cond:

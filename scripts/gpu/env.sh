@@ -1,12 +1,13 @@
 # Sourced by scripts/gpu/*.sh: the machine's python3 with its CUDA torch (not the pinned CPU .venv);
 # a machine without network gets the other packages as wheels in .whl/, made where pip works:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#       megatron-core==0.16.1 pytest-timeout
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_5_x86_64 -d .whl \
+#       megatron-core==0.16.1 pytest-timeout py-spy   # py-spy: a timed-out run's native stacks
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/recover-site .whl/*.whl
-    export PYTHONPATH="/tmp/recover-site:${PYTHONPATH:-}"
+    export PYTHONPATH="/tmp/recover-site:${PYTHONPATH:-}" PATH="/tmp/recover-site/bin:$PATH"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 

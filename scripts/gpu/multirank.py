@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "runs/gpu/multirank")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--survive-minutes", type=float, default=0.0)
+    p.add_argument("--run-timeout", type=float, default=420.0,
+                   help="seconds a run may take before its ranks are killed (its output is kept)")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="run only these of the full plan (e.g. 2x2x2-kill 1x2x2-vp2-kill)")
     a = p.parse_args(argv)
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             references[model] = [r["lm_loss"] for r in ref["records"]]
             results.append(summarize(ref, [] if len(references[model]) == ITERS
                                      else ["the one-process reference failed"]))
-        run = launch(a.out, name, layout, ITERS, faults, timeout=420, extra=(*model, *schedule))
+        run = launch(a.out, name, layout, ITERS, faults, timeout=a.run_timeout,
+                     extra=(*model, *schedule))
         results.append(summarize(run, check(run, references[model], ITERS)))
     if a.survive_minutes > 0:
         run = launch(a.out, "2x1x2-survive", (2, 1, 2), 100_000,  # ends by the duration

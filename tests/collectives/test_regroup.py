@@ -147,6 +147,27 @@ def test_a_group_that_lost_a_member_is_shrunk_where_the_backend_can(fabric, shri
         shut(groups)
 
 
+def test_a_group_busy_when_a_member_is_declared_dead_is_aborted_not_set_aside(fabric):
+    """Found on an H200: a communicator set aside for shrinking is not aborted, so an all-reduce
+    stuck on it (a member dead) held the compute stream and the survivor's next host read never
+    returned. Only an idle one is set aside; the busy one is aborted at once."""
+    fabric.shrinkable = True
+    world = FakeWorld()
+    groups = build_together(world, "dp.tp0.stage0", [(0, 1, 2)] * 3, backend=fake_async.NAME)
+    try:
+        backend_of = {b.group_rank: b for b in fabric.made}
+        fabric.complete = False  # member 2 never joins: member 0's all-reduce stays in flight
+        dist.all_reduce(torch.ones(1), group=groups[0], async_op=True).wait()
+        epoch = world.declare_dead({2})
+        assert backend_of[0].aborted.wait(5.0), "the busy communicator was set aside"
+        assert not backend_of[1].aborted.is_set()  # idle: kept aside for a shrink
+        fabric.complete = True  # the members decide together: one cannot shrink, so none does
+        assert regroup_all(groups[:2], epoch, (0, 1), "recover/1") == ["rebuilt", "rebuilt"]
+        assert fabric.shrunk == [] and backend_of[1].aborted.wait(5.0)
+    finally:
+        shut(groups)
+
+
 def test_a_member_that_dies_before_first_use_fails_the_rebuild_within_its_bound(fabric):
     """[I] 3: the communicator is created eagerly inside the rebuild: a member gone before first
     use is a PeerFailure at the rebuild's deadline, not a hang at the group's first operation."""
