@@ -65,87 +65,11 @@ import traceback
 from typing import NoReturn
 
 from recover_patches.log import configure
+from recover_patches.launch_args import LaunchUsageError, build_parser, lease_ttl, validate
 from recover_patches.supervisor import Rank, Supervisor, summarize
 
 # by name, not __name__: also when run as __main__ (python -m)
 logger = logging.getLogger("recover_patches.launch")
-
-DEFAULT_PRELOAD = "torch,megatron.core"
-
-
-class LaunchUsageError(Exception):
-    """A bad command line: reported in one message, exit status 2, nothing started."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    # Named as the user called it: the `recover-launch` entry point or the module.
-    invoked = os.path.basename(sys.argv[0])
-    prog = invoked if invoked == "recover-launch" else "python -m recover_patches.launch"
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500,
-                   help="0 picks a free port (single node only)")
-    p.add_argument("--preload", default=DEFAULT_PRELOAD,
-                   help="comma-separated modules imported once before forking ranks; 'none' for none")
-    p.add_argument("--term-grace", type=float, default=10.0,
-                   help="seconds between forwarding SIGTERM and SIGKILL")
-    p.add_argument("--no-coordinator", action="store_true",
-                   help="torchrun-like mode: no membership coordinator, no RECOVER_* env")
-    p.add_argument("--coordinator-port", type=int, default=0,
-                   help="port of the coordinator on the master address; 0 = free port (single node)")
-    p.add_argument("--job-token", default=None,
-                   help="shared secret of this job (default: env RECOVER_JOB_TOKEN or generated)")
-    p.add_argument("--heartbeat-interval", "--heartbeat-timeout", dest="removed_heartbeat_flag",
-                   help=argparse.SUPPRESS)  # refused in validate(): both derive from the ranks'
-    p.add_argument("--max-replacements", type=int, default=0,
-                   help="start a replacement process when a rank of this node dies, at most this "
-                        "many times (needs the coordinator); it rejoins as a spare")
-    p.add_argument("--standby", action="store_true",
-                   help="a standby node: start only processes that wait to take over the slots of "
-                        "dead ranks (needs a running coordinator)")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
-    return p
-
-
-def validate(args: argparse.Namespace) -> None:
-    if args.nproc_per_node < 1:
-        raise LaunchUsageError("--nproc-per-node must be >= 1")
-    if args.nnodes < 1 or args.node_rank < 0 or (args.node_rank >= args.nnodes and not args.standby):
-        raise LaunchUsageError("--node-rank must be in [0, --nnodes) (>= 0 with --standby); got "
-                               f"--node-rank {args.node_rank} --nnodes {args.nnodes}")
-    if args.nnodes > 1 and args.master_port == 0:
-        raise LaunchUsageError("--master-port 0 works on one node only: give every node the same port")
-    if not os.path.isfile(args.script):
-        raise LaunchUsageError(f"script {args.script!r} not found: pass the path of the training script")
-    if args.term_grace < 0:
-        raise LaunchUsageError("--term-grace must be >= 0")
-    if args.removed_heartbeat_flag is not None:
-        raise LaunchUsageError("--heartbeat-interval / --heartbeat-timeout are gone: both derive "
-                               "from the training script's --recover-timeout (pass that instead)")
-    if args.max_replacements < 0 or (args.max_replacements and args.no_coordinator):
-        raise LaunchUsageError("--max-replacements needs a value >= 0 and the coordinator "
-                               "(drop --no-coordinator)")
-    if args.standby and (args.no_coordinator or not (args.coordinator_port or os.environ.get(
-            "RECOVER_COORDINATOR")) or not (args.job_token or os.environ.get("RECOVER_JOB_TOKEN"))):
-        raise LaunchUsageError("--standby joins a running job: give it the job's --coordinator-port "
-                               "(with --master-addr) or RECOVER_COORDINATOR=host:port, and its "
-                               "--job-token (or RECOVER_JOB_TOKEN); drop --no-coordinator")
-    if not args.no_coordinator:  # in-job recovery: torch's own NCCL handling must stay out
-        from recover_patches.collectives import nccl_env
-        refused = nccl_env.conflicts(os.environ)
-        if refused:
-            raise LaunchUsageError(refused[0])
-    if not args.no_coordinator and args.nnodes > 1:
-        if args.coordinator_port == 0 and not os.environ.get("RECOVER_COORDINATOR"):
-            raise LaunchUsageError("with --nnodes > 1 give every node the same --coordinator-port "
-                                   "(or set RECOVER_COORDINATOR=host:port)")
-        if not (args.job_token or os.environ.get("RECOVER_JOB_TOKEN")):
-            raise LaunchUsageError("with --nnodes > 1 give every node the same --job-token "
-                                   "(or set RECOVER_JOB_TOKEN)")
 
 
 def free_port(host: str) -> int:
@@ -279,9 +203,14 @@ def coordinator_for(args: argparse.Namespace):
     if args.no_coordinator:
         return None, {}
     from recover_patches.collectives import nccl_env
-    from recover_patches.collectives.launcher_link import start_or_join_coordinator
+    from recover_patches.collectives.launcher_link import (CoordinatorHandle,
+                                                           start_or_join_coordinator)
     token = args.job_token or os.environ.get("RECOVER_JOB_TOKEN") or secrets.token_hex(16)
-    coordinator = start_or_join_coordinator(args, token)
+    if args.rdzv_backend == "etcd":  # whichever node etcd elects runs it
+        from recover_patches.collectives.failover import ElectedCoordinator
+        coordinator: CoordinatorHandle = ElectedCoordinator(args, token, lease_ttl(args))
+    else:
+        coordinator = start_or_join_coordinator(args, token)
     extra_env = {**coordinator.env(), **nccl_env.required()}
     if coordinator.pid is not None:
         logger.info(f"coordinator pid {coordinator.pid} at {extra_env['RECOVER_COORDINATOR']}")

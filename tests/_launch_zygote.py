@@ -83,9 +83,9 @@ def _run_launcher(request: dict) -> None:
 
 
 def serve() -> None:
-    from recover_patches import launch
+    from recover_patches import launch, launch_args
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # as the launcher sets it
-    launch.preload(launch.DEFAULT_PRELOAD)
+    launch.preload(launch_args.DEFAULT_PRELOAD)
     signal.signal(signal.SIGCHLD, _reap)
     for line in sys.stdin:
         request = json.loads(line)

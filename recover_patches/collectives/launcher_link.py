@@ -14,6 +14,7 @@ import time
 import traceback
 from argparse import Namespace
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -33,8 +34,10 @@ class LauncherLink:
     reconnect (a restarted coordinator listens on the same port) at most once a second, for
     RECONNECT_WITHIN seconds; the launcher keeps supervising its ranks either way."""
 
-    def __init__(self, host: str, port: int, token: str, node_rank: int):
+    def __init__(self, host: str, port: int, token: str, node_rank: int,
+                 address_file: Path | None = None):
         self._address = (host, port, token, node_rank)
+        self._address_file = address_file  # [U]: the elected coordinator's, re-read to connect
         self.ops = OpCounter()  # every operation on the coordinator's store, the watch's too
         self.store = self._connect(START_TIMEOUT)
         self.broken = False
@@ -48,6 +51,9 @@ class LauncherLink:
     def _connect(self, timeout: float, wait: timedelta | None = None) -> CountedStore:
         """`wait`: how long its blocking operations wait (the connection timeout otherwise)."""
         host, port, token, node_rank = self._address
+        if self._address_file is not None:
+            host, port = P.parse_address(P.read_address(self._address_file, f"{host}:{port}"),
+                                         str(self._address_file))
         raw = P.connect(host, port, timeout, "the launcher")
         P.handshake(raw, token, "launcher", node_rank, timeout)
         if wait is not None:

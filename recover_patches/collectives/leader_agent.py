@@ -125,11 +125,3 @@ class LeaderAgent:
             except ClusterUnreachable:
                 pass  # it lapses after its TTL
             self.leading = None
-
-
-def read_address(address_file: Path, fallback: str) -> str:
-    """The coordinator's address as the node's agent last wrote it (`fallback` without one)."""
-    try:
-        return address_file.read_text().strip() or fallback
-    except FileNotFoundError:
-        return fallback

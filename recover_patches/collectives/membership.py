@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -52,7 +53,8 @@ class MembershipClient:
     def __init__(self, host: str, port: int, token: str, rank: int, world_size: int, *,
                  timeout: float = 10.0, connect_timeout: float = 30.0,
                  source: str = "RECOVER_COORDINATOR", incarnation: int = 0,
-                 standby: str | None = None, node_beats: NodeBeats | None = None):
+                 standby: str | None = None, node_beats: NodeBeats | None = None,
+                 address_file: Path | None = None):
         self.rank = rank
         self.world_size = world_size
         self.incarnation = incarnation  # > 0: a replacement process for this rank's slot
@@ -62,6 +64,7 @@ class MembershipClient:
         self._marks, self._iteration = 0, 0  # progress: see mark()
         self._where: tuple[int, str, int | None] = (0, "start", None)
         self._address = (host, port, token, source, standby)
+        self._address_file = address_file  # [U]: the elected coordinator's, re-read to connect
         self._node_beats = node_beats  # beat into the launcher's directory, not the store
         self._beat_every = self.heartbeat_interval if node_beats is None else \
             self.heartbeat_interval / LOCAL_BEATS_PER_INTERVAL
@@ -85,6 +88,9 @@ class MembershipClient:
         """Register with the coordinator (again, with `rejoin`: what this rank knows) and open
         the three connections: the main thread's, the watcher's and the heartbeat's."""
         host, port, token, source, standby = self._address
+        if self._address_file is not None:
+            host, port = P.parse_address(P.read_address(self._address_file, f"{host}:{port}"),
+                                         str(self._address_file))
         raw = P.connect(host, port, connect_timeout, source)
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
                     self.timeouts.operation, rejoin,
@@ -133,7 +139,9 @@ class MembershipClient:
         return cls(host, port, env["RECOVER_JOB_TOKEN"], int(env["RANK"]), int(env["WORLD_SIZE"]),
                    incarnation=int(env.get("RECOVER_INCARNATION", "0")),
                    standby=env.get("RECOVER_STANDBY") or None,
-                   node_beats=NodeBeats.from_env(env), **kwargs)
+                   node_beats=NodeBeats.from_env(env), **kwargs,
+                   address_file=Path(env["RECOVER_COORDINATOR_FILE"])
+                   if env.get("RECOVER_COORDINATOR_FILE") else None)
 
     # --- the current view -------------------------------------------------------------------
     def epoch(self) -> int:

@@ -34,6 +34,7 @@ import hashlib
 import json
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Protocol
 
 import torch.distributed as dist
@@ -109,6 +110,14 @@ def parse_address(text: str, source: str) -> tuple[str, int]:
         raise CoordinatorConfigError(f"{source}={text!r} is not host:port; set it to the coordinator's "
                                      "address, e.g. 127.0.0.1:29400")
     return host, int(port)
+
+
+def read_address(address_file: Path, fallback: str) -> str:
+    """The coordinator's address as the node's agent last wrote it (`fallback` without one)."""
+    try:
+        return address_file.read_text().strip() or fallback
+    except FileNotFoundError:
+        return fallback
 
 
 def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:

@@ -10,7 +10,8 @@ import pytest
 
 from recover_patches.collectives.election import Election, Leadership
 from recover_patches.collectives.etcd_cluster import ClusterUnreachable, EtcdCluster
-from recover_patches.collectives.leader_agent import LeaderAgent, read_address
+from recover_patches.collectives.leader_agent import LeaderAgent
+from recover_patches.collectives.protocol import read_address
 from tests.collectives.etcd_members import EtcdMembers, needs_etcd
 
 pytestmark = pytest.mark.timeout(60)

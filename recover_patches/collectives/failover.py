@@ -1,0 +1,125 @@
+"""The coordinator of whichever node etcd elected ([U]: `--rdzv-backend etcd`).
+
+Every node's launcher holds an `ElectedCoordinator` in place of node 0's `CoordinatorHandle`:
+its `LeaderAgent` campaigns for the job's leader key; the winner's launcher forks a coordinator
+on its own address (`--local-addr`, a free port unless --coordinator-port), a *successor* one
+when an earlier leader ran the job, so the ranks bring their latest epoch records as they do to
+a coordinator restarted on node 0 ([R]). Every agent writes the leader's address into a file of
+its node (`RECOVER_COORDINATOR_FILE`), which the node's ranks and its launcher's link read when
+they connect again: losing node 0 then costs what a coordinator restart costs, plus the lease's
+TTL. A leader that loses its lease stops its coordinator before another can win (fencing).
+
+The agent's thread only asks; the launcher's supervision loop starts and stops the process
+(`restart_if_dead`, every 0.2 s), so the fork happens on the launcher's main thread.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from argparse import Namespace
+from pathlib import Path
+
+from recover_patches.collectives.election import Election
+from recover_patches.collectives.errors import CoordinatorConfigError
+from recover_patches.collectives.etcd_cluster import ClusterUnreachable, EtcdCluster, \
+    parse_endpoints
+from recover_patches.collectives.launcher_link import CoordinatorHandle, LauncherLink, \
+    fork_coordinator, stop_process
+from recover_patches.collectives.leader_agent import LeaderAgent
+from recover_patches.collectives.protocol import read_address
+
+logger = logging.getLogger(__name__)
+
+FIRST_LEADER_WITHIN = 30.0  # seconds a launcher waits for etcd to name a leader at start
+
+
+class ElectedCoordinator(CoordinatorHandle):
+    def __init__(self, args: Namespace, token: str, ttl: int):
+        host = args.local_addr or socket.getfqdn()
+        port = args.coordinator_port or _free_port(host)
+        super().__init__(host, port, token, args.node_rank, args.nnodes, None,
+                         args.nnodes * args.nproc_per_node)
+        self._dir = Path(tempfile.mkdtemp(prefix="recover-leader-"))
+        self.address_file = self._dir / "coordinator"
+        self._wanted: tuple[str, bool] | None = None  # the agent's last request: start or stop
+        self._lock = threading.Lock()
+        election = Election(EtcdCluster(parse_endpoints(args.rdzv_endpoint)), args.rdzv_id, ttl)
+        self.agent = LeaderAgent(election, f"node{args.node_rank}", f"{host}:{port}",
+                                 self.address_file, self._want_start, self._want_stop)
+        self._job = args.rdzv_id
+        self._first_round(ttl)
+
+    def _first_round(self, ttl: int) -> None:
+        """Campaign until etcd names a leader (this node or another), then start the agent's
+        loop; without a leader within FIRST_LEADER_WITHIN, CoordinatorConfigError."""
+        deadline = time.monotonic() + FIRST_LEADER_WITHIN
+        while True:
+            try:
+                self.agent.step()
+            except ClusterUnreachable as e:
+                logger.warning(f"etcd unreachable ({str(e)[:80]}); retrying")
+            if self.address_file.exists():
+                break
+            if time.monotonic() > deadline:
+                raise CoordinatorConfigError(
+                    f"--rdzv-endpoint: no etcd leader for job {self._job!r} within "
+                    f"{FIRST_LEADER_WITHIN:g}s; check that the etcd members answer")
+            time.sleep(min(1.0, ttl / 3))
+        self._act()
+        self.agent.start()
+
+    def _want_start(self, successor: bool) -> None:
+        with self._lock:
+            self._wanted = ("start", successor)
+
+    def _want_stop(self) -> None:
+        with self._lock:
+            self._wanted = ("stop", False)
+
+    def _act(self) -> None:
+        with self._lock:
+            wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        action, successor = wanted
+        if action == "start" and self.pid is None:
+            self.pid, _ = fork_coordinator(self.port, self.token, self.world_size,
+                                           restarted=successor)
+        elif action == "stop" and self.pid is not None:
+            stop_process(self.pid, grace=1.0)  # fenced: another node may lead already
+            self.pid = None
+
+    def restart_if_dead(self) -> None:
+        self._act()
+        super().restart_if_dead()
+
+    def env(self) -> dict[str, str]:
+        return {"RECOVER_COORDINATOR": self.current(), "RECOVER_JOB_TOKEN": self.token,
+                "RECOVER_COORDINATOR_FILE": str(self.address_file)}
+
+    def current(self) -> str:
+        return read_address(self.address_file, f"{self.host}:{self.port}")
+
+    def connect(self) -> LauncherLink:
+        host, _, port = self.current().rpartition(":")
+        return LauncherLink(host, int(port), self.token, self.node_rank, self.address_file)
+
+    def finish(self, link: LauncherLink | None, should_stop=lambda: False
+               ) -> tuple[int, frozenset[int]] | None:
+        """As node 0's handle, if this node leads now; then hand the leadership over."""
+        self._act()
+        try:
+            return super().finish(link, should_stop)
+        finally:
+            self.agent.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,89 @@
+"""Losing the node that runs the coordinator ([U]): two "nodes" (one launcher each, one rank each,
+DP 2) on this host elect the coordinator through a real etcd member (`--rdzv-backend etcd`). Node
+0 leads; its whole launcher session (launcher, coordinator, rank 0) is killed at iteration 3. Node
+1's launcher wins the lease after its TTL and starts a successor coordinator on its own port; rank
+1 and node 1's launcher find it through the node's address file, the successor declares rank 0
+dead, and rank 1 finishes every iteration alone, with the failure-free losses."""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from recover_patches.collectives.election import Election
+from recover_patches.collectives.etcd_cluster import EtcdCluster
+from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
+from tests.collectives.etcd_members import EtcdMembers, needs_etcd
+
+ITERS, M = 8, 8
+COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even",
+          "--recover-timeout", "3"]
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), needs_etcd]
+
+
+def start_node(node: int, endpoint: str, job: str, token: str, metrics, *faults: str):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", "1", "--nnodes", "2",
+           "--node-rank", str(node), "--master-port", "29555", "--job-token", token,
+           "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
+           "--rdzv-conf", "lease_ttl=2", "--local-addr", "127.0.0.1",
+           str(REPO / "pretrain_gpt_recover.py"), *COMMON, "--metrics-file", str(metrics),
+           *[a for f in faults for a in ("--inject-fault", f)]]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_leader(election: Election, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        leader = election.leader()
+        if leader is not None:
+            return leader
+        time.sleep(0.2)
+    raise AssertionError("no node took the lead")
+
+
+def test_the_job_survives_the_loss_of_the_node_that_runs_its_coordinator(tmp_path):
+    reference = launch(1, COMMON, tmp_path / "reference.jsonl", timeout=120)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    members = EtcdMembers(tmp_path, 1)
+    endpoint = f"127.0.0.1:{members.client_ports[0]}"
+    job, token, metrics = f"failover-{secrets.token_hex(4)}", secrets.token_hex(8), \
+        tmp_path / "metrics.jsonl"
+    procs = {}
+    try:
+        procs[0] = start_node(0, endpoint, job, token, metrics, "node:rank=0,iter=3,phase=forward")
+        # node 1 starts once node 0 leads, so the node that is lost is the one leading
+        election = Election(EtcdCluster(members.endpoints), job, 2)
+        assert wait_for_leader(election).node == "node0"
+        procs[1] = start_node(1, endpoint, job, token, metrics)
+        out = {n: p.communicate(timeout=240) for n, p in procs.items()}
+    finally:
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        members.stop()
+    stderr = out[0][1] + out[1][1]
+    assert procs[0].returncode == -signal.SIGKILL  # the lost node's launcher
+    assert procs[1].returncode == 0, stderr[-5000:]
+    assert "node node1 leads" in out[1][1] and "a successor coordinator" in out[1][1], stderr[-4000:]
+    records = [r for r in read_metrics(metrics) if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), stderr[-4000:]
+    for mine, ref in zip(records, reference.losses()):
+        i = mine["iteration"]
+        assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
+        assert abs(mine["lm_loss"] - ref) <= 1e-5 * abs(ref), (mine, ref)
+    assert records[-1]["live_replicas"] == [1]
+    assert re.search(r"rank 0: did not come back after the coordinator restarted|rank 0: no "
+                     r"(heartbeat|progress)", stderr), stderr[-4000:]
