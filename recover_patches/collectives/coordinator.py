@@ -44,6 +44,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
+from recover_patches.collectives.journal import COMPLETE, EPOCH, Fenced, Journal, write_or_fence
 from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
 from recover_patches.collectives.timeouts import Timeouts
@@ -62,6 +63,7 @@ class CoordinatorConfig:
     token: str
     timeout: float | None = None  # the ranks' --recover-timeout; None: the first rank's
     restarted: bool = False  # a successor: rebuild the membership from the ranks that come back
+    journal: Journal | None = None  # elected ([U]): decisions made durable first, fenced
 
 
 def standby_grace(timeouts: Timeouts) -> float:
@@ -99,6 +101,9 @@ class Coordinator:
         self.stopped = False
         self.store.set(P.CONFIG, json.dumps({"world_size": config.world_size}))
         self._publish(0, "job start" if not config.restarted else "coordinator restarted")
+        last = config.journal.read(EPOCH) if config.restarted and config.journal else None
+        if last is not None:  # a successor on another node: the journal's last epoch first
+            self._adopt_record(int(last["epoch"]), last["record"], "the journal")
 
     def _adopt_timeouts(self, timeout: float) -> None:
         self.timeouts = t = Timeouts(timeout)
@@ -107,7 +112,10 @@ class Coordinator:
         self.liveness.stall, self.liveness.expiry = t.stall, t.verdict_wait + t.stall
 
     def _publish(self, epoch: int, reason: str) -> None:
-        self.store.set(P.epoch_key(epoch), json.dumps(self.state.record(epoch, reason)))
+        record = self.state.record(epoch, reason)
+        if epoch:  # durable before any rank or launcher hears of it
+            write_or_fence(self.config.journal, EPOCH, {"epoch": epoch, "record": record})
+        self.store.set(P.epoch_key(epoch), json.dumps(record))
         self.store.set(P.EPOCH, str(epoch))  # after epoch/<e>: readers of EPOCH find its record
         for rank in sorted(self.registered):
             self.store.queue_push(P.notify_key(rank), str(epoch))
@@ -183,7 +191,11 @@ class Coordinator:
         if self.rejoin_window is None:
             assert self.timeouts is not None
             self.rejoin_window = time.monotonic() + self.timeouts.stall
-        record, epoch = rejoin["record"], int(rejoin["epoch"])
+        self._adopt_record(int(rejoin["epoch"]), rejoin["record"], f"rank {rank}")
+        self.state.incarnation[rank] = incarnation
+        self.state.issued[rank] = max(self.state.issued.get(rank, 0), incarnation)
+
+    def _adopt_record(self, epoch: int, record: dict, source: str) -> None:
         if epoch > self.state.epoch:
             self.state.epoch, self.state.dead = epoch, set(record["dead"])
             self.state.dead_incarnation = P.dead_incarnations(record)
@@ -192,10 +204,8 @@ class Coordinator:
             self.store.set(P.epoch_key(epoch), json.dumps(record))
             self.store.set(P.EPOCH, str(epoch))
             self.liveness.new_epoch(epoch)
-            logger.info(f"restored epoch {epoch} (dead ranks {sorted(self.state.dead)}) from rank "
-                        f"{rank}")
-        self.state.incarnation[rank] = incarnation
-        self.state.issued[rank] = max(self.state.issued.get(rank, 0), incarnation)
+            logger.info(f"restored epoch {epoch} (dead ranks {sorted(self.state.dead)}) from "
+                        f"{source}")
 
     def _missing_after_restart(self) -> None:
         """Once the rejoin window closed: ranks that never came back are gone."""
@@ -245,9 +255,10 @@ class Coordinator:
 
     def _complete(self, by_rank: int) -> None:
         if self.state.completed_at is None:
+            done = {"epoch": self.state.epoch, "dead": sorted(self.state.dead), "by": by_rank}
+            write_or_fence(self.config.journal, COMPLETE, done)
             self.state.completed_at = self.state.epoch
-            self.store.set(P.COMPLETE, json.dumps({"epoch": self.state.epoch,
-                                                   "dead": sorted(self.state.dead), "by": by_rank}))
+            self.store.set(P.COMPLETE, json.dumps(done))
             logger.info(f"job declared complete by rank {by_rank} at epoch {self.state.epoch}")
 
     def _beats_from(self, rank: int, node: str | None) -> None:
@@ -343,7 +354,10 @@ def run(server: dist.TCPStore, config: CoordinatorConfig, linger: float | None,
         signal.signal(sig, signal.SIG_IGN if owned else stop)
     if owned:
         signal.signal(OWNER_STOP, stop)
-    coordinator.serve(linger)
+    try:
+        coordinator.serve(linger)
+    except Fenced as e:  # its node lost the lease: the ranks find the leader's coordinator
+        logger.error(f"coordinator stops: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,15 @@ its node (`RECOVER_COORDINATOR_FILE`), which the node's ranks and its launcher's
 they connect again: losing node 0 then costs what a coordinator restart costs, plus the lease's
 TTL. A leader that loses its lease stops its coordinator before another can win (fencing).
 
-The agent's thread only asks; the launcher's supervision loop starts and stops the process
+The coordinator journals each epoch and the completion to etcd before publishing them, fenced by
+the lease (`journal.py`): one whose node lost the lease exits at its next decision. The agent's
+thread only asks; the launcher's supervision loop starts and stops the process
 (`restart_if_dead`, every 0.2 s), so the fork happens on the launcher's main thread.
 """
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -27,6 +30,7 @@ from recover_patches.collectives.election import Election
 from recover_patches.collectives.errors import CoordinatorConfigError
 from recover_patches.collectives.etcd_cluster import ClusterUnreachable, EtcdCluster, \
     parse_endpoints
+from recover_patches.collectives.journal import ElectionJournal
 from recover_patches.collectives.launcher_link import CoordinatorHandle, LauncherLink, \
     fork_coordinator, stop_process
 from recover_patches.collectives.leader_agent import LeaderAgent
@@ -47,7 +51,8 @@ class ElectedCoordinator(CoordinatorHandle):
         self.address_file = self._dir / "coordinator"
         self._wanted: tuple[str, bool] | None = None  # the agent's last request: start or stop
         self._lock = threading.Lock()
-        election = Election(EtcdCluster(parse_endpoints(args.rdzv_endpoint)), args.rdzv_id, ttl)
+        self._election_args = (parse_endpoints(args.rdzv_endpoint), args.rdzv_id, ttl)
+        election = Election(EtcdCluster(self._election_args[0]), args.rdzv_id, ttl)
         self.agent = LeaderAgent(election, f"node{args.node_rank}", f"{host}:{port}",
                                  self.address_file, self._want_start, self._want_stop)
         self._job = args.rdzv_id
@@ -87,15 +92,30 @@ class ElectedCoordinator(CoordinatorHandle):
             return
         action, successor = wanted
         if action == "start" and self.pid is None:
-            self.pid, _ = fork_coordinator(self.port, self.token, self.world_size,
-                                           restarted=successor)
+            self._fork(successor)
         elif action == "stop" and self.pid is not None:
             stop_process(self.pid, grace=1.0)  # fenced: another node may lead already
             self.pid = None
 
+    def _fork(self, successor: bool) -> None:
+        leadership = self.agent.leading
+        if leadership is None:  # deposed meanwhile
+            return
+        endpoints, job, ttl = self._election_args
+        self.pid, _ = fork_coordinator(
+            self.port, self.token, self.world_size, restarted=successor,
+            journal=lambda: ElectionJournal(Election(EtcdCluster(endpoints), job, ttl), leadership))
+
     def restart_if_dead(self) -> None:
+        """The agent's requests; then, while this node leads, a successor for a coordinator that
+        died (one that was fenced exits too, and its node's agent is deposed at its next step)."""
         self._act()
-        super().restart_if_dead()
+        if self.pid is not None and os.waitpid(self.pid, os.WNOHANG)[0] != 0:
+            logger.warning(f"the coordinator (pid {self.pid}) exited: a successor if this node "
+                           "still leads")
+            self.pid = None
+            self._fork(successor=True)
+            self.restarts += 1
 
     def env(self) -> dict[str, str]:
         return {"RECOVER_COORDINATOR": self.current(), "RECOVER_JOB_TOKEN": self.token,

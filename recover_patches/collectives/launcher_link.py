@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from argparse import Namespace
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from recover_patches.collectives import protocol as P
 from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.epoch_watch import EpochWatch
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
+from recover_patches.collectives.journal import Journal
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN
 
 logger = logging.getLogger(__name__)
@@ -207,10 +209,11 @@ def stop_process(pid: int, grace: float) -> None:
     os.waitpid(pid, 0)
 
 
-def fork_coordinator(port: int, token: str, world_size: int, restarted: bool = False
-                     ) -> tuple[int, int]:
+def fork_coordinator(port: int, token: str, world_size: int, restarted: bool = False,
+                     journal: Callable[[], Journal] | None = None) -> tuple[int, int]:
     """Fork the coordinator process; return (pid, port it listens on). Its waits follow the ranks'
-    --recover-timeout, which the first rank to register brings."""
+    --recover-timeout, which the first rank to register brings. `journal` makes the elected
+    coordinator's journal in the child (its own etcd connections: none shared across the fork)."""
     from recover_patches.collectives.coordinator import CoordinatorConfig, run, start_server
 
     read_fd, write_fd = os.pipe()
@@ -225,8 +228,9 @@ def fork_coordinator(port: int, token: str, world_size: int, restarted: bool = F
             server = start_server("0.0.0.0", port)
             os.write(write_fd, f"{server.port}\n".encode())
             os.close(write_fd)
-            run(server, CoordinatorConfig(world_size, token, restarted=restarted), linger=None,
-                owned=True)
+            run(server, CoordinatorConfig(world_size, token, restarted=restarted,
+                                          journal=journal() if journal else None),
+                linger=None, owned=True)
         except BaseException as e:
             traceback.print_exc()
             try:
