@@ -1,9 +1,11 @@
 """Losing the node that runs the coordinator ([U]): two "nodes" (one launcher each, one rank each,
-DP 2) on this host elect the coordinator through a real etcd member (`--rdzv-backend etcd`). Node
-0 leads; its whole launcher session (launcher, coordinator, rank 0) is killed at iteration 3. Node
-1's launcher wins the lease after its TTL and starts a successor coordinator on its own port; rank
-1 and node 1's launcher find it through the node's address file, the successor declares rank 0
-dead, and rank 1 finishes every iteration alone, with the failure-free losses."""
+DP 2) on this host elect the coordinator through three real etcd members (`--rdzv-backend
+etcd`). After iteration 1 the etcd member the nodes talk to first is killed: nothing changes
+(no epoch, node 0 still leads). Node 0's whole launcher session (launcher, coordinator, rank 0) is
+killed at iteration 3. Node 1's launcher wins the lease after its TTL and starts a successor
+coordinator on its own port; rank 1 and node 1's launcher find it through the node's address
+file, the successor declares rank 0 dead, and rank 1 finishes every iteration alone, with the
+failure-free losses."""
 from __future__ import annotations
 
 import os
@@ -28,44 +30,53 @@ COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even",
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), needs_etcd]
 
 
-def start_node(node: int, endpoint: str, job: str, token: str, metrics, *faults: str):
+def start_node(node: int, endpoints: str, job: str, token: str, metrics, logs, *faults: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", "1", "--nnodes", "2",
            "--node-rank", str(node), "--master-port", "29555", "--job-token", token,
-           "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
+           "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoints, "--rdzv-id", job,
            "--rdzv-conf", "lease_ttl=2", "--local-addr", "127.0.0.1",
            str(REPO / "pretrain_gpt_recover.py"), *COMMON, "--metrics-file", str(metrics),
            *[a for f in faults for a in ("--inject-fault", f)]]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(logs / f"out{node}", "w"),
+                            stderr=open(logs / f"err{node}", "w"), text=True,
+                            start_new_session=True)
 
 
-def wait_for_leader(election: Election, timeout: float = 60.0):
+def wait_until(condition, what: str, timeout: float = 90.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        leader = election.leader()
-        if leader is not None:
-            return leader
-        time.sleep(0.2)
-    raise AssertionError("no node took the lead")
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout:g}s")
 
 
-def test_the_job_survives_the_loss_of_the_node_that_runs_its_coordinator(tmp_path):
+def trained(metrics) -> list[dict]:
+    return [r for r in read_metrics(metrics) if "lm_loss" in r] if metrics.exists() else []
+
+
+def test_the_job_survives_an_etcd_member_and_the_node_that_runs_its_coordinator(tmp_path):
     reference = launch(1, COMMON, tmp_path / "reference.jsonl", timeout=120)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    members = EtcdMembers(tmp_path, 1)
-    endpoint = f"127.0.0.1:{members.client_ports[0]}"
+    members = EtcdMembers(tmp_path, 3)
+    endpoints = ",".join(f"{host}:{port}" for host, port in members.endpoints)
     job, token, metrics = f"failover-{secrets.token_hex(4)}", secrets.token_hex(8), \
         tmp_path / "metrics.jsonl"
     procs = {}
     try:
-        procs[0] = start_node(0, endpoint, job, token, metrics, "node:rank=0,iter=3,phase=forward")
+        procs[0] = start_node(0, endpoints, job, token, metrics, tmp_path,
+                              "node:rank=0,iter=3,phase=forward")
         # node 1 starts once node 0 leads, so the node that is lost is the one leading
         election = Election(EtcdCluster(members.endpoints), job, 2)
-        assert wait_for_leader(election).node == "node0"
-        procs[1] = start_node(1, endpoint, job, token, metrics)
-        out = {n: p.communicate(timeout=240) for n, p in procs.items()}
+        assert wait_until(election.leader, "an election").node == "node0"
+        procs[1] = start_node(1, endpoints, job, token, metrics, tmp_path)
+        wait_until(lambda: trained(metrics), "iteration 1")
+        members.kill(0)  # the member every client tries first
+        procs[1].wait(timeout=240)
+        procs[0].wait(timeout=10)
     finally:
         for proc in procs.values():
             try:
@@ -74,16 +85,19 @@ def test_the_job_survives_the_loss_of_the_node_that_runs_its_coordinator(tmp_pat
                 pass
             proc.wait()
         members.stop()
+    out = {n: ((tmp_path / f"out{n}").read_text(), (tmp_path / f"err{n}").read_text())
+           for n in procs}
     stderr = out[0][1] + out[1][1]
     assert procs[0].returncode == -signal.SIGKILL  # the lost node's launcher
     assert procs[1].returncode == 0, stderr[-5000:]
     assert "node node1 leads" in out[1][1] and "a successor coordinator" in out[1][1], stderr[-4000:]
-    records = [r for r in read_metrics(metrics) if "lm_loss" in r]
+    records = trained(metrics)
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), stderr[-4000:]
     for mine, ref in zip(records, reference.losses()):
         i = mine["iteration"]
         assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
         assert abs(mine["lm_loss"] - ref) <= 1e-5 * abs(ref), (mine, ref)
+    assert [r["live_replicas"] for r in records[:2]] == [[0, 1]] * 2  # the etcd member: nothing
     assert records[-1]["live_replicas"] == [1]
-    assert re.search(r"rank 0: did not come back after the coordinator restarted|rank 0: no "
-                     r"(heartbeat|progress)", stderr), stderr[-4000:]
+    assert re.findall(r"epoch (\d+): dead ranks \[([\d, ]*)\]", stderr) == [("1", "0")], \
+        stderr[-4000:]

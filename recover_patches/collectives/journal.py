@@ -42,6 +42,13 @@ class ElectionJournal:
 
 def write_or_fence(journal: Journal | None, name: str, record: dict) -> None:
     """Journal `record` (nothing without a journal), or raise Fenced."""
-    if journal is not None and not journal.record(name, record):
+    if journal is None:
+        return
+    try:
+        written = journal.record(name, record)
+    except RuntimeError as unreachable:  # etcd's majority out of reach: this side may be the
+        raise Fenced(f"{name} not published: etcd unreachable ({str(unreachable)[:80]})") \
+            from None  # minority of a partition, so nothing it decides may count
+    if not written:
         raise Fenced(f"{name} {record.get('epoch', '')} not published: this node no longer holds "
                      "the job's lease (another node's coordinator leads)")

@@ -27,37 +27,45 @@ def _free_ports(count: int) -> list[int]:
 
 
 class EtcdMembers:
-    """`size` members of one cluster on 127.0.0.1; `client_ports[i]` is member i's client port."""
+    """`size` members of one cluster; `client_ports[i]` is member i's client port. By default all
+    on 127.0.0.1 (free ports); with `hosts` (one address each, e.g. network namespaces of
+    `tests/netns.py`) etcd's own ports, each member started by `spawn(i, command, **popen)`."""
 
-    def __init__(self, root: Path, size: int):
-        ports = _free_ports(2 * size)
-        self.client_ports, peer_ports = ports[:size], ports[size:]
-        cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peer_ports))
+    def __init__(self, root: Path, size: int, hosts: list[str] | None = None, spawn=None):
+        if hosts is None:
+            ports = _free_ports(2 * size)
+            self.client_ports, peer_ports = ports[:size], ports[size:]
+            self.hosts = ["127.0.0.1"] * size
+        else:
+            self.client_ports, peer_ports, self.hosts = [2379] * size, [2380] * size, hosts
+        spawn = spawn or (lambda _i, cmd, **kw: subprocess.Popen(cmd, **kw))
+        cluster = ",".join(f"m{i}=http://{h}:{p}" for i, (h, p) in
+                           enumerate(zip(self.hosts, peer_ports)))
         self.procs: list[subprocess.Popen] = []
         for i in range(size):
-            client = f"http://127.0.0.1:{self.client_ports[i]}"
+            client, peer = (f"http://{self.hosts[i]}:{self.client_ports[i]}",
+                            f"http://{self.hosts[i]}:{peer_ports[i]}")
             log = open(root / f"etcd{i}.log", "w")  # noqa: SIM115 -- the member's whole life
-            self.procs.append(subprocess.Popen(
-                [ETCD, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer_ports[i]}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_ports[i]}",
-                 "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                 "--heartbeat-interval", "50", "--election-timeout", "500"],
+            self.procs.append(spawn(i, [
+                ETCD, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                "--heartbeat-interval", "50", "--election-timeout", "500"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         self._wait_healthy(20.0)
 
     @property
     def endpoints(self) -> list[tuple[str, int]]:
-        return [("127.0.0.1", p) for p in self.client_ports]
+        return list(zip(self.hosts, self.client_ports))
 
     def _wait_healthy(self, timeout: float) -> None:
         import requests
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if all(requests.get(f"http://127.0.0.1:{p}/health", timeout=1).json()
-                       .get("health") == "true" for p in self.client_ports):
+                if all(requests.get(f"http://{h}:{p}/health", timeout=1).json()
+                       .get("health") == "true" for h, p in self.endpoints):
                     return
             except (requests.RequestException, ValueError):
                 pass

@@ -19,9 +19,11 @@ pytestmark = pytest.mark.timeout(30)
 class MemoryJournal:
     def __init__(self):
         self.records: dict[str, dict] = {}
-        self.leading = True
+        self.leading, self.reachable = True, True
 
     def record(self, name: str, record: dict) -> bool:
+        if not self.reachable:
+            raise RuntimeError("no etcd member answered")  # as ClusterUnreachable
         if self.leading:
             self.records[name] = json.loads(json.dumps(record))  # as etcd would hand it back
         return self.leading
@@ -65,3 +67,16 @@ def test_a_successor_starts_from_the_journals_last_epoch():
     successor.state.mark_dead(0, "test")
     successor.tick()  # numbering goes on: no epoch is published twice with two meanings
     assert published_epoch(successor) == 2 and journal.records[EPOCH]["record"]["dead"] == [0, 2]
+
+
+def test_a_coordinator_that_cannot_reach_etcd_publishes_nothing():
+    """Cut off from etcd's majority, this side may be a partition's minority: nothing it decides
+    may reach a rank (the other side may have elected another coordinator already)."""
+    journal = MemoryJournal()
+    coordinator = Coordinator(start_server("127.0.0.1", 0),
+                              CoordinatorConfig(3, TOKEN, timeout=1.0, journal=journal))
+    journal.reachable = False
+    coordinator.state.mark_dead(1, "test")
+    with pytest.raises(Fenced, match="etcd unreachable"):
+        coordinator.tick()
+    assert published_epoch(coordinator) == 0

@@ -1,0 +1,75 @@
+"""Hosts with real addresses on this machine ([U]): one network namespace per "node", each joined
+to a bridge by a veth pair (iproute2), so every node has its own address (10.R.0.i) and its own
+link (the bridge holds 10.R.0.254 for the test itself). Processes run inside a namespace with
+`ip netns exec`; `kill_host` kills every process of one namespace (launcher, coordinator, ranks,
+etcd member: a node lost whole). Root only: tests skip otherwise. (This machine's kernel has no
+netem qdisc, so no delay or loss can be put on a link here.)
+
+Cleanup kills every process still in the namespaces (by PID, from `ip netns pids`), then deletes
+the namespaces and the bridge."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                 reason="needs root and iproute2 (network namespaces)")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Hosts:
+    def __init__(self, count: int):
+        tag = secrets.token_hex(2)
+        self.subnet = f"10.{int(tag, 16) % 200 + 20}.0"
+        self.bridge = f"rcvbr{tag}"
+        self.names = [f"rcv{tag}n{i}" for i in range(count)]
+        self.links = [f"rcv{tag}v{i}" for i in range(count)]  # each node's end on the bridge
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)  # the test's own
+            _ip("link", "set", self.bridge, "up")
+            for i, (name, link) in enumerate(zip(self.names, self.links)):
+                _ip("netns", "add", name)
+                _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", name)
+                _ip("link", "set", link, "master", self.bridge)
+                _ip("link", "set", link, "up")
+                _ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                _ip("-n", name, "link", "set", "eth0", "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError:
+            self.close()
+            raise
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def popen(self, i: int, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """`cmd` inside node i (gloo uses its eth0: the hostname would resolve to loopback)."""
+        env = {**kwargs.pop("env", os.environ), "GLOO_SOCKET_IFNAME": "eth0"}
+        return subprocess.Popen(["ip", "netns", "exec", self.names[i], *cmd], env=env, **kwargs)
+
+    def pids(self, i: int) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True,
+                             text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def kill_host(self, i: int) -> None:
+        for pid in self.pids(i):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        for i, name in enumerate(self.names):
+            self.kill_host(i)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

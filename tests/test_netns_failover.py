@@ -1,0 +1,82 @@
+"""Three hosts with their own addresses ([U]): one network namespace per node (`tests/netns.py`),
+an etcd member and a launcher in each (`--rdzv-backend etcd`, one rank per node, DP 3). Node 0,
+which leads, is lost whole at iteration 3: its launcher, coordinator and rank by the `node`
+fault, then its etcd member with everything else left in its namespace. Nodes 1 and 2 elect a
+successor over the two etcd members left (a majority), and every iteration commits its M
+microbatches with the failure-free losses; no other rank is declared dead.
+
+(A slow, lossy link -- tc netem -- is not tried: this machine's kernel has no netem qdisc.)"""
+from __future__ import annotations
+
+import re
+import secrets
+import subprocess
+import sys
+import time
+
+import pytest
+
+from recover_patches.collectives.election import Election
+from recover_patches.collectives.etcd_cluster import EtcdCluster
+from tests._launch_util import REPO, TINY_GPT, base_env, launch, read_metrics
+from tests.collectives.etcd_members import EtcdMembers, needs_etcd
+from tests.netns import Hosts, needs_netns
+
+ITERS, M = 8, 8
+COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even"]
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400), needs_etcd, needs_netns]
+
+
+def start_node(hosts: Hosts, node: int, endpoints: str, job: str, token: str, metrics, *extra):
+    cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", "1",
+           "--nnodes", "3", "--node-rank", str(node), "--master-addr", hosts.address(0),
+           "--master-port", "29555", "--job-token", token, "--rdzv-backend", "etcd",
+           "--rdzv-endpoint", endpoints, "--rdzv-id", job, "--local-addr", hosts.address(node),
+           str(REPO / "pretrain_gpt_recover.py"), *COMMON, "--metrics-file", str(metrics), *extra]
+    return hosts.popen(node, cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_a_lost_leading_node_leaves_the_failure_free_losses(tmp_path):
+    reference = launch(1, COMMON, tmp_path / "reference.jsonl", timeout=120)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    job, token, metrics = f"netns-{secrets.token_hex(4)}", secrets.token_hex(8), \
+        tmp_path / "metrics.jsonl"
+    hosts = Hosts(3)
+    procs: dict[int, subprocess.Popen] = {}
+    members = None
+    try:
+        members = EtcdMembers(tmp_path, 3, hosts=[hosts.address(i) for i in range(3)],
+                              spawn=hosts.popen)
+        endpoints = ",".join(f"{host}:{port}" for host, port in members.endpoints)
+        procs[0] = start_node(hosts, 0, endpoints, job, token, metrics,
+                              "--inject-fault", "node:rank=0,iter=3,phase=forward")
+        election = Election(EtcdCluster(members.endpoints), job, 5)
+        deadline = time.monotonic() + 90
+        while (leader := election.leader()) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert leader is not None and leader.node == "node0"  # so the node lost is the leader
+        procs.update({n: start_node(hosts, n, endpoints, job, token, metrics) for n in (1, 2)})
+        procs[0].wait(timeout=240)  # the `node` fault: launcher, coordinator and rank 0
+        hosts.kill_host(0)  # and the rest of node 0: its etcd member
+        out = {n: procs[n].communicate(timeout=240) for n in (1, 2)}
+    finally:
+        hosts.close()  # every process in the namespaces, by PID
+        for proc in procs.values():
+            proc.wait()
+        if members is not None:
+            members.stop()  # (reaped)
+    stderr = out[1][1] + out[2][1]
+    assert procs[1].returncode == 0 and procs[2].returncode == 0, stderr[-5000:]
+    assert re.search(r"node node[12] leads .*a successor coordinator", stderr), stderr[-4000:]
+    records = [r for r in read_metrics(metrics) if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), stderr[-4000:]
+    for mine, ref in zip(records, reference.losses()):
+        i = mine["iteration"]
+        assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
+        assert abs(mine["lm_loss"] - ref) <= 1e-5 * abs(ref), (mine, ref)
+    assert records[-1]["live_replicas"] == [1, 2]
+    declared = {int(r) for dead in re.findall(r"dead ranks \[([\d, ]*)\]", stderr)
+                for r in dead.split(",") if r.strip()}
+    assert declared == {0}, stderr[-4000:]
