@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import signal
 import subprocess
 import sys
@@ -154,6 +155,19 @@ def test_spare_nodes_start_standby_launchers_for_the_training_nodes_world(stubs,
         (False, "0", "2"), (False, "1", "2"), (True, "0", "2")]
     assert {flag(c, "--coordinator-port") for c in commands} == {str(20000 + 5 + 1)}
     assert "standby node 0/1" in result.stderr
+
+
+def test_an_etcd_endpoint_makes_every_node_a_candidate_coordinator(stubs, tmp_path):
+    env = clean_env(stubs, **NODE_ENV, RDZV_ENDPOINT="e1:2379,e2:2379,e3:2379")
+    result = run_bash(LAUNCH_NODE, env)
+    assert result.returncode == 0, result.stderr
+    cmd = shlex.split(result.stdout)
+    assert flag(cmd, "--rdzv-backend") == "etcd" and flag(cmd, "--rdzv-id") == "recover-7"
+    assert flag(cmd, "--rdzv-endpoint") == "e1:2379,e2:2379,e3:2379"
+    assert flag(cmd, "--local-addr") == socket.gethostname()
+    refused = run_bash(LAUNCH_NODE, clean_env(stubs, **NODE_ENV, RDZV_ENDPOINT="e1",
+                                              SPARE_NODES="1"))
+    assert refused.returncode == 2 and "RDZV_ENDPOINT with SPARE_NODES=1" in refused.stderr
 
 
 def test_sbatch_refuses_a_missing_config_before_srun(stubs, tmp_path):

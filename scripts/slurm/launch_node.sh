@@ -26,7 +26,11 @@
 #   COORDINATOR_PORT  coordinator port (default: 0 on one node, MASTER_PORT + 1 on several)
 #   RECOVER_JOB_TOKEN the job's shared secret: required with several nodes (the sbatch script
 #                     generates and exports it); one node generates its own
-#   RECOVER_LAUNCH_ARGS extra launcher flags, split on spaces (e.g. "--heartbeat-timeout 30")
+#   RDZV_ENDPOINT     etcd members' client addresses (h1:2379,h2:2379,h3:2379): every node's
+#                     launcher can then run the coordinator, one elected through etcd, so losing
+#                     node 0 is survived ([U]; --rdzv-backend etcd, job id recover-SLURM_JOB_ID,
+#                     this node's address from `hostname`); not with SPARE_NODES yet
+#   RECOVER_LAUNCH_ARGS extra launcher flags, split on spaces (e.g. "--rdzv-conf lease_ttl=3")
 #   PYTHON            interpreter with this project installed (default: python3)
 #   DRY_RUN=1         print the launcher command (shell-quoted) instead of running it
 # To keep the coordinator off the training nodes, start it yourself (RECOVER_JOB_TOKEN exported):
@@ -56,6 +60,13 @@ SPARE_NODES="${SPARE_NODES:-0}"
 [[ "$SPARE_NODES" =~ ^[0-9]+$ && "$SPARE_NODES" -lt "$ALLOCATED" ]] || fail "SPARE_NODES=$SPARE_NODES \
 must be a whole number below the $ALLOCATED node(s) of the allocation: at least one node trains"
 NNODES=$((ALLOCATED - SPARE_NODES))  # training nodes; the standby nodes come after them
+rdzv=()
+if [ -n "${RDZV_ENDPOINT:-}" ]; then
+    [ "$SPARE_NODES" -eq 0 ] || fail "RDZV_ENDPOINT with SPARE_NODES=$SPARE_NODES: standby nodes \
+need node 0's coordinator for now; unset one of them"
+    rdzv=(--rdzv-backend etcd --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "recover-$SLURM_JOB_ID"
+          --local-addr "$(hostname)")
+fi
 standby=()
 if [ "$NODE_RANK" -ge "$NNODES" ]; then
     NODE_RANK=$((NODE_RANK - NNODES))  # this standby node's index: it names its processes
@@ -108,7 +119,7 @@ cmd=(
     "${PYTHON:-python3}" -m recover_patches.launch
     --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-    --coordinator-port "$COORDINATOR_PORT" "${standby[@]}"
+    --coordinator-port "$COORDINATOR_PORT" "${standby[@]}" "${rdzv[@]}"
     "${launch_extra[@]}"
     "$REPO/pretrain_gpt_recover.py"
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${BATCH_ARGS[@]}" "${OPT_ARGS[@]}"
