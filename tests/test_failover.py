@@ -8,7 +8,6 @@ file, the successor declares rank 0 dead, and rank 1 finishes every iteration al
 failure-free losses."""
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import signal
@@ -20,7 +19,7 @@ import pytest
 
 from recover_patches.collectives.election import Election
 from recover_patches.collectives.etcd_cluster import EtcdCluster
-from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
+from tests._launch_util import REPO, TINY_GPT, base_env, kill_session, launch, read_metrics
 from tests.collectives.etcd_members import EtcdMembers, needs_etcd
 
 ITERS, M = 8, 8
@@ -31,15 +30,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), needs_etcd]
 
 
 def start_node(node: int, endpoints: str, job: str, token: str, metrics, logs, *faults: str):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", "1", "--nnodes", "2",
            "--node-rank", str(node), "--master-port", "29555", "--job-token", token,
            "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoints, "--rdzv-id", job,
            "--rdzv-conf", "lease_ttl=2", "--local-addr", "127.0.0.1",
            str(REPO / "pretrain_gpt_recover.py"), *COMMON, "--metrics-file", str(metrics),
            *[a for f in faults for a in ("--inject-fault", f)]]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(logs / f"out{node}", "w"),
+    return subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=open(logs / f"out{node}", "w"),
                             stderr=open(logs / f"err{node}", "w"), text=True,
                             start_new_session=True)
 
@@ -79,10 +76,7 @@ def test_the_job_survives_an_etcd_member_and_the_node_that_runs_its_coordinator(
         procs[0].wait(timeout=10)
     finally:
         for proc in procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_session(proc.pid)
             proc.wait()
         members.stop()
     out = {n: ((tmp_path / f"out{n}").read_text(), (tmp_path / f"err{n}").read_text())

@@ -28,13 +28,12 @@ from pathlib import Path
 
 from recover_patches.collectives.election import Election
 from recover_patches.collectives.errors import CoordinatorConfigError
-from recover_patches.collectives.etcd_cluster import ClusterUnreachable, EtcdCluster, \
-    parse_endpoints
+from recover_patches.collectives.etcd_cluster import EtcdCluster, parse_endpoints
 from recover_patches.collectives.journal import ElectionJournal
 from recover_patches.collectives.launcher_link import CoordinatorHandle, LauncherLink, \
     fork_coordinator, stop_process
 from recover_patches.collectives.leader_agent import LeaderAgent
-from recover_patches.collectives.protocol import read_address
+from recover_patches.collectives.protocol import current_address
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +62,7 @@ class ElectedCoordinator(CoordinatorHandle):
         loop; without a leader within FIRST_LEADER_WITHIN, CoordinatorConfigError."""
         deadline = time.monotonic() + FIRST_LEADER_WITHIN
         while True:
-            try:
-                self.agent.step()
-            except ClusterUnreachable as e:
-                logger.warning(f"etcd unreachable ({str(e)[:80]}); retrying")
+            self.agent.step()  # (an unreachable etcd is the step's to wait out)
             if self.address_file.exists():
                 break
             if time.monotonic() > deadline:
@@ -122,11 +118,11 @@ class ElectedCoordinator(CoordinatorHandle):
                 "RECOVER_COORDINATOR_FILE": str(self.address_file)}
 
     def current(self) -> str:
-        return read_address(self.address_file, f"{self.host}:{self.port}")
+        host, port = current_address(self.address_file, self.host, self.port)
+        return f"{host}:{port}"
 
-    def connect(self) -> LauncherLink:
-        host, _, port = self.current().rpartition(":")
-        return LauncherLink(host, int(port), self.token, self.node_rank, self.address_file)
+    def connect(self) -> LauncherLink:  # (the link reads the file itself on every connect)
+        return LauncherLink(self.host, self.port, self.token, self.node_rank, self.address_file)
 
     def finish(self, link: LauncherLink | None, should_stop=lambda: False
                ) -> tuple[int, frozenset[int]] | None:

@@ -53,9 +53,7 @@ class LauncherLink:
     def _connect(self, timeout: float, wait: timedelta | None = None) -> CountedStore:
         """`wait`: how long its blocking operations wait (the connection timeout otherwise)."""
         host, port, token, node_rank = self._address
-        if self._address_file is not None:
-            host, port = P.parse_address(P.read_address(self._address_file, f"{host}:{port}"),
-                                         str(self._address_file))
+        host, port = P.current_address(self._address_file, host, port)
         raw = P.connect(host, port, timeout, "the launcher")
         P.handshake(raw, token, "launcher", node_rank, timeout)
         if wait is not None:

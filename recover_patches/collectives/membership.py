@@ -88,9 +88,7 @@ class MembershipClient:
         """Register with the coordinator (again, with `rejoin`: what this rank knows) and open
         the three connections: the main thread's, the watcher's and the heartbeat's."""
         host, port, token, source, standby = self._address
-        if self._address_file is not None:
-            host, port = P.parse_address(P.read_address(self._address_file, f"{host}:{port}"),
-                                         str(self._address_file))
+        host, port = P.current_address(self._address_file, host, port)
         raw = P.connect(host, port, connect_timeout, source)
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
                     self.timeouts.operation, rejoin,

@@ -120,6 +120,14 @@ def read_address(address_file: Path, fallback: str) -> str:
         return fallback
 
 
+def current_address(address_file: Path | None, host: str, port: int) -> tuple[str, int]:
+    """Where to connect: the elected coordinator's address from the node's file ([U]), else
+    (no file, or none written yet) `host:port`."""
+    if address_file is None:
+        return host, port
+    return parse_address(read_address(address_file, f"{host}:{port}"), str(address_file))
+
+
 def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
     """A client connection to the coordinator's store, or a clear error naming `source`."""
     try:

@@ -32,14 +32,19 @@ class MemoryJournal:
         return self.records.get(name)
 
 
+def coordinator_with(journal: MemoryJournal, restarted: bool = False) -> Coordinator:
+    return Coordinator(start_server("127.0.0.1", 0),
+                       CoordinatorConfig(3, TOKEN, timeout=1.0, restarted=restarted,
+                                         journal=journal))
+
+
 def published_epoch(coordinator: Coordinator) -> int:
     return int(coordinator.store.get(P.EPOCH))
 
 
 def test_an_epoch_is_journaled_first_and_a_fenced_coordinator_publishes_nothing():
     journal = MemoryJournal()
-    coordinator = Coordinator(start_server("127.0.0.1", 0),
-                              CoordinatorConfig(3, TOKEN, timeout=1.0, journal=journal))
+    coordinator = coordinator_with(journal)
     coordinator.state.mark_dead(2, "test")
     coordinator.tick()
     assert published_epoch(coordinator) == 1
@@ -56,13 +61,10 @@ def test_an_epoch_is_journaled_first_and_a_fenced_coordinator_publishes_nothing(
 
 def test_a_successor_starts_from_the_journals_last_epoch():
     journal = MemoryJournal()
-    first = Coordinator(start_server("127.0.0.1", 0),
-                        CoordinatorConfig(3, TOKEN, timeout=1.0, journal=journal))
+    first = coordinator_with(journal)
     first.state.mark_dead(2, "test")
     first.tick()
-    successor = Coordinator(start_server("127.0.0.1", 0),
-                            CoordinatorConfig(3, TOKEN, timeout=1.0, restarted=True,
-                                              journal=journal))
+    successor = coordinator_with(journal, restarted=True)
     assert published_epoch(successor) == 1 and successor.state.dead == {2}
     successor.state.mark_dead(0, "test")
     successor.tick()  # numbering goes on: no epoch is published twice with two meanings
@@ -73,8 +75,7 @@ def test_a_coordinator_that_cannot_reach_etcd_publishes_nothing():
     """Cut off from etcd's majority, this side may be a partition's minority: nothing it decides
     may reach a rank (the other side may have elected another coordinator already)."""
     journal = MemoryJournal()
-    coordinator = Coordinator(start_server("127.0.0.1", 0),
-                              CoordinatorConfig(3, TOKEN, timeout=1.0, journal=journal))
+    coordinator = coordinator_with(journal)
     journal.reachable = False
     coordinator.state.mark_dead(1, "test")
     with pytest.raises(Fenced, match="etcd unreachable"):
