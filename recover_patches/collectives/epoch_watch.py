@@ -65,6 +65,11 @@ class EpochWatch:
                 self.news.set()
                 self._stop.wait(RETRY)
 
+    def abandon(self) -> None:
+        """Stop without a word (its pop may wait on a link that was cut): the thread ends when
+        that pop returns, if ever; a new watch takes over."""
+        self._stop.set()
+
     def close(self, store: Queues) -> None:
         """End the watch: a "stop" on its queue through `store` (the launcher's connection)."""
         self._stop.set()

@@ -15,6 +15,7 @@ lives, so which member a client reaches changes nothing but latency.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -49,16 +50,23 @@ class ClusterUnreachable(RuntimeError):
 
 class EtcdCluster:
     def __init__(self, endpoints: Sequence[tuple[str, int]], timeout: float = 2.0,
-                 make_client: Callable[[str, int, float], Etcd3Client] | None = None):
+                 make_client: Callable[[str, int, float], Etcd3Client] | None = None,
+                 first: int = 0):
         make = make_client or (lambda host, port, t: Etcd3Client(host=host, port=port, timeout=t))
         self.endpoints = list(endpoints)
         self._clients = [make(host, port, timeout) for host, port in self.endpoints]
-        self._current = 0  # the member that answered last: tried first
+        self._current = first  # the member that answered last: tried first
+        self.answered_at = time.monotonic()  # when a member with a majority last answered
         self._lock = threading.Lock()
 
     @property
     def current(self) -> tuple[str, int]:
         return self.endpoints[self._current]
+
+    @property
+    def current_index(self) -> int:
+        """For a client made elsewhere (a forked coordinator's) to start where this one is."""
+        return self._current
 
     def call(self, operation: Callable[[Etcd3Client], T]) -> T:
         """`operation` on the member that answered last, else on each other in turn; a member
@@ -77,5 +85,6 @@ class EtcdCluster:
                 continue
             with self._lock:
                 self._current = index
+            self.answered_at = time.monotonic()
             return result
         raise ClusterUnreachable("no etcd member answered: " + "; ".join(errors))

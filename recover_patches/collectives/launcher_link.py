@@ -20,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
+from recover_patches.collectives.bounded_call import BoundedCaller
 from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.epoch_watch import EpochWatch
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
@@ -29,19 +30,27 @@ from recover_patches.collectives.timeouts import RECONNECT_WITHIN
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0
+OPERATION_WAIT = 2.0  # seconds: [U] over a cut link an operation is given up after this
 
 
 class LauncherLink:
     """A launcher's connection. If the coordinator disappears, the link says so and tries to
-    reconnect (a restarted coordinator listens on the same port) at most once a second, for
-    RECONNECT_WITHIN seconds; the launcher keeps supervising its ranks either way."""
+    reconnect (a restarted coordinator listens on the same port; an elected one where the node's
+    address file says, which also moves the link at once) at most once a second, for
+    RECONNECT_WITHIN seconds; the launcher keeps supervising its ranks either way. Every
+    operation is given up after OPERATION_WAIT (`bounded_call.py`): a cut link must not stall
+    the supervision loop.
+    `answered_at`: when the coordinator at `connected_to` (host, port) last answered."""
 
     def __init__(self, host: str, port: int, token: str, node_rank: int,
                  address_file: Path | None = None):
         self._address = (host, port, token, node_rank)
         self._address_file = address_file  # [U]: the elected coordinator's, re-read to connect
         self.ops = OpCounter()  # every operation on the coordinator's store, the watch's too
+        self._bounded = BoundedCaller(OPERATION_WAIT, "recover-link-op")
         self.store = self._connect(START_TIMEOUT)
+        self.answered_at = time.monotonic()
+        self._beats_written = ""  # the node beat this link wrote last
         self.broken = False
         self._lost_at: float | None = None  # when the connection broke, while reconnecting
         self._retry_at = 0.0
@@ -58,28 +67,45 @@ class LauncherLink:
         P.handshake(raw, token, "launcher", node_rank, timeout)
         if wait is not None:
             raw.set_timeout(wait)
+        else:
+            self.connected_to = (host, port)
         return CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self.ops)
 
     def close(self) -> None:
-        """Stop the epoch watch (the launcher is done with the coordinator)."""
-        self._watch.close(self.store)
+        """Stop the epoch watch (the launcher is done with the coordinator). Bounded: the store's
+        client is locked while an abandoned operation waits on it (`bounded_call.py`)."""
+        try:
+            self._bounded(lambda: self._watch.close(self.store), limit=OPERATION_WAIT + 5.0)
+        except RuntimeError:
+            pass  # a cut link: the watch is a daemon thread, it ends with the launcher
+        self._bounded.close()
 
     def _guard(self, action, default):
+        if self._lost_at is None and self._moved():
+            self._lost_at = self._retry_at = time.monotonic()
         if self.broken or (self._lost_at is not None and not self._reconnected()):
             return default
         try:
-            return action()
+            result = self._bounded(action)
         except RuntimeError as e:
             self._lost_at, self._retry_at = time.monotonic(), time.monotonic() + 0.5
             logger.warning(f"lost the coordinator ({str(e)[:80]}); reconnecting")
             return default
+        self.answered_at = time.monotonic()
+        return result
+
+    def _moved(self) -> bool:
+        """[U]: etcd elected a coordinator elsewhere (the old one may be cut off, not closed)."""
+        host, port, _, _ = self._address
+        return self._address_file is not None and \
+            P.current_address(self._address_file, host, port) != self.connected_to
 
     def _reconnected(self) -> bool:
         assert self._lost_at is not None
         if time.monotonic() < self._retry_at:
             return False
         try:
-            self.store = self._connect(1.0)
+            self.store = self._bounded(lambda: self._connect(1.0), limit=1.0 + OPERATION_WAIT)
         except (CoordinatorError, RuntimeError) as e:
             self._retry_at = time.monotonic() + 1.0
             if time.monotonic() - self._lost_at > RECONNECT_WITHIN:
@@ -87,7 +113,9 @@ class LauncherLink:
                 logger.warning(f"the coordinator did not come back ({e}); supervising without it")
             return False
         self._lost_at, self._epoch = None, -1
-        self._watch.news.set()  # read the successor's epoch
+        self.answered_at = time.monotonic()
+        self._watch.abandon()  # its pop may wait on a cut link: a new watch, on the successor
+        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), self._address[3])
         logger.info("reconnected to the coordinator")
         return True
 
@@ -97,8 +125,16 @@ class LauncherLink:
             "exit", rank=rank, code=code, incarnation=incarnation, replacing=replacing)), None)
 
     def forward_beats(self, node: str, beats: dict[int, str]) -> None:
-        """This node's live ranks' heartbeats in one store write (`node_beats.py`)."""
-        self._guard(lambda: self.store.set(P.node_heartbeat_key(node), json.dumps(beats)), None)
+        """This node's live ranks' heartbeats in one store operation (`node_beats.py`): a
+        compare-and-set, not a set. TCPStore's set is never answered, so over a cut link it
+        never fails; the coordinator's answer here is the node's proof of contact."""
+        key, value = P.node_heartbeat_key(node), json.dumps(beats)
+
+        def write() -> None:
+            if self.store.compare_set(key, self._beats_written, value).decode() != value:
+                self.store.set(key, value)  # not ours (a new coordinator's "{}"): overwritten
+            self._beats_written = value
+        self._guard(write, None)
 
     def report_standby_exit(self, standby: str) -> None:
         self._guard(lambda: P.post_report(self.store, P.Report.make("standby_exit", id=standby)),
@@ -169,6 +205,11 @@ class CoordinatorHandle:
         logger.warning(f"the coordinator (pid {self.pid}) died: starting a new one on port {self.port}")
         self.pid, _ = fork_coordinator(self.port, self.token, self.world_size, restarted=True)
         self.restarts += 1
+
+    def self_fence(self, link: LauncherLink | None, limit: float, fence: Callable[[str], None]):
+        """None: with the static rendezvous there is no majority for a node to be cut off from
+        (`self_fence.py`; the elected coordinator's handle returns one)."""
+        return None
 
     def env(self) -> dict[str, str]:
         return {"RECOVER_COORDINATOR": f"{self.host}:{self.port}", "RECOVER_JOB_TOKEN": self.token}

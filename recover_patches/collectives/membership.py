@@ -12,15 +12,17 @@ Each has its own store connection: a TCPStore client serializes its requests, so
 would otherwise stall everyone. (A blocking pop rather than timed waits: every timed-out store
 wait prints two C++ warnings.)
 
-If the coordinator goes away (its process died; the node-0 launcher starts a new one on the same
-port, with an empty store), the watcher reconnects: it registers again, telling the new
-coordinator what this rank knows (its latest epoch record, whether it waits as a spare), replaces
-`store`, bumps `generation` and calls the reconnect listeners (the agreement re-publishes its last
-decisions there). The main thread's store operations fail meanwhile; callers that must survive
-the gap (the commit vote) wait for `wait_reconnected()` and retry.
+If the coordinator goes away (its process died and the node-0 launcher started a new one on the
+same port, or etcd elected one elsewhere: [U], the node's address file moves), a watcher
+reconnects: it registers again with what this rank knows (its latest epoch record, whether it
+waits as a spare), replaces `store`, bumps `generation` and calls the reconnect listeners (the
+agreement re-publishes its last decisions there). The main thread's store operations fail
+meanwhile (within T: a cut link answers nothing); callers that must survive the gap (the commit
+vote) wait for `wait_reconnected()` and retry.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,11 +35,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
+from recover_patches.collectives.bounded_call import BoundedCaller
 from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.node_beats import LOCAL_BEATS_PER_INTERVAL, NodeBeats, write_beat
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, MembershipTimeout)
-from recover_patches.collectives.timeouts import RECONNECT_WITHIN, Timeouts
+from recover_patches.collectives.timeouts import RECONNECT_WITHIN, REPORT_WAIT, Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class MembershipClient:
         self._beat_every = self.heartbeat_interval if node_beats is None else \
             self.heartbeat_interval / LOCAL_BEATS_PER_INTERVAL
         self._ops = OpCounter()  # every store operation of this rank: see store_ops
+        self._bounded = BoundedCaller(REPORT_WAIT, f"recover-report-{rank}")
         self._open(connect_timeout)
         self.generation = 0  # reconnections to a restarted coordinator so far
         self._spare_slots: list[int] | None = None  # told the coordinator it waits as a spare
@@ -79,27 +83,35 @@ class MembershipClient:
         self._stop = threading.Event()
         self._beats = 0
         self._beat_once()
-        self._threads = [threading.Thread(target=target, name=f"recover-{what}-{rank}", daemon=True)
-                         for target, what in ((self._watch, "membership"), (self._beat, "heartbeat"))]
-        for thread in self._threads:
-            thread.start()
+        self._reconnecting = threading.Lock()  # one reconnection at a time, from either thread
+        self._moved_seen = -1  # the generation whose coordinator was seen to move ([U])
+        self._watcher = self._thread(self._watch, "membership", 0)
+        self._beater = self._thread(self._beat, "heartbeat")
 
-    def _open(self, connect_timeout: float, rejoin: dict | None = None) -> None:
+    def _thread(self, target, what: str, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, name=f"recover-{what}", daemon=True)
+        thread.start()
+        return thread
+
+    def _open(self, connect_timeout: float, rejoin: dict | None = None,
+              attempt: float | None = None) -> None:
         """Register with the coordinator (again, with `rejoin`: what this rank knows) and open
         the three connections: the main thread's, the watcher's and the heartbeat's."""
         host, port, token, source, standby = self._address
         host, port = P.current_address(self._address_file, host, port)
-        raw = P.connect(host, port, connect_timeout, source)
+        raw = P.connect(host, port, attempt or connect_timeout, source, attempt is not None)
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
                     self.timeouts.operation, rejoin,
                     node=None if self._node_beats is None else self._node_beats.node)
         store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops)
+        raw.set_timeout(timedelta(seconds=self.timeouts.operation))  # [U]: a cut link's ops end
         config = json.loads(store.get(P.CONFIG))
         if config["world_size"] != self.world_size:
             raise CoordinatorConfigError(f"WORLD_SIZE={self.world_size} but the coordinator serves "
                                          f"a job of {config['world_size']} ranks")
         self._watch_store = self._connection(host, port, token, connect_timeout, source,
                                              blocking=timedelta(days=30))  # pops until news/close
+        self._connected_to = (host, port)
         self._beat_store = None if self._node_beats is not None else \
             self._connection(host, port, token, connect_timeout, source)
         self.store = store
@@ -208,12 +220,12 @@ class MembershipClient:
 
     def report_failure(self, suspects: Iterable[int], where: str) -> None:
         """An operation timed out or broke: this rank waits for the coordinator's verdict on
-        `suspects` (the peers it waited for; empty if it cannot tell)."""
-        try:
-            P.post_report(self.store, P.Report.make("suspect", rank=self.rank, epoch=self._epoch,
-                                                    suspects=sorted(set(suspects)), where=where))
-        except RuntimeError:
-            pass  # the coordinator is restarting: its window for the lost ranks covers us
+        `suspects` (the peers it waited for; empty if it cannot tell). Given up after a few
+        seconds (the coordinator is restarting, or cut off: its successor's window covers us)."""
+        report, store = P.Report.make("suspect", rank=self.rank, epoch=self._epoch,
+                                      suspects=sorted(set(suspects)), where=where), self.store
+        with contextlib.suppress(RuntimeError):
+            self._bounded(lambda: P.post_report(store, report))
 
     def wait_as_spare(self, replica_slots: Iterable[int]) -> None:
         """Tell the coordinator this rank waits to re-form the replica of `replica_slots` (its
@@ -232,9 +244,7 @@ class MembershipClient:
     def job_stopped(self) -> str | None:
         """Why the job stopped before completion (no member left), else None."""
         try:
-            if not self.store.check([P.STOPPED]):
-                return None
-            return self.store.get(P.STOPPED).decode()
+            return self.store.get(P.STOPPED).decode() if self.store.check([P.STOPPED]) else None
         except RuntimeError:  # the coordinator is restarting: ask again later
             return None
 
@@ -262,19 +272,17 @@ class MembershipClient:
         taken for a hang; leave=False just goes silent, as a vanished process would."""
         if self._stop.is_set():
             return
-        if leave:
-            try:
-                self.leave()
-            except RuntimeError:
-                pass  # coordinator already gone: nothing to tell
         self._stop.set()
         with self._changed:
             self._changed.notify_all()  # a heartbeat thread waiting for a reconnection ends
-        try:
-            self.store.queue_push(P.notify_key(self.rank), P.STOP)
-        except RuntimeError:
-            pass  # coordinator gone: the watcher has already ended on the broken connection
-        for thread in self._threads:
+        def goodbye() -> None:  # bounded: a cut link answers nothing (and locks its client)
+            if leave:
+                self.leave()
+            self.store.queue_push(P.notify_key(self.rank), P.STOP)  # ends the watcher's pop
+        with contextlib.suppress(RuntimeError):  # the coordinator is gone: nothing to tell
+            self._bounded(goodbye)
+        self._bounded.close()
+        for thread in (self._watcher, self._beater):  # (a watcher left on a cut link: not)
             if thread is not threading.current_thread():
                 thread.join(self.heartbeat_interval + 5.0)
 
@@ -297,6 +305,7 @@ class MembershipClient:
     def _beat(self) -> None:
         while not self._stop.wait(self._beat_every):
             generation = self.generation
+            self._follow_a_moved_coordinator(generation)
             try:
                 self._beat_once()
             except OSError:  # the node's directory is gone: this rank falls silent, as it must
@@ -305,31 +314,57 @@ class MembershipClient:
                 if not self.wait_reconnected(generation):
                     return
 
-    def _watch(self) -> None:
+    def _follow_a_moved_coordinator(self, generation: int) -> None:
+        """[U]: the node's address file names another coordinator (etcd elected a successor). Over
+        a cut link the old connections never fail: a new watcher reconnects now."""
+        if self._address_file is None or self._moved_seen == generation:
+            return
+        moved_to = P.current_address(self._address_file, *self._address[:2])
+        if moved_to != self._connected_to:
+            self._moved_seen = generation
+            self._watcher = self._thread(self._watch, "membership", generation, RuntimeError(
+                f"the coordinator moved to {moved_to[0]}:{moved_to[1]}"))
+
+    def _watch(self, generation: int, moved: Exception | None = None) -> None:
+        """Serve one connection generation; once another thread reconnected, end without acting
+        on what the old connection returns (if it ever does)."""
+        if moved is not None:
+            if not self._reconnect(moved, generation):
+                return
+            generation = self.generation
+        store = self._watch_store
         while not self._stop.is_set():
             try:
-                if self._watch_store.queue_pop(P.notify_key(self.rank), True) == P.STOP.encode():
+                value = store.queue_pop(P.notify_key(self.rank), True)
+                if value == P.STOP.encode() or generation != self.generation:
                     return
-                self._adopt(*self._read_latest(self._watch_store))
+                self._adopt(*self._read_latest(store))
             except RuntimeError as e:
-                if self._stop.is_set() or not self._reconnect(e):
+                if self._stop.is_set() or generation != self.generation \
+                        or not self._reconnect(e, generation):
                     return
+                generation, store = self.generation, self._watch_store
 
-    def _reconnect(self, error: Exception) -> bool:
-        """The coordinator went away: register with its successor, telling it this rank's latest
-        epoch record; then re-announce what it had been told (waiting as a spare)."""
+    def _reconnect(self, error: Exception, generation: int) -> bool:
+        """Register with the successor, bringing this rank's latest epoch record and a spare's
+        wait. True iff this thread did: it then watches (two pops on one client deadlock)."""
+        with self._reconnecting:
+            return self.generation == generation and self._register_again(error)
+
+    def _register_again(self, error: Exception) -> bool:
         logger.warning(f"lost the coordinator ({str(error)[:80]}); reconnecting")
         deadline = time.monotonic() + RECONNECT_WITHIN
         while not self._stop.is_set():
             try:
-                self._open(5.0, rejoin={"epoch": self._epoch, "record": self._record})
+                self._open(5.0, {"epoch": self._epoch, "record": self._record}, attempt=1.0)
                 break
             except JobTokenRefused as refused:  # declared dead meanwhile: fenced
                 logger.error(f"{refused}: exiting")
                 os._exit(1)
             except (CoordinatorUnreachable, RuntimeError) as e:
                 if time.monotonic() > deadline:
-                    self._lost(e)
+                    if not self._stop.is_set():
+                        logger.error(f"lost the coordinator: {e}")
                     return False
                 time.sleep(0.1)
         with self._changed:
@@ -342,10 +377,6 @@ class MembershipClient:
         self._adopt(*self._read_latest(self._watch_store))
         logger.info("reconnected to the coordinator")
         return True
-
-    def _lost(self, error: Exception) -> None:
-        if not self._stop.is_set():
-            logger.error(f"lost the coordinator: {error}")
 
     def _adopt(self, epoch: int, dead: frozenset[int], record: dict) -> None:
         with self._changed:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -128,12 +129,17 @@ def current_address(address_file: Path | None, host: str, port: int) -> tuple[st
     return parse_address(read_address(address_file, f"{host}:{port}"), str(address_file))
 
 
-def connect(host: str, port: int, timeout: float, source: str) -> dist.TCPStore:
-    """A client connection to the coordinator's store, or a clear error naming `source`."""
+def connect(host: str, port: int, timeout: float, source: str,
+            quick: bool = False) -> dist.TCPStore:
+    """A client connection to the coordinator's store, or a clear error naming `source`.
+    `quick`: an address where nothing listens fails at once (torch's own connect retries it,
+    with backoff, for seconds past `timeout`), for a rank that looks for a successor."""
     try:
+        if quick:
+            socket.create_connection((host, port), timeout=timeout).close()
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
                              wait_for_workers=False)
-    except (RuntimeError, TimeoutError) as e:
+    except (RuntimeError, OSError) as e:  # (TimeoutError is an OSError)
         raise CoordinatorUnreachable(
             f"no coordinator reachable at {host}:{port} within {timeout:g}s (from {source}); start it "
             "with `python -m recover_patches.collectives.coordinator` or let the launcher start it"

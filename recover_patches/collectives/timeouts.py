@@ -26,6 +26,7 @@ GRACE = 0.5  # seconds: a waiter's report reaches the coordinator well within th
 RECONNECT_WITHIN = 60.0  # seconds ranks, launchers and standbys wait for a restarted coordinator
 MARGIN = 0.5  # seconds: the coordinator's tick, scheduling delays on a loaded machine
 MIN_OPERATION = 1.0
+REPORT_WAIT = 2.0  # seconds a failure report may take (a cut link never answers: bounded_call.py)
 
 
 @dataclass(frozen=True)

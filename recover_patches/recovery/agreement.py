@@ -79,6 +79,7 @@ class StoreAgreement:
         self._previous_barrier: list[str] = []
         self._known: dict[str, str] = {}  # what this rank last read: re-published on a new store
         self._unreported: tuple[str, Decision] | None = None  # see note_commit
+        self._rejoined_at = float("-inf")  # when this rank last came back to a successor
         if hasattr(membership, "add_reconnect_listener"):
             membership.add_reconnect_listener(self._republish)
 
@@ -96,6 +97,7 @@ class StoreAgreement:
         return previous
 
     def _republish(self, store) -> None:
+        self._rejoined_at = time.monotonic()  # (on the watcher thread, as the rank rejoined)
         for key, value in list(self._known.items()):
             store.compare_set(key, "", value)
 
@@ -265,7 +267,8 @@ class StoreAgreement:
             if epoch > since_epoch:
                 self.store.compare_set(decision_key, "", str(epoch))
                 break
-            if time.monotonic() > deadline:  # the coordinator could name no one (its log says why)
+            # (a successor, met meanwhile, names no one before its rejoin window closed: a stall)
+            if time.monotonic() > max(deadline, self._rejoined_at + self.verdict_wait):
                 raise RecoveryStalled(
                     f"a failure was seen but no rank was declared dead within "
                     f"{self.verdict_wait:g}s: every rank the others waited for either waited too "
