@@ -21,6 +21,10 @@ RECOVER_JOB_TOKEN. The launcher reports every child's exit to the coordinator th
 it, and SIGKILLs any of its children the coordinator has declared dead (a hung rank is fenced, so
 it can never wake up and rejoin a job that moved on).
 
+With ``--rdzv-backend etcd`` a launcher that has heard neither etcd's majority nor another node's
+coordinator for the script's --recover-timeout fences its node: SIGKILL to every rank, none
+replaced (a cut link: `collectives/self_fence.py`).
+
 Replacements (``--max-replacements K``, needs the coordinator): when a rank of this node dies
 (a signal, or an exit status other than 0, 2 and 3) before the job declared completion, the
 launcher forks a new process for the same rank and GPU (RECOVER_INCARNATION = previous + 1), at
@@ -65,7 +69,8 @@ import traceback
 from typing import NoReturn
 
 from recover_patches.log import configure
-from recover_patches.launch_args import LaunchUsageError, build_parser, lease_ttl, validate
+from recover_patches.launch_args import LaunchUsageError, build_parser, lease_ttl, \
+    script_recover_timeout, validate
 from recover_patches.supervisor import Rank, Supervisor, summarize
 
 # by name, not __name__: also when run as __main__ (python -m)
@@ -292,10 +297,14 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+    fence = None if coordinator is None else \
+        coordinator.self_fence(link, script_recover_timeout(args), sup.fence_node)
     completion = None
     try:
         sup.run()
     finally:
+        if fence is not None:
+            fence.close()
         if coordinator is not None:
             completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
         if beats is not None:  # not at exit: a forked rank runs the launcher's exit hooks

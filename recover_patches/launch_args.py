@@ -126,3 +126,12 @@ def lease_ttl(args: argparse.Namespace) -> int:
         raise LaunchUsageError(f"--rdzv-conf lease_ttl={value}: give a whole number of seconds "
                                ">= 1")
     return int(value)
+
+
+def script_recover_timeout(args: argparse.Namespace) -> float:
+    """The training script's --recover-timeout (T; 10 s by default, as the script's): how long
+    a node cut off from the job's majority goes on before it fences its ranks ([U])."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--recover-timeout", "--recover_timeout", type=float, default=10.0)
+    known, _ = parser.parse_known_args(args.script_args)
+    return known.recover_timeout

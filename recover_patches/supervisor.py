@@ -59,6 +59,7 @@ class Supervisor:
         self.kill_deadline: float | None = None
         self.stop_signal: int | None = None
         self.fenced: set[tuple[int, int]] = set()  # (rank, incarnation)
+        self.cut_off: str | None = None  # why this node fenced itself ([U]), once it did
 
     def live(self) -> list[Rank]:
         return [r for r in self.ranks.values() if r.status is None]
@@ -175,8 +176,20 @@ class Supervisor:
             waiting[standby].rank, waiting[standby].incarnation = rank, incarnation
             logger.info(f"standby {standby} (pid {waiting[standby].pid}) took rank {rank}")
 
+    def fence_node(self, why: str) -> None:
+        """This node is cut off from the job (`collectives/self_fence.py`, on its thread): its
+        ranks are SIGKILLed and none is replaced; the loop then ends as they are reaped."""
+        self.cut_off = why
+        logger.error(f"fencing this node's ranks: {why}")
+        for r in list(self.ranks.values()):  # (one C-level copy: safe beside the main thread)
+            if r.status is None:
+                try:
+                    os.kill(r.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def _should_replace(self, r: Rank) -> bool:
-        return (self.respawn is not None and self.replacements_left > 0
+        return (self.respawn is not None and self.replacements_left > 0 and self.cut_off is None
                 and self.stop_signal is None and r.exit_code not in self.NOT_REPLACED
                 and self.link is not None and self.link.completion() is None)
 

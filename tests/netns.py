@@ -2,7 +2,7 @@
 to a bridge by a veth pair (iproute2), so every node has its own address (10.R.0.i) and its own
 link (the bridge holds 10.R.0.254 for the test itself). Processes run inside a namespace with
 `ip netns exec`; `kill_host` kills every process of one namespace (launcher, coordinator, ranks,
-etcd member: a node lost whole). Root only: tests skip otherwise. (This machine's kernel has no
+etcd member: a node lost whole); `cut` takes a node's link down (a partition). Root only: tests skip otherwise. (This machine's kernel has no
 netem qdisc, so no delay or loss can be put on a link here.)
 
 Cleanup kills every process still in the namespaces (by PID, from `ip netns pids`), then deletes
@@ -67,6 +67,11 @@ class Hosts:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def cut(self, i: int) -> None:
+        """Node i's link down (its bridge-side end): nothing passes either way, and nothing is
+        closed: its connections hang, as over a failed switch port."""
+        _ip("link", "set", self.links[i], "down")
 
     def close(self) -> None:
         for i, name in enumerate(self.names):

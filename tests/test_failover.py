@@ -55,6 +55,16 @@ def trained(metrics) -> list[dict]:
     return [r for r in read_metrics(metrics) if "lm_loss" in r] if metrics.exists() else []
 
 
+def assert_failure_free(records: list[dict], reference: list[float], iters: int, m: int,
+                        context: str) -> None:
+    """Every iteration committed once, its M microbatches with their ids, the reference losses."""
+    assert [r["iteration"] for r in records] == list(range(1, iters + 1)), context[-4000:]
+    for mine, ref in zip(records, reference):
+        i = mine["iteration"]
+        assert mine["microbatches"] == m and mine["id_sum"] == sum(range((i - 1) * m, i * m))
+        assert abs(mine["lm_loss"] - ref) <= 1e-5 * abs(ref), (mine, ref)
+
+
 def test_the_job_survives_an_etcd_member_and_the_node_that_runs_its_coordinator(tmp_path):
     reference = launch(1, COMMON, tmp_path / "reference.jsonl", timeout=120)
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -86,11 +96,7 @@ def test_the_job_survives_an_etcd_member_and_the_node_that_runs_its_coordinator(
     assert procs[1].returncode == 0, stderr[-5000:]
     assert "node node1 leads" in out[1][1] and "a successor coordinator" in out[1][1], stderr[-4000:]
     records = trained(metrics)
-    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), stderr[-4000:]
-    for mine, ref in zip(records, reference.losses()):
-        i = mine["iteration"]
-        assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
-        assert abs(mine["lm_loss"] - ref) <= 1e-5 * abs(ref), (mine, ref)
+    assert_failure_free(records, reference.losses(), ITERS, M, stderr)
     assert [r["live_replicas"] for r in records[:2]] == [[0, 1]] * 2  # the etcd member: nothing
     assert records[-1]["live_replicas"] == [1]
     assert re.findall(r"epoch (\d+): dead ranks \[([\d, ]*)\]", stderr) == [("1", "0")], \

@@ -18,9 +18,10 @@ import pytest
 
 from recover_patches.collectives.election import Election
 from recover_patches.collectives.etcd_cluster import EtcdCluster
-from tests._launch_util import REPO, TINY_GPT, base_env, launch, read_metrics
+from tests._launch_util import REPO, TINY_GPT, base_env, launch
 from tests.collectives.etcd_members import EtcdMembers, needs_etcd
 from tests.netns import Hosts, needs_netns
+from tests.test_failover import assert_failure_free, trained
 
 ITERS, M = 8, 8
 COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even"]
@@ -47,9 +48,8 @@ def test_a_lost_leading_node_leaves_the_failure_free_losses(tmp_path):
     procs: dict[int, subprocess.Popen] = {}
     members = None
     try:
-        members = EtcdMembers(tmp_path, 3, hosts=[hosts.address(i) for i in range(3)],
-                              spawn=hosts.popen)
-        endpoints = ",".join(f"{host}:{port}" for host, port in members.endpoints)
+        members = EtcdMembers(tmp_path, 3, [hosts.address(i) for i in range(3)], hosts.popen)
+        endpoints = members.rdzv_endpoint
         procs[0] = start_node(hosts, 0, endpoints, job, token, metrics,
                               "--inject-fault", "node:rank=0,iter=3,phase=forward")
         election = Election(EtcdCluster(members.endpoints), job, 5)
@@ -70,12 +70,8 @@ def test_a_lost_leading_node_leaves_the_failure_free_losses(tmp_path):
     stderr = out[1][1] + out[2][1]
     assert procs[1].returncode == 0 and procs[2].returncode == 0, stderr[-5000:]
     assert re.search(r"node node[12] leads .*a successor coordinator", stderr), stderr[-4000:]
-    records = [r for r in read_metrics(metrics) if "lm_loss" in r]
-    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), stderr[-4000:]
-    for mine, ref in zip(records, reference.losses()):
-        i = mine["iteration"]
-        assert mine["microbatches"] == M and mine["id_sum"] == sum(range((i - 1) * M, i * M))
-        assert abs(mine["lm_loss"] - ref) <= 1e-5 * abs(ref), (mine, ref)
+    records = trained(metrics)
+    assert_failure_free(records, reference.losses(), ITERS, M, stderr)
     assert records[-1]["live_replicas"] == [1, 2]
     declared = {int(r) for dead in re.findall(r"dead ranks \[([\d, ]*)\]", stderr)
                 for r in dead.split(",") if r.strip()}

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
 
 from recover_patches.collectives.election import Election
@@ -34,6 +35,7 @@ from recover_patches.collectives.launcher_link import CoordinatorHandle, Launche
     fork_coordinator, stop_process
 from recover_patches.collectives.leader_agent import LeaderAgent
 from recover_patches.collectives.protocol import current_address
+from recover_patches.collectives.self_fence import SelfFence
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ class ElectedCoordinator(CoordinatorHandle):
         self._wanted: tuple[str, bool] | None = None  # the agent's last request: start or stop
         self._lock = threading.Lock()
         self._election_args = (parse_endpoints(args.rdzv_endpoint), args.rdzv_id, ttl)
-        election = Election(EtcdCluster(self._election_args[0]), args.rdzv_id, ttl)
+        self._etcd = EtcdCluster(self._election_args[0])  # the agent's: when etcd last answered
+        election = Election(self._etcd, args.rdzv_id, ttl)
         self.agent = LeaderAgent(election, f"node{args.node_rank}", f"{host}:{port}",
                                  self.address_file, self._want_start, self._want_stop)
         self._job = args.rdzv_id
@@ -98,9 +101,11 @@ class ElectedCoordinator(CoordinatorHandle):
         if leadership is None:  # deposed meanwhile
             return
         endpoints, job, ttl = self._election_args
+        first = self._etcd.current_index  # a member known to answer (a dead one costs seconds)
         self.pid, _ = fork_coordinator(
             self.port, self.token, self.world_size, restarted=successor,
-            journal=lambda: ElectionJournal(Election(EtcdCluster(endpoints), job, ttl), leadership))
+            journal=lambda: ElectionJournal(Election(EtcdCluster(endpoints, first=first), job,
+                                                     ttl), leadership))
 
     def restart_if_dead(self) -> None:
         """The agent's requests; then, while this node leads, a successor for a coordinator that
@@ -112,6 +117,18 @@ class ElectedCoordinator(CoordinatorHandle):
             self.pid = None
             self._fork(successor=True)
             self.restarts += 1
+
+    def self_fence(self, link: LauncherLink | None, limit: float,
+                   fence: Callable[[str], None]) -> SelfFence:
+        """Fence this node's ranks once neither etcd's majority nor another node's coordinator
+        has answered for `limit` seconds (`self_fence.py`): answers of this node's own
+        coordinator, even from before it stopped leading, prove nothing."""
+        def silent_for() -> float:
+            heard = self._etcd.answered_at
+            if link is not None and link.connected_to != (self.host, self.port):  # another's
+                heard = max(heard, link.answered_at)
+            return time.monotonic() - heard
+        return SelfFence(silent_for, limit, fence)
 
     def env(self) -> dict[str, str]:
         return {"RECOVER_COORDINATOR": self.current(), "RECOVER_JOB_TOKEN": self.token,

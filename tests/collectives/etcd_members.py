@@ -59,6 +59,11 @@ class EtcdMembers:
     def endpoints(self) -> list[tuple[str, int]]:
         return list(zip(self.hosts, self.client_ports))
 
+    @property
+    def rdzv_endpoint(self) -> str:
+        """The members as `--rdzv-endpoint` takes them."""
+        return ",".join(f"{host}:{port}" for host, port in self.endpoints)
+
     def _wait_healthy(self, timeout: float) -> None:
         import requests
         deadline = time.monotonic() + timeout
