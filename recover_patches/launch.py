@@ -327,4 +327,11 @@ def record_completion(completion: tuple[int, frozenset[int]] | None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Not sys.exit: a thread abandoned on a cut link (`collectives/bounded_call.py`) or a watch
+    # still retrying a dead address sits inside torch's C++, and the interpreter's finalization
+    # around it ends in std::terminate (SIGABRT) instead of this status.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -131,7 +131,10 @@ def lease_ttl(args: argparse.Namespace) -> int:
 def script_recover_timeout(args: argparse.Namespace) -> float:
     """The training script's --recover-timeout (T; 10 s by default, as the script's): how long
     a node cut off from the job's majority goes on before it fences its ranks ([U])."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # (`--recover off`)
     parser.add_argument("--recover-timeout", "--recover_timeout", type=float, default=10.0)
-    known, _ = parser.parse_known_args(args.script_args)
+    try:
+        known, _ = parser.parse_known_args(args.script_args)
+    except SystemExit:  # a malformed value: the script itself refuses it, by name
+        return 10.0
     return known.recover_timeout

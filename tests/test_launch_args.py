@@ -51,3 +51,17 @@ def test_a_bad_etcd_rendezvous_is_refused_by_name(change, needle):
 def test_the_static_rendezvous_still_needs_a_shared_coordinator_port_on_several_nodes():
     with pytest.raises(LaunchUsageError, match="--coordinator-port"):
         checked("--nproc-per-node", "1", "--nnodes", "2", "--job-token", "t")
+
+
+def test_the_scripts_recover_timeout_is_read_past_flags_it_abbreviates(tmp_path):
+    from recover_patches.launch_args import script_recover_timeout
+    script = tmp_path / "train.py"
+    script.write_text("")
+
+    def parse(*rest: str) -> float:
+        return script_recover_timeout(build_parser().parse_args(
+            ["--nproc-per-node", "1", str(script), *rest]))
+    assert parse("--recover", "off", "--lr", "1") == 10.0  # `--recover` is not an abbreviation
+    assert parse("--recover", "off", "--recover-timeout", "3") == 3.0
+    assert parse("--recover-timeout", "3") == 3.0 and parse("--recover_timeout", "4") == 4.0
+    assert parse("--recover-timeout", "soon") == 10.0  # (the script refuses it by name)
