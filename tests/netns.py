@@ -2,11 +2,15 @@
 to a bridge by a veth pair (iproute2), so every node has its own address (10.R.0.i) and its own
 link (the bridge holds 10.R.0.254 for the test itself). Processes run inside a namespace with
 `ip netns exec`; `kill_host` kills every process of one namespace (launcher, coordinator, ranks,
-etcd member: a node lost whole); `cut` takes a node's link down (a partition). Root only: tests skip otherwise. (This machine's kernel has no
-netem qdisc, so no delay or loss can be put on a link here.)
+etcd member: a node lost whole); `cut` takes a node's link down (a partition). Root only: tests
+skip otherwise.
 
-Cleanup kills every process still in the namespaces (by PID, from `ip netns pids`), then deletes
-the namespaces and the bridge."""
+A node in `lossy` gets a slow, lossy link instead of a veth pair: this machine's kernel has no
+netem qdisc, so `tests/lossy_link.py` relays its frames between two TAP devices in user space,
+delaying and dropping them as netem would.
+
+Cleanup kills every process still in the namespaces (by PID, from `ip netns pids`) and the
+relays (by PID), then deletes the namespaces and the bridge."""
 from __future__ import annotations
 
 import os
@@ -14,6 +18,8 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,27 +32,51 @@ def _ip(*args: str) -> None:
 
 
 class Hosts:
-    def __init__(self, count: int):
+    def __init__(self, count: int, lossy: dict[int, tuple[float, float]] | None = None):
+        """`lossy`: {node: (delay in seconds, loss probability)} on what the node sends."""
+        lossy = lossy or {}
         tag = secrets.token_hex(2)
         self.subnet = f"10.{int(tag, 16) % 200 + 20}.0"
         self.bridge = f"rcvbr{tag}"
         self.names = [f"rcv{tag}n{i}" for i in range(count)]
         self.links = [f"rcv{tag}v{i}" for i in range(count)]  # each node's end on the bridge
+        self.relays: dict[int, subprocess.Popen] = {}
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)  # the test's own
             _ip("link", "set", self.bridge, "up")
             for i, (name, link) in enumerate(zip(self.names, self.links)):
                 _ip("netns", "add", name)
-                _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", name)
+                if i in lossy:
+                    self._relay(i, *lossy[i], node_end=f"rcv{tag}t{i}")
+                else:
+                    _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", name)
                 _ip("link", "set", link, "master", self.bridge)
                 _ip("link", "set", link, "up")
                 _ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
                 _ip("-n", name, "link", "set", "eth0", "up")
                 _ip("-n", name, "link", "set", "lo", "up")
-        except subprocess.CalledProcessError:
+        except BaseException:  # a failed `ip` or relay: nothing is left behind
             self.close()
             raise
+
+    def _relay(self, i: int, delay: float, loss: float, node_end: str) -> None:
+        script = str(Path(__file__).with_name("lossy_link.py"))
+        relay = subprocess.Popen([sys.executable, script, node_end, self.links[i], str(delay),
+                                  str(loss), str(i)], stdout=subprocess.PIPE, text=True)
+        self.relays[i] = relay
+        if relay.stdout is None or relay.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the lossy link relay for node {i} did not start")
+        _ip("link", "set", node_end, "netns", self.names[i])
+        _ip("-n", self.names[i], "link", "set", node_end, "name", "eth0")
+
+    def relay_counts(self, i: int) -> dict[str, int]:
+        """Stops node i's relay; {"relayed": frames, "dropped": frames}."""
+        relay = self.relays.pop(i)
+        relay.terminate()
+        out, _ = relay.communicate(timeout=10)
+        words = out.split()
+        return {words[k]: int(words[k + 1]) for k in (0, 2)}
 
     def address(self, i: int) -> str:
         return f"{self.subnet}.{i + 1}"
@@ -74,6 +104,9 @@ class Hosts:
         _ip("link", "set", self.links[i], "down")
 
     def close(self) -> None:
+        for relay in self.relays.values():
+            relay.kill()
+            relay.wait()
         for i, name in enumerate(self.names):
             self.kill_host(i)
             subprocess.run(["ip", "netns", "del", name], capture_output=True)

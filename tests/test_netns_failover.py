@@ -5,7 +5,7 @@ fault, then its etcd member with everything else left in its namespace. Nodes 1 
 successor over the two etcd members left (a majority), and every iteration commits its M
 microbatches with the failure-free losses; no other rank is declared dead.
 
-(A slow, lossy link -- tc netem -- is not tried: this machine's kernel has no netem qdisc.)"""
+(A slow, lossy link: `tests/test_netns_lossy_link.py`.)"""
 from __future__ import annotations
 
 import re
@@ -29,14 +29,16 @@ COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even"]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400), needs_etcd, needs_netns]
 
 
-def start_node(hosts: Hosts, node: int, endpoints: str, job: str, token: str, metrics, *extra):
+def start_node(hosts: Hosts, node: int, endpoints: str, job: str, token: str, metrics, *extra,
+               flags: tuple[str, ...] = tuple(COMMON), output=(subprocess.PIPE, subprocess.PIPE)):
+    """`output`: where the launcher's stdout and stderr go (pipes, or files a test reads)."""
     cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node", "1",
            "--nnodes", "3", "--node-rank", str(node), "--master-addr", hosts.address(0),
            "--master-port", "29555", "--job-token", token, "--rdzv-backend", "etcd",
            "--rdzv-endpoint", endpoints, "--rdzv-id", job, "--local-addr", hosts.address(node),
-           str(REPO / "pretrain_gpt_recover.py"), *COMMON, "--metrics-file", str(metrics), *extra]
-    return hosts.popen(node, cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, start_new_session=True)
+           str(REPO / "pretrain_gpt_recover.py"), *flags, "--metrics-file", str(metrics), *extra]
+    return hosts.popen(node, cmd, cwd=REPO, env=base_env(), stdout=output[0], stderr=output[1],
+                       text=True, start_new_session=True)
 
 
 def test_a_lost_leading_node_leaves_the_failure_free_losses(tmp_path):

@@ -47,6 +47,9 @@ def run_job(arm: str, iters: int, work: Path, endpoint: str) -> list[dict]:
                    "--nnodes", "2", "--node-rank", str(node), "--job-token", token, *ports,
                    *rdzv, str(REPO / "pretrain_gpt_recover.py"), *TINY_GPT,
                    "--train-iters", str(iters), "--log-interval", "1000000",
+                   # even: the throughput plan follows timing noise, and a moved microbatch
+                   # changes the reduction order (losses then differ in the last bits)
+                   "--recover-balance", "even",
                    "--metrics-file", str(metrics)]
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=base_env(), start_new_session=True,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
