@@ -3,22 +3,20 @@
 * the watcher blocks on this rank's notification queue (``notify/<rank>``), where the coordinator
   pushes every new epoch, so a new epoch is seen at once; it then calls the listeners (the process
   groups), which abort their pending operations;
-* the heartbeat thread writes a beat counter and where the rank is (its progress marks, `mark()`:
-  no store operation of their own), so the coordinator can tell a rank that is alive but stuck
-  from one that waits (`liveness.py`): into a file its launcher forwards with the node's other
-  ranks (`node_beats.py`: no store operation), or, without a ReCoVer launcher, to ``hb/<rank>``
-  every `heartbeat_interval`.
+* the heartbeat thread writes a beat counter and where the rank is (its progress marks, `mark()`),
+  so the coordinator can tell a rank that is alive but stuck from one that waits (`liveness.py`):
+  into a file its launcher forwards with the node's other ranks (`node_beats.py`: no store
+  operation), or, without a ReCoVer launcher, to ``hb/<rank>`` every `heartbeat_interval`.
 Each has its own store connection: a TCPStore client serializes its requests, so a blocked pop
-would otherwise stall everyone. (A blocking pop rather than timed waits: every timed-out store
-wait prints two C++ warnings.)
+would otherwise stall everyone. (A blocking pop: every timed-out store wait prints C++ warnings.)
 
 If the coordinator goes away (its process died and the node-0 launcher started a new one on the
 same port, or etcd elected one elsewhere: [U], the node's address file moves), a watcher
 reconnects: it registers again with what this rank knows (its latest epoch record, whether it
 waits as a spare), replaces `store`, bumps `generation` and calls the reconnect listeners (the
 agreement re-publishes its last decisions there). The main thread's store operations fail
-meanwhile (within T: a cut link answers nothing); callers that must survive the gap (the commit
-vote) wait for `wait_reconnected()` and retry.
+meanwhile, within T even on a cut link (`counted_store.py` bounds them); callers that must
+survive the gap (the commit vote) wait for `wait_reconnected()` and retry.
 """
 from __future__ import annotations
 
@@ -103,8 +101,9 @@ class MembershipClient:
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
                     self.timeouts.operation, rejoin,
                     node=None if self._node_beats is None else self._node_beats.node)
-        store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops)
-        raw.set_timeout(timedelta(seconds=self.timeouts.operation))  # [U]: a cut link's ops end
+        store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops,  # [U]:
+                             BoundedCaller(self.timeouts.operation, f"recover-store-{self.rank}"))
+        raw.set_timeout(timedelta(seconds=self.timeouts.operation))  # a cut link's ops end
         config = json.loads(store.get(P.CONFIG))
         if config["world_size"] != self.world_size:
             raise CoordinatorConfigError(f"WORLD_SIZE={self.world_size} but the coordinator serves "
@@ -129,8 +128,7 @@ class MembershipClient:
 
     @property
     def store_ops(self) -> int:
-        """Operations this rank made on the coordinator's store so far, from every thread (the
-        handshake's and a backend's own connection set-up aside)."""
+        """This rank's operations on the coordinator's store so far, from every thread."""
         return self._ops.count
 
     @classmethod
@@ -204,16 +202,15 @@ class MembershipClient:
 
     # --- telling the coordinator ------------------------------------------------------------
     def mark(self, where: str, iteration: int | None = None, microbatch: int | None = None) -> None:
-        """Record where this rank is: the next heartbeat carries it (no store operation here, a
-        few attribute writes). Call it at every step that may take long and before every wait."""
+        """Where this rank is, for the next heartbeat (no store operation): call it at every
+        step that may take long and before every wait."""
         self._marks += 1
         if iteration is not None:
             self._iteration = iteration
         self._where = (self._epoch, where, microbatch)
 
     def progress(self) -> str:
-        """What the heartbeat says of this rank's progress: it changes with every mark and only
-        then (a new epoch seen by the watcher thread of a stuck rank is no progress)."""
+        """This rank's progress as the heartbeat says it: it changes with every mark, only."""
         epoch, where, microbatch = self._where
         return (f"{self._marks} e{epoch} it{self._iteration} {where}"
                 + ("" if microbatch is None else f" mb{microbatch}"))
@@ -282,6 +279,7 @@ class MembershipClient:
         with contextlib.suppress(RuntimeError):  # the coordinator is gone: nothing to tell
             self._bounded(goodbye)
         self._bounded.close()
+        self.store.close()
         for thread in (self._watcher, self._beater):  # (a watcher left on a cut link: not)
             if thread is not threading.current_thread():
                 thread.join(self.heartbeat_interval + 5.0)
@@ -356,7 +354,9 @@ class MembershipClient:
         deadline = time.monotonic() + RECONNECT_WITHIN
         while not self._stop.is_set():
             try:
+                previous = self.store
                 self._open(5.0, {"epoch": self._epoch, "record": self._record}, attempt=1.0)
+                previous.close()  # its bound's worker (perhaps stuck on a cut link: abandoned)
                 break
             except JobTokenRefused as refused:  # declared dead meanwhile: fenced
                 logger.error(f"{refused}: exiting")

@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 from recover_patches.collectives.bounded_call import BoundedCaller, OperationTimedOut
 from recover_patches.collectives.coordinator import Coordinator, CoordinatorConfig, start_server
@@ -153,6 +154,10 @@ def test_a_rank_follows_the_address_file_to_a_successor_over_a_cut_link(tmp_path
         started = time.monotonic()
         rank.report_failure([], "a test: the coordinator is cut off")
         assert time.monotonic() - started < REPORT_WAIT + 1.0
+        started = time.monotonic()
+        with pytest.raises(dist.DistNetworkError, match="did not answer"):
+            rank.store.check(["recover/anything"])  # the main thread's: fails as a lost link
+        assert time.monotonic() - started < rank.timeouts.operation + 1.0
         staging = tmp_path / "coordinator.tmp"
         staging.write_text(f"127.0.0.1:{new_port}")
         os.replace(staging, address_file)  # as the leader agent publishes a successor
@@ -161,6 +166,7 @@ def test_a_rank_follows_the_address_file_to_a_successor_over_a_cut_link(tmp_path
             time.sleep(0.05)
         assert rank.generation == 1, "the rank stayed on the cut coordinator"
         assert rank.dead_ranks() == frozenset()  # the successor took it back, alive
+        assert not rank.store.check(["recover/anything"])  # the successor's store answers
     finally:
         rank.close()
         proxy.close()
