@@ -216,10 +216,10 @@ def discard(backend, works: list) -> None:
         box.clear()  # the last references: gloo's destructor may block up to its timeout here
 
     thread = threading.Thread(target=drop, name="recover-discard-backend", daemon=True)
-    with _drops_lock:
+    with _drops_lock:  # started under the lock: join_discards never sees an unstarted thread
         _drops[:] = [t for t in _drops if t.is_alive()]
+        thread.start()
         _drops.append(thread)
-    thread.start()
 
 
 def join_discards(timeout: float) -> bool:
