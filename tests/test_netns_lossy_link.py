@@ -1,8 +1,8 @@
 """A slow, lossy link ([U]): three hosts with their own addresses (`tests/netns.py`), an etcd
 member and a launcher with one rank on each (DP 3, `--rdzv-backend etcd`, the default
-`--recover-timeout`). Node 2's link delays every frame by 200 ms and drops 5 % of them, in each
-direction (`tests/lossy_link.py`: this kernel has no netem qdisc). Node 0 leads, so node 2's
-heartbeats, votes and gradients all cross the bad link.
+`--recover-timeout`). Node 2's link delays every frame it sends by 200 ms and drops 5 % of them,
+as `tc netem` on its eth0 would (`tests/lossy_link.py`: this kernel has no netem qdisc). Node 0
+leads, so node 2's heartbeats, votes and gradients all cross the bad link.
 
 Nobody is declared dead (no false verdict), every iteration commits its M microbatches with the
 failure-free losses, and every launcher exits 0."""
@@ -24,7 +24,7 @@ from tests.test_failover import assert_failure_free, trained, wait_until
 from tests.test_netns_failover import start_node
 
 DELAY, LOSS = 0.2, 0.05
-ITERS, M = 4, 8  # an iteration takes about 6 s over the bad link
+ITERS, M = 4, 8  # an iteration takes about 3 s over the bad link
 FLAGS = (*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even")
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420), needs_etcd, needs_netns]
@@ -67,11 +67,12 @@ def test_a_slow_lossy_link_brings_no_false_verdict(tmp_path):
             file.close()
         if members is not None:
             members.stop()
-    stderr = "".join(f"--- node {n}\n{(tmp_path / f'err{n}').read_text()[-6000:]}" for n in procs)
-    assert [procs[n].returncode for n in range(3)] == [0, 0, 0], stderr
-    assert "dead ranks" not in stderr and "fencing" not in stderr, stderr[-4000:]
+    logs = "".join(f"--- node {n}\n" + (tmp_path / f"out{n}").read_text()
+                   + (tmp_path / f"err{n}").read_text() for n in procs)
+    assert [procs[n].returncode for n in range(3)] == [0, 0, 0], logs[-8000:]
+    assert "dead ranks" not in logs and "fencing" not in logs, logs[-8000:]  # whole logs
     records = trained(metrics)
-    assert_failure_free(records, reference.losses(), ITERS, M, stderr)
-    assert records[-1]["live_replicas"] == [0, 1, 2]
+    assert_failure_free(records, reference.losses(), ITERS, M, logs)
+    assert all(r["recoveries"] == [] and r["live_replicas"] == [0, 1, 2] for r in records)
     sent = frames["relayed"] + frames["dropped"]  # the link was used, and lost what it should
     assert sent > 1000 and 0.5 * LOSS < frames["dropped"] / sent < 2 * LOSS, frames
