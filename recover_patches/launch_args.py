@@ -78,11 +78,13 @@ def validate(args: argparse.Namespace) -> None:
                                "(drop --no-coordinator)")
     if args.rdzv_backend == "etcd":
         validate_etcd(args)
-    if args.standby and (args.no_coordinator or not (args.coordinator_port or os.environ.get(
+    elected = args.rdzv_backend == "etcd"  # the standby finds the coordinator through etcd
+    if args.standby and (args.no_coordinator or not (elected or args.coordinator_port or os.environ.get(
             "RECOVER_COORDINATOR")) or not (args.job_token or os.environ.get("RECOVER_JOB_TOKEN"))):
         raise LaunchUsageError("--standby joins a running job: give it the job's --coordinator-port "
-                               "(with --master-addr) or RECOVER_COORDINATOR=host:port, and its "
-                               "--job-token (or RECOVER_JOB_TOKEN); drop --no-coordinator")
+                               "(with --master-addr), RECOVER_COORDINATOR=host:port or its "
+                               "--rdzv-backend etcd flags, and its --job-token (or "
+                               "RECOVER_JOB_TOKEN); drop --no-coordinator")
     if not args.no_coordinator:  # in-job recovery: torch's own NCCL handling must stay out
         from recover_patches.collectives import nccl_env
         refused = nccl_env.conflicts(os.environ)
@@ -101,9 +103,8 @@ def validate(args: argparse.Namespace) -> None:
 def validate_etcd(args: argparse.Namespace) -> None:
     """--rdzv-backend etcd: the endpoints parse, the job has a name, lease_ttl is the only conf."""
     from recover_patches.collectives.etcd_cluster import EndpointError, parse_endpoints
-    if args.no_coordinator or args.standby:
-        raise LaunchUsageError("--rdzv-backend etcd elects the coordinator: drop --no-coordinator "
-                               "and --standby (standby nodes need --rdzv-backend static for now)")
+    if args.no_coordinator:
+        raise LaunchUsageError("--rdzv-backend etcd elects the coordinator: drop --no-coordinator")
     try:
         parse_endpoints(args.rdzv_endpoint)
     except EndpointError as e:

@@ -25,6 +25,10 @@ def test_an_etcd_rendezvous_needs_no_coordinator_port_and_takes_torchruns_spelli
                           "h1", "--rdzv_id", "j", "--rdzv_conf", "lease_ttl=2", "--local_addr",
                           "10.0.0.2")
     assert lease_ttl(underscored) == 2 and underscored.local_addr == "10.0.0.2"
+    # a standby node finds the coordinator through etcd: no port, but still the job's token
+    assert checked(*ETCD, "--node-rank", "2", "--standby").standby
+    with pytest.raises(LaunchUsageError, match="--job-token"):
+        checked(*[f for f in ETCD if f not in ("--job-token", "t")], "--standby")
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -34,7 +38,7 @@ def test_an_etcd_rendezvous_needs_no_coordinator_port_and_takes_torchruns_spelli
     ({"--rdzv-id": "none"}, "needs --rdzv-id"),
     ({"--rdzv-conf": "timeout=30"}, "--rdzv-conf timeout"),
     ({"--rdzv-conf": "lease_ttl=0"}, "lease_ttl=0"),
-    ({"--standby": None}, "drop --no-coordinator and --standby"),
+    ({"--no-coordinator": None}, "drop --no-coordinator"),
 ])
 def test_a_bad_etcd_rendezvous_is_refused_by_name(change, needle):
     flags = list(ETCD)

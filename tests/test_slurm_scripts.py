@@ -165,9 +165,16 @@ def test_an_etcd_endpoint_makes_every_node_a_candidate_coordinator(stubs, tmp_pa
     assert flag(cmd, "--rdzv-backend") == "etcd" and flag(cmd, "--rdzv-id") == "recover-7"
     assert flag(cmd, "--rdzv-endpoint") == "e1:2379,e2:2379,e3:2379"
     assert flag(cmd, "--local-addr") == socket.gethostname()
-    refused = run_bash(LAUNCH_NODE, clean_env(stubs, **NODE_ENV, RDZV_ENDPOINT="e1",
-                                              SPARE_NODES="1"))
-    assert refused.returncode == 2 and "RDZV_ENDPOINT with SPARE_NODES=1" in refused.stderr
+    # standby nodes follow the elected coordinator: the same etcd flags, and --standby
+    spare = run_bash(SBATCH, clean_env(stubs, SLURM_NNODES="3", SLURM_JOB_NODELIST="node[01-03]",
+                                       SLURM_JOB_ID="5", SLURM_SUBMIT_DIR=str(REPO), DRY_RUN="1",
+                                       CONFIG="tiny_cpu", CKPT_DIR="/ckpt", SPARE_NODES="1",
+                                       RDZV_ENDPOINT="e1", STUB_HOSTS="node01 node02 node03",
+                                       STUB_SRUN_LOG=str(tmp_path / "srun.args")))
+    assert spare.returncode == 0, spare.stderr
+    commands = [shlex.split(line) for line in spare.stdout.splitlines() if line.strip()]
+    assert [("--standby" in c, flag(c, "--rdzv-backend")) for c in commands] == [
+        (False, "etcd"), (False, "etcd"), (True, "etcd")]
 
 
 def test_sbatch_refuses_a_missing_config_before_srun(stubs, tmp_path):

@@ -44,7 +44,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
-from recover_patches.collectives.journal import COMPLETE, EPOCH, Fenced, Journal, write_or_fence
+from recover_patches.collectives.journal import COMPLETE, EPOCH, STANDBYS, Fenced, Journal, \
+    write_or_fence
 from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
 from recover_patches.collectives.timeouts import Timeouts
@@ -64,17 +65,6 @@ class CoordinatorConfig:
     timeout: float | None = None  # the ranks' --recover-timeout; None: the first rank's
     restarted: bool = False  # a successor: rebuild the membership from the ranks that come back
     journal: Journal | None = None  # elected ([U]): decisions made durable first, fenced
-
-
-def standby_grace(timeouts: Timeouts) -> float:
-    """How long a dead slot's launcher may take to report a local replacement before the slot goes
-    to a standby: it fences and reports within a fraction of a second when it is alive."""
-    return max(1.0, 2 * timeouts.heartbeat_interval)
-
-
-def register_timeout(timeouts: Timeouts) -> float:
-    """How long a standby given a slot may take to register before the slot goes to another."""
-    return timeouts.stall + 10.0
 
 
 class Coordinator:
@@ -104,10 +94,12 @@ class Coordinator:
         last = config.journal.read(EPOCH) if config.restarted and config.journal else None
         if last is not None:  # a successor on another node: the journal's last epoch first
             self._adopt_record(int(last["epoch"]), last["record"], "the journal")
+            grants = config.journal.read(STANDBYS) if config.journal else None
+            self.state.restore_grants(grants["grants"] if grants else [])
 
     def _adopt_timeouts(self, timeout: float) -> None:
         self.timeouts = t = Timeouts(timeout)
-        self.state.standby_grace, self.state.register_timeout = standby_grace(t), register_timeout(t)
+        self.state.standby_grace, self.state.register_timeout = t.standby_grace, t.register_timeout
         # a waiter gives up after verdict_wait: until then (and a stall more) it is not a suspect
         self.liveness.stall, self.liveness.expiry = t.stall, t.verdict_wait + t.stall
 
@@ -146,15 +138,21 @@ class Coordinator:
 
     def _standbys(self) -> None:
         """Hand orphaned slots to standby processes; send them home when none ever will be."""
-        for standby, slot, incarnation in self.state.assign_standbys():
-            assignment = json.dumps({"rank": slot, "incarnation": incarnation})
-            self.store.set(P.assigned_key(standby), assignment)
-            self.store.add(P.ASSIGNED_COUNT, 1)
-            self.store.queue_push(P.standby_key(standby), assignment)
-            logger.info(f"standby {standby} takes rank {slot} (incarnation {incarnation})")
+        given = self.state.assign_standbys()
+        if given:  # durable before any standby hears of it: a successor never gives a slot twice
+            write_or_fence(self.config.journal, STANDBYS, {"grants": self.state.grant_record()})
+        for standby, slot, incarnation in given:
+            self._send_slot(standby, slot, incarnation)
         for standby in self.state.release_standbys():
             ended = P.COMPLETE if self.state.completed_at is not None else P.STOPPED
             self.store.queue_push(P.standby_key(standby), ended)
+
+    def _send_slot(self, standby: str, slot: int, incarnation: int) -> None:
+        assignment = json.dumps({"rank": slot, "incarnation": incarnation})
+        self.store.set(P.assigned_key(standby), assignment)  # (its launcher reads which slot)
+        self.store.add(P.ASSIGNED_COUNT, 1)
+        self.store.queue_push(P.standby_key(standby), assignment)
+        logger.info(f"standby {standby} takes rank {slot} (incarnation {incarnation})")
 
     def _handshakes(self) -> None:
         count = self.raw.add(P.HELLO_COUNT, 0)
@@ -194,6 +192,8 @@ class Coordinator:
         self._adopt_record(int(rejoin["epoch"]), rejoin["record"], f"rank {rank}")
         self.state.incarnation[rank] = incarnation
         self.state.issued[rank] = max(self.state.issued.get(rank, 0), incarnation)
+        if (held := self.state.reserved.get(rank)) and held.incarnation == incarnation:
+            del self.state.reserved[rank]  # the standby that was given the slot is back
 
     def _adopt_record(self, epoch: int, record: dict, source: str) -> None:
         if epoch > self.state.epoch:
@@ -241,8 +241,9 @@ class Coordinator:
                 self.liveness.forget(report["rank"])
             elif kind == "spare":
                 self.state.on_spare(report["rank"], report["incarnation"], tuple(report["slots"]))
-            elif kind == "standby":
-                self.state.on_standby(report["id"])
+            elif kind == "standby":  # (with a slot already: its answer went with a predecessor)
+                if (held := self.state.on_standby(report["id"])) is not None:
+                    self._send_slot(report["id"], *held)
             elif kind == "standby_exit":
                 self.state.on_standby_exit(report["id"])
             elif kind == "complete":

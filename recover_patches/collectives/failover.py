@@ -1,7 +1,8 @@
 """The coordinator of whichever node etcd elected ([U]: `--rdzv-backend etcd`).
 
 Every node's launcher holds an `ElectedCoordinator` in place of node 0's `CoordinatorHandle`:
-its `LeaderAgent` campaigns for the job's leader key; the winner's launcher forks a coordinator
+its `LeaderAgent` campaigns for the job's leader key (a standby node's only follows it: its
+processes, waiting for a slot, read the address file too); the winner's launcher forks a coordinator
 on its own address (`--local-addr`, a free port unless --coordinator-port), a *successor* one
 when an earlier leader ran the job, so the ranks bring their latest epoch records as they do to
 a coordinator restarted on node 0 ([R]). Every agent writes the leader's address into a file of
@@ -55,8 +56,9 @@ class ElectedCoordinator(CoordinatorHandle):
         self._election_args = (parse_endpoints(args.rdzv_endpoint), args.rdzv_id, ttl)
         self._etcd = EtcdCluster(self._election_args[0])  # the agent's: when etcd last answered
         election = Election(self._etcd, args.rdzv_id, ttl)
-        self.agent = LeaderAgent(election, f"node{args.node_rank}", f"{host}:{port}",
-                                 self.address_file, self._want_start, self._want_stop)
+        name = f"standby{args.node_rank}" if args.standby else f"node{args.node_rank}"
+        self.agent = LeaderAgent(election, name, f"{host}:{port}", self.address_file,
+                                 self._want_start, self._want_stop, candidate=not args.standby)
         self._job = args.rdzv_id
         self._first_round(ttl)
 

@@ -1,9 +1,12 @@
 """Where an elected coordinator keeps its decisions durable ([U]): the membership epoch it is about
-to publish and the job's completion, written to etcd *before* any rank is told, each write fenced
-by the leader key's revision (`Election.write`). So a coordinator whose node lost the lease cannot
+to publish, the slots it gives to standby processes and the job's completion, written to etcd
+*before* any rank or standby is told, each write fenced by the leader key's revision
+(`Election.write`). So a coordinator whose node lost the lease cannot
 decide anything more, even before its launcher notices and stops it: its next write is refused
 and it exits (`Fenced`). A successor starts from the last epoch the journal holds; the ranks'
 rejoin records can only repeat it (nothing reached a rank without passing the journal first).
+It also keeps the standbys' grants, so it never gives a slot twice: joins need no record of their
+own, a joining process registers again and is admitted by a journaled epoch.
 
 Without `--rdzv-backend etcd` a coordinator has no journal: node 0's store is the record, as
 before."""
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # the coordinator imports this module: no etcd client unless elected
     from recover_patches.collectives.election import Election, Leadership
 
-EPOCH, COMPLETE = "epoch", "complete"  # the journal's two records
+EPOCH, COMPLETE, STANDBYS = "epoch", "complete", "standbys"  # the journal's records
 
 
 class Journal(Protocol):

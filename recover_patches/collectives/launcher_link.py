@@ -113,6 +113,7 @@ class LauncherLink:
                 logger.warning(f"the coordinator did not come back ({e}); supervising without it")
             return False
         self._lost_at, self._epoch = None, -1
+        self._assigned_count = 0  # a successor counts its own assignments
         self.answered_at = time.monotonic()
         self._watch.abandon()  # its pop may wait on a cut link: a new watch, on the successor
         self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), self._address[3])

@@ -8,6 +8,7 @@ Each launcher runs one `LeaderAgent`. Every `ttl / 3` seconds it takes one step:
   * following: campaign. Winning starts a coordinator here, as a successor (`restarted`: the
     ranks bring their latest epoch records, as when node 0's coordinator restarts) unless no
     leader ran the job before (etcd's record says). Losing reads who leads.
+A standby node's agent does not campaign (`candidate=False`): it only follows.
 Whoever leads, the agent writes its address (host:port) to `address_file`, a node-local file
 the node's ranks and the launcher's own link read when they have lost the coordinator: they
 reconnect to the new leader instead of the old address.
@@ -51,8 +52,9 @@ class Elector(Protocol):
 class LeaderAgent:
     def __init__(self, election: Elector, node: str, address: str, address_file: Path,
                  start_coordinator: Callable[[bool], None], stop_coordinator: Callable[[], None],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, candidate: bool = True):
         self.election, self.node, self.address = election, node, address
+        self.candidate = candidate  # False: a standby node's agent only follows who leads
         self.address_file, self.clock = address_file, clock
         self._renewed_at = 0.0  # the last renewal etcd confirmed (the lease runs from there)
         self._start, self._stop_coordinator = start_coordinator, stop_coordinator
@@ -79,7 +81,7 @@ class LeaderAgent:
                 self._depose(f"etcd unreachable for its lease's TTL ({str(e)[:80]})")
 
     def _campaign(self) -> None:
-        won = self.election.campaign(self.node, self.address)
+        won = self.election.campaign(self.node, self.address) if self.candidate else None
         current = won or self.election.leader()
         if current is not None and current != self._last:
             self._last = current

@@ -54,6 +54,7 @@ class MembershipState:
     exit_replacing: dict[tuple[int, int], bool] = field(default_factory=dict)
     issued: dict[int, int] = field(default_factory=dict)  # slot -> highest incarnation handed out
     given_to_standby: set[int] = field(default_factory=set)  # slots a standby was ever given
+    grants: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> latest standby's
 
     def refuse_reason(self, rank: int, incarnation: int = 0,
                       standby: str | None = None) -> str | None:
@@ -193,9 +194,31 @@ class MembershipState:
                    for r in range(self.world_size))
 
     # --- standby processes --------------------------------------------------------------------
-    def on_standby(self, standby: str) -> None:
+    def on_standby(self, standby: str) -> tuple[int, int] | None:
+        """A standby waits. Returns (slot, incarnation) when a slot is already reserved for it:
+        the answer was lost with an earlier coordinator ([U]) and must be sent again."""
+        for slot, reservation in self.reserved.items():
+            if reservation.standby == standby:
+                return slot, reservation.incarnation
         if standby not in self.standbys:
             self.standbys.append(standby)
+        return None
+
+    def grant_record(self) -> list[list]:
+        """Every slot's latest grant to a standby, [slot, standby, incarnation]: what an elected
+        coordinator journals before the standby hears of it ([U])."""
+        return [[slot, standby, k] for slot, (standby, k) in sorted(self.grants.items())]
+
+    def restore_grants(self, record: list[list]) -> None:
+        """A successor adopts its predecessor's grants (after the journal's epoch): it never
+        gives a slot twice, and a standby that did not register yet still finds its slot."""
+        now = self.clock()
+        for slot, standby, incarnation in record:
+            self.grants[slot] = (standby, incarnation)
+            self.given_to_standby.add(slot)
+            self.issued[slot] = max(self.issued.get(slot, 0), incarnation)
+            if slot in self.dead and incarnation > self.dead_incarnation.get(slot, 0):
+                self.reserved[slot] = Reservation(standby, incarnation, now + self.register_timeout)
 
     def on_standby_exit(self, standby: str) -> None:
         if standby in self.standbys:
@@ -232,6 +255,7 @@ class MembershipState:
             self.issued[slot] = incarnation
             self.reserved[slot] = Reservation(standby, incarnation, now + self.register_timeout)
             self.given_to_standby.add(slot)
+            self.grants[slot] = (standby, incarnation)
             given.append((standby, slot, incarnation))
         return given
 

@@ -1,13 +1,13 @@
 """A standby process's wait for a slot (DESIGN §15): the one thing it does before it is a rank.
 
 A standby node's launcher (`launch --standby`) starts processes with no rank: RECOVER_STANDBY
-names each one. Such a process tells the coordinator it waits, then blocks on its own queue until
+names each one. Such a process tells the coordinator it waits, then polls its own queue until
 the coordinator gives it the slot of a dead rank (a lost node's: no local replacement is coming),
 or says the job completed or stopped. If the coordinator dies meanwhile, it waits (up to
-RECONNECT_WITHIN) for the one the node-0 launcher starts in its place and registers again. With a
-slot it becomes that rank's replacement: RANK and
-RECOVER_INCARNATION are set in its environment and it starts as a spare, like a process its
-launcher replaced (the rest of its environment, LOCAL_RANK and so its GPU, is its own node's).
+RECONNECT_WITHIN) for the one the node-0 launcher starts in its place, or ([U]) the one etcd
+elects on another node, and registers again there. With a slot it becomes that rank's
+replacement: RANK and RECOVER_INCARNATION are set in its environment and it starts as a spare,
+like a process its launcher replaced (the rest of its environment, LOCAL_RANK and so its GPU, is its own node's).
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import enum
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -25,7 +27,8 @@ from recover_patches.collectives.errors import CoordinatorConfigError, Coordinat
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN
 
 ENV_VAR = "RECOVER_STANDBY"
-WAIT = timedelta(days=30)  # a standby may wait for the whole job: the coordinator ends the wait
+POLL_EVERY = 0.5  # seconds between a waiting standby's looks at its queue (one store operation)
+POLL_WAIT = timedelta(seconds=10)  # one look unanswered this long: the coordinator is lost
 
 
 class JobEnded(enum.Enum):
@@ -46,24 +49,29 @@ def standby_id() -> str | None:
 
 
 def wait_for_slot(standby: str, connect_timeout: float = 30.0) -> SlotAssignment | JobEnded:
-    """Register as a waiting standby and block until the coordinator decides. Needs
-    RECOVER_COORDINATOR and RECOVER_JOB_TOKEN (set by the launcher)."""
+    """Register as a waiting standby and poll until the coordinator decides. Needs
+    RECOVER_COORDINATOR and RECOVER_JOB_TOKEN (set by the launcher); with RECOVER_COORDINATOR_FILE
+    ([U]: an elected coordinator) it follows the address that file names."""
     address, token = os.environ.get("RECOVER_COORDINATOR"), os.environ.get("RECOVER_JOB_TOKEN")
     if not address or not token:
         raise CoordinatorConfigError(f"{ENV_VAR} is set but RECOVER_COORDINATOR / RECOVER_JOB_TOKEN "
                                      "are not: start standby processes with `python -m "
                                      "recover_patches.launch --standby`")
-    host, port = P.parse_address(address, "RECOVER_COORDINATOR")
+    fallback = P.parse_address(address, "RECOVER_COORDINATOR")
+    file = os.environ.get("RECOVER_COORDINATOR_FILE")
+    where = lambda: P.current_address(Path(file) if file else None, *fallback)  # noqa: E731
     timeout, lost_at, connected = connect_timeout, None, False
     while True:
+        at = where()
         try:
-            raw = P.connect(host, port, timeout, "RECOVER_COORDINATOR")
-            connected = True
-            raw.set_timeout(WAIT)
+            raw = P.connect(*at, timeout, "RECOVER_COORDINATOR")
+            connected, lost_at = True, None
+            raw.set_timeout(POLL_WAIT)  # a cut link fails a poll instead of hanging it
             store = dist.PrefixStore(P.job_prefix(token), raw)
             P.post_report(store, P.Report.make("standby", id=standby))
-            answer = store.queue_pop(P.standby_key(standby), True).decode()
-            break
+            answer = _poll(store, standby, moved=lambda: where() != at)
+            if answer is not None:
+                break
         except (CoordinatorUnreachable, RuntimeError) as e:  # gone: a successor may come
             if not connected:
                 raise
@@ -78,6 +86,18 @@ def wait_for_slot(standby: str, connect_timeout: float = 30.0) -> SlotAssignment
         return JobEnded.STOPPED
     slot = json.loads(answer)
     return SlotAssignment(int(slot["rank"]), int(slot["incarnation"]))
+
+
+def _poll(store: dist.Store, standby: str, moved: Callable[[], bool]) -> str | None:
+    """The coordinator's answer, or None once the address file names another coordinator (the
+    standby registers there). Polled, not a blocking pop: a pop would wait on a coordinator that
+    lost its election, or sits behind a cut link, while the successor has the answer."""
+    while not moved():
+        try:
+            return store.queue_pop(P.standby_key(standby), False).decode()
+        except dist.QueueEmptyError:
+            time.sleep(POLL_EVERY)
+    return None
 
 
 def become(assignment: SlotAssignment) -> None:

@@ -10,7 +10,9 @@ progress for T fails. Everything else follows from T so that the waits agree:
                       so a rank that is itself waiting is never mistaken for the one stuck;
   verdict_wait        how long a rank that saw a failure waits for the coordinator's verdict: the
                       stuck rank's last progress is at most T before the waiter's timeout, so the
-                      verdict comes within stall + one heartbeat interval (+ a margin) of it.
+                      verdict comes within stall + one heartbeat interval (+ a margin) of it;
+  standby_grace, register_timeout  the coordinator's waits before it gives a dead slot to a
+                      standby process, and for that process to register.
 
 A hang is thus seen T + GRACE + at most one heartbeat interval after the rank stopped moving,
 i.e. T + <= 0.9 s, for any T >= 1 s. Where a launcher forwards its node's beats (`node_beats.py`),
@@ -49,3 +51,14 @@ class Timeouts:
     @property
     def verdict_wait(self) -> float:
         return self.operation + GRACE + self.heartbeat_interval + MARGIN
+
+    @property
+    def standby_grace(self) -> float:
+        """How long a dead slot's launcher may take to report a local replacement before the slot
+        goes to a standby: it fences and reports within a fraction of a second when alive."""
+        return max(1.0, 2 * self.heartbeat_interval)
+
+    @property
+    def register_timeout(self) -> float:
+        """How long a standby given a slot may take to register before it goes to another."""
+        return self.stall + 10.0

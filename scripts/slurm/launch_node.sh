@@ -29,7 +29,8 @@
 #   RDZV_ENDPOINT     etcd members' client addresses (h1:2379,h2:2379,h3:2379): every node's
 #                     launcher can then run the coordinator, one elected through etcd, so losing
 #                     node 0 is survived ([U]; --rdzv-backend etcd, job id recover-SLURM_JOB_ID,
-#                     this node's address from `hostname`); not with SPARE_NODES yet
+#                     this node's address from `hostname`); standby nodes (SPARE_NODES) follow
+#                     the elected coordinator without running for it
 #   RECOVER_LAUNCH_ARGS extra launcher flags, split on spaces (e.g. "--rdzv-conf lease_ttl=3")
 #   PYTHON            interpreter with this project installed (default: python3)
 #   DRY_RUN=1         print the launcher command (shell-quoted) instead of running it
@@ -62,8 +63,6 @@ must be a whole number below the $ALLOCATED node(s) of the allocation: at least 
 NNODES=$((ALLOCATED - SPARE_NODES))  # training nodes; the standby nodes come after them
 rdzv=()
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
-    [ "$SPARE_NODES" -eq 0 ] || fail "RDZV_ENDPOINT with SPARE_NODES=$SPARE_NODES: standby nodes \
-need node 0's coordinator for now; unset one of them"
     rdzv=(--rdzv-backend etcd --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "recover-$SLURM_JOB_ID"
           --local-addr "$(hostname)")
 fi

@@ -5,12 +5,13 @@ successor starts from the journal's last epoch. In-process coordinators, an in-m
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from recover_patches.collectives import protocol as P
 from recover_patches.collectives.coordinator import Coordinator, CoordinatorConfig, start_server
-from recover_patches.collectives.journal import COMPLETE, EPOCH, Fenced
+from recover_patches.collectives.journal import COMPLETE, EPOCH, STANDBYS, Fenced
 
 TOKEN = "journal-test"
 pytestmark = pytest.mark.timeout(30)
@@ -81,3 +82,49 @@ def test_a_coordinator_that_cannot_reach_etcd_publishes_nothing():
     with pytest.raises(Fenced, match="etcd unreachable"):
         coordinator.tick()
     assert published_epoch(coordinator) == 0
+
+
+def standby_waits(coordinator: Coordinator, standby: str) -> None:
+    P.post_report(coordinator.store, P.Report.make("standby", id=standby))
+
+
+def answer_for(coordinator: Coordinator, standby: str) -> str | None:
+    if coordinator.store.queue_len(P.standby_key(standby)) == 0:
+        return None
+    return coordinator.store.queue_pop(P.standby_key(standby), False).decode()
+
+
+def test_a_standbys_slot_is_journaled_first_and_a_successor_never_gives_it_twice():
+    journal = MemoryJournal()
+    first = coordinator_with(journal)
+    standby_waits(first, "9.0")
+    first.state.on_exit(2, -9, replacing=False)  # its launcher starts no replacement
+    first.tick()
+    given = {"rank": 2, "incarnation": 1}
+    assert journal.records[STANDBYS] == {"grants": [[2, "9.0", 1]]}
+    assert json.loads(answer_for(first, "9.0")) == given
+    # The first coordinator's node is lost before standby 9.0 registered. A successor: another
+    # standby waits, and 9.0 registers as waiting again (as if its answer had been lost).
+    successor = coordinator_with(journal, restarted=True)
+    standby_waits(successor, "9.1")
+    standby_waits(successor, "9.0")
+    successor.tick()
+    assert json.loads(answer_for(successor, "9.0")) == given  # the answer, sent again
+    time.sleep(successor.state.standby_grace + 0.1)  # a dead slot nobody holds is given away now
+    successor.tick()
+    assert answer_for(successor, "9.1") is None  # rank 2 is 9.0's: not given again
+    assert json.loads(successor.store.get(P.assigned_key("9.0"))) == given  # for its launcher
+    assert successor.state.refuse_reason(2, 1, standby="9.0") is None
+    assert successor.state.refuse_reason(2, 2, standby="9.1").startswith(P.SLOT_TAKEN)
+
+
+def test_a_fenced_coordinator_gives_no_slot_to_a_standby():
+    journal = MemoryJournal()
+    coordinator = coordinator_with(journal)
+    coordinator.state.on_exit(2, -9, replacing=False)
+    coordinator.tick()  # epoch 1 journaled and published; no standby waits yet
+    journal.leading = False
+    standby_waits(coordinator, "9.0")
+    with pytest.raises(Fenced):
+        coordinator.tick()
+    assert answer_for(coordinator, "9.0") is None and STANDBYS not in journal.records
