@@ -81,10 +81,21 @@ class Hosts:
     def address(self, i: int) -> str:
         return f"{self.subnet}.{i + 1}"
 
-    def popen(self, i: int, cmd: list[str], **kwargs) -> subprocess.Popen:
-        """`cmd` inside node i (gloo uses its eth0: the hostname would resolve to loopback)."""
+    def popen(self, i: int, cmd: list[str], hosts_file: Path | None = None,
+              **kwargs) -> subprocess.Popen:
+        """`cmd` inside node i (gloo uses its eth0: the hostname would resolve to loopback).
+        `hosts_file`: node i also gets a host name of its own, its namespace's name (a UTS
+        namespace), and this file as /etc/hosts (a mount namespace: names resolving to the
+        nodes' addresses); the rest of the file system is the host's (`ip netns exec` would mount
+        a new /sys, without the cgroups slurmd needs)."""
         env = {**kwargs.pop("env", os.environ), "GLOO_SOCKET_IFNAME": "eth0"}
-        return subprocess.Popen(["ip", "netns", "exec", self.names[i], *cmd], env=env, **kwargs)
+        enter = ["ip", "netns", "exec", self.names[i]]
+        if hosts_file is not None:
+            enter = ["nsenter", f"--net=/run/netns/{self.names[i]}", "--", "unshare", "--mount",
+                     "--uts", "--propagation", "private", "--", "sh", "-c",
+                     'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"',
+                     self.names[i], str(hosts_file)]
+        return subprocess.Popen([*enter, *cmd], env=env, **kwargs)
 
     def pids(self, i: int) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True,

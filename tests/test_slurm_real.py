@@ -1,14 +1,17 @@
 """The sbatch template on a real SLURM (Debian's slurm-wlm with munge), brought up for this module
-in a temporary directory and torn down by PID: three SLURM nodes, all on this machine (one slurmd
-per node name, `slurmd -N`), so a job can lose a node and a standby node can take over.
+in a temporary directory and torn down by PID: three SLURM nodes, each a network namespace of
+`tests/netns.py` with its own address and its own slurmd ([U]), so a job's launchers, ranks and
+etcd members talk over real addresses, a job can lose a node and a standby node can take over.
 
 Needs root on Debian: installs slurm-wlm with apt when it is missing (once per machine), and skips
-with the reason where it cannot. Several *machines* are not tested: the nodes share one host, its
-loopback and its file system.
+with the reason where it cannot. Several *machines* are not tested: the nodes share one kernel and
+one file system.
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,8 +23,10 @@ from pathlib import Path
 import pytest
 
 from megatron.training.checkpointing import read_latest
+from tests.collectives.etcd_members import EtcdMembers, needs_etcd
+from tests.netns import Hosts, needs_netns
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.timeout(420), needs_netns]
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"
@@ -56,19 +61,24 @@ def _daemon(path: str) -> str:
 
 
 class Cluster:
-    """munged, slurmctld and slurmd in the foreground, as children of this process."""
+    """munged and slurmctld on this host, one slurmd in each network namespace of `hosts`, all in
+    the foreground, as children of this process. A node's SLURM name is its host name (its
+    namespace's), and every node resolves every node's name to that node's address."""
 
-    def __init__(self, root: Path) -> None:
-        self.root, self.procs = root, []
-        host = socket.gethostname()
-        self.nodes = [host, f"{host}-n1", f"{host}-n2"]  # node 0 first: it resolves (the master)
+    def __init__(self, root: Path, hosts: Hosts) -> None:
+        self.root, self.hosts, self.procs = root, hosts, []
+        host, controller = socket.gethostname(), f"{hosts.subnet}.254"  # the bridge's address
+        self.nodes = list(hosts.names)
         (root / "state").mkdir()
-        for node in self.nodes:
+        for i, node in enumerate(self.nodes):
             (root / "spool" / node).mkdir(parents=True)
+            (root / f"hosts.{node}").write_text("127.0.0.1 localhost\n" + "".join(
+                f"{hosts.address(j)} {name}\n" for j, name in enumerate(self.nodes)))
         self.conf = root / "slurm.conf"
         self.conf.write_text("\n".join([
-            "ClusterName=recover", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={root}/munge.sock",
+            "ClusterName=recover", f"SlurmctldHost={host}({controller})", "SlurmUser=root",
+            "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
+            f"AuthInfo=socket={root}/munge.sock",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool/%n",
@@ -78,24 +88,36 @@ class Cluster:
             "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "MpiDefault=none",
             "ReturnToService=2", "MinJobAge=600",
-            *(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
-              f"CPUs={os.cpu_count()} State=UNKNOWN" for node in self.nodes),
+            *(f"NodeName={node} NodeHostname={node} NodeAddr={hosts.address(i)} Port=6818 "
+              f"CPUs={os.cpu_count()} State=UNKNOWN" for i, node in enumerate(self.nodes)),
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        try:
+            self._bring_up()
+        except BaseException:  # nothing is left running
+            self.stop()
+            raise
+
+    def _bring_up(self) -> None:
+        root = self.root
         self._start([_daemon("munged"), "-F", "--force", f"--socket={root}/munge.sock",
                      f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
                      f"--seed-file={root}/munged.seed"])
         self._wait_for(lambda: (root / "munge.sock").exists(), "munged's socket")
         self._start([_daemon("slurmctld"), "-D", "-f", str(self.conf)])
-        for node in self.nodes:
-            self._start([_daemon("slurmd"), "-D", "-N", node, "-f", str(self.conf)], node)
+        for i, node in enumerate(self.nodes):
+            self._start([_daemon("slurmd"), "-D", "-N", node, "-f", str(self.conf)], i)
         self._wait_for(lambda: self.run("sinfo", "-h", "-o", "%T %D").split() == ["idle", "3"],
                        "three idle nodes")
 
-    def _start(self, cmd: list[str], name: str = "") -> None:
-        log = open(self.root / f"{Path(cmd[0]).name}{name}.out", "w")
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                           env=getattr(self, "env", None), start_new_session=True))
+    def _start(self, cmd: list[str], node: int | None = None) -> None:
+        """`cmd` on this host, or inside node `node`'s namespace with its own /etc/hosts."""
+        name = "" if node is None else self.nodes[node]
+        log = open(self.root / f"{Path(cmd[0]).name}{name}.out", "w")  # noqa: SIM115 -- its life
+        popen = functools.partial(subprocess.Popen) if node is None else functools.partial(
+            self.hosts.popen, node, hosts_file=self.root / f"hosts.{name}")
+        self.procs.append(popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                start_new_session=True))
 
     def _wait_for(self, ready, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -124,16 +146,22 @@ def cluster(tmp_path_factory):
     why = _install()
     if why is not None:
         pytest.skip(why)
-    c = Cluster(tmp_path_factory.mktemp("slurm"))
-    yield c
-    c.stop()
+    hosts = Hosts(3)
+    try:
+        c = Cluster(tmp_path_factory.mktemp("slurm"), hosts)
+        yield c
+        c.stop()
+    finally:
+        hosts.close()  # whatever is left in the namespaces, by PID
 
 
 def submit(cluster: Cluster, work: Path, nproc: int, *flags: str, nodes: int = 1,
-           spare_nodes: int = 0) -> str:
-    """sbatch the template with the tiny CPU config; the job id."""
+           spare_nodes: int = 0, **settings: str) -> str:
+    """sbatch the template with the tiny CPU config (and `settings` in its environment); the job
+    id. gloo uses each node's eth0 (its own address; loopback would not reach the others)."""
     env = {**cluster.env, "CONFIG": "tiny_cpu", "CKPT_DIR": str(work / "ck"),
-           "NPROC_PER_NODE": str(nproc), "PYTHON": sys.executable, "SPARE_NODES": str(spare_nodes)}
+           "NPROC_PER_NODE": str(nproc), "PYTHON": sys.executable, "SPARE_NODES": str(spare_nodes),
+           "GLOO_SOCKET_IFNAME": "eth0", **settings}
     done = subprocess.run(["sbatch", "--parsable", "--nodes", str(nodes), "--cpus-per-task",
                            str(os.cpu_count()), "--chdir", str(REPO), "--output",
                            str(work / "out.txt"), str(SBATCH), *flags],
@@ -206,18 +234,26 @@ def test_scancel_term_with_exit_signal_handler_saves_and_exits_0(cluster, tmp_pa
     assert leftovers(tmp_path) == []
 
 
+@needs_etcd
 def test_a_standby_node_takes_over_a_lost_node_and_the_job_completes(cluster, tmp_path):
-    """Two training nodes of two ranks and a standby node: node 1 dies with its launcher at
-    iteration 3. srun reports its task killed, yet the job completed: the sbatch script reads the
-    job's declared completion and exits 0."""
-    job = submit(cluster, tmp_path, 2, "--train-iters", "30", "--recover-balance", "even",
-                 "--recover-timeout", "3", "--inject-fault", "node:rank=3,iter=3,phase=forward",
-                 "--inject-fault", "slow:rank=1,seconds=0.25,iter=4,phase=forward",
-                 nodes=3, spare_nodes=1)
-    state = wait(cluster, job)
+    """Two training nodes of two ranks and a standby node, an etcd member on each, the
+    coordinator elected through etcd (RDZV_ENDPOINT): node 1 dies with its launcher at iteration
+    3. srun reports its task killed, yet the job completed: the sbatch script reads the job's
+    declared completion and exits 0."""
+    hosts = cluster.hosts
+    members = EtcdMembers(tmp_path, 3, [hosts.address(i) for i in range(3)], hosts.popen)
+    try:
+        job = submit(cluster, tmp_path, 2, "--train-iters", "30", "--recover-balance", "even",
+                     "--recover-timeout", "3", "--inject-fault", "node:rank=3,iter=3,phase=forward",
+                     "--inject-fault", "slow:rank=1,seconds=0.25,iter=4,phase=forward",
+                     nodes=3, spare_nodes=1, RDZV_ENDPOINT=members.rdzv_endpoint)
+        state = wait(cluster, job)
+    finally:
+        members.stop()
     out = (tmp_path / "out.txt").read_text()
     assert state == ("COMPLETED", "0:0"), out[-3000:]
     assert "task 1: Killed" in out and "but the job declared complete" in out
+    assert re.search(r"node node[01] leads", out), out[-3000:]  # elected, not started on node 0
     assert "takes rank 2" in out and "takes rank 3" in out  # the standby processes re-formed them
     assert all(f"iteration {i:8d}/" in out for i in range(1, 31))
     assert leftovers(tmp_path) == []

@@ -4,10 +4,11 @@
 # on node 0 the launcher also starts the membership coordinator (DESIGN §5). A rank that dies does
 # not take the others down: neither the launcher nor srun (--kill-on-bad-exit=0) kills the step.
 #
-# VERIFIED ON A REAL SLURM (tests/test_slurm_real.py), three SLURM nodes on one machine: a kill
-# survived, the last replica lost, scancel --signal=TERM, a standby node taking over a lost node.
-# NOT VERIFIED on several machines; command lines for them are checked with a stub `scontrol`
-# (tests/test_slurm_scripts.py).
+# VERIFIED ON A REAL SLURM (tests/test_slurm_real.py), three SLURM nodes on one machine, each a
+# network namespace with its own address, host name and slurmd: a kill survived, the last replica
+# lost, scancel --signal=TERM, a standby node taking over a lost node (RDZV_ENDPOINT: etcd on each
+# node, the coordinator elected). NOT VERIFIED on several machines; other command lines are
+# checked with a stub `scontrol` (tests/test_slurm_scripts.py).
 #
 # Usage: bash scripts/slurm/launch_node.sh [extra pretrain_gpt_recover.py flags...]
 #   (extra flags come after the config's, so they win: e.g. --train-iters 10)
