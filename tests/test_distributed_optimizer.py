@@ -3,20 +3,18 @@ space and the instance all-gathers the weights; the result, and the checkpointed
 of the unsharded MainParamsAdamW, bitwise."""
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.optimizer import MainParamsAdamW
 from megatron.training.optimizer_shards import bucket_ranges
 from recover_patches.recovery.grad_buffer import GradBuffer, Scatter, flat_layout
 from recover_patches.recovery.reduce import Totals
+from tests.gloo_ranks import run_ranks
 
 SHAPES = [(5, 3), (7,), (4, 4), (3,)]  # odd sizes: shard boundaries cut through parameters
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -86,12 +84,6 @@ def test_loads_an_unsharded_state_and_goes_on_identically():
     assert step_both(plain, resumed(plain, sharded(make_params(torch.bfloat16))), range(1, 2))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shard_rank(rank: int, dtype: torch.dtype) -> None:
     shards = dist.get_world_size()
     plain = MainParamsAdamW(make_params(dtype), **HYPER)
@@ -108,7 +100,7 @@ def _shard_rank(rank: int, dtype: torch.dtype) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_three_shards_over_gloo_match_the_unsharded_optimizer_bitwise(dtype):
-    assert _run_ranks(_shard_rank, 3, dtype) == []
+    assert run_ranks(_shard_rank, 3, dtype) == []
 
 
 def _reshard_rank(rank: int, dtype: torch.dtype) -> None:
@@ -160,64 +152,14 @@ def _scatter_rank(rank: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_buckets_are_reduce_scattered_into_the_ranges_and_summed_across_instances():
-    assert _run_ranks(_scatter_rank, 4) == []
-
-
-def _rank_main(rank: int, port: int, world: int, target, args: tuple, failures) -> None:
-    """One rank of a gloo job: `target(rank, *args)`; its error or its success goes to the
-    parent, which asserts."""
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-        target(rank, *args)
-        # every rank done with every group before any tears its sockets down
-        dist.barrier()
-        failures.put(("done", rank))
-        # a gloo pair closed under a peer's last message can still abort that peer in teardown
-        # ("terminate called without an active exception", SIGABRT): after "done" the parent
-        # does not count that against the ranks' results
-        dist.destroy_process_group()
-    except BaseException as error:
-        failures.put(("error", f"rank {rank}: {error!r}"))
-        raise
-
-
-def _run_ranks(target, nprocs: int, *args) -> list[str]:
-    """Run `target(rank, *args)` on `nprocs` gloo ranks; their errors, every process killed. A
-    process that dies after every rank reported done died in gloo's teardown, not in the test."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    failures = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(_rank_main, args=(_free_port(), nprocs, target, args, failures),
-                                 nprocs=nprocs, join=False, start_method="spawn")
-    exited: Exception | None = None
-    try:
-        while not context.join(timeout=90):
-            pass
-    except mp.ProcessRaisedException:
-        pass  # its error is in the queue
-    except mp.ProcessExitedException as error:  # a signal or an exit code, nothing queued
-        exited = error
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    errors, done = [], set()
-    while not failures.empty():
-        kind, what = failures.get()
-        if kind == "done":
-            done.add(what)
-        else:
-            errors.append(what)
-    if exited is not None and len(done) < nprocs:
-        errors.append(f"{exited!r} before every rank was done (done: {sorted(done)})")
-    return errors
+    assert run_ranks(_scatter_rank, 4) == []
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resharding_after_a_loss_and_a_rejoin_keeps_the_unsharded_trajectory(dtype):
-    assert _run_ranks(_reshard_rank, 4, dtype) == []
+    assert run_ranks(_reshard_rank, 4, dtype) == []
 
 
 @pytest.mark.multiprocess
