@@ -60,7 +60,7 @@ class _GatherSequence(torch.autograd.Function):
         cp_size = dist.get_world_size(group)
         ctx.group, ctx.order = group, _gathered_to_sequence_order(cp_size)
         gathered = local.new_empty((cp_size * local.size(0), *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        dist.all_gather_single(gathered, local.contiguous(), group=group)
         chunks = gathered.chunk(2 * cp_size)
         return torch.cat([chunks[i] for i in ctx.order])
 
@@ -73,7 +73,7 @@ class _GatherSequence(torch.autograd.Function):
             placed[position] = in_sequence[chunk]
         stacked = torch.cat(placed)  # type: ignore[arg-type]  # every position is filled
         local = grad.new_empty((grad.size(0) // cp_size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(local, stacked.contiguous(), group=ctx.group)
+        dist.reduce_scatter_single(local, stacked.contiguous(), group=ctx.group)
         return local, None
 
 
