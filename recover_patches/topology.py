@@ -1,9 +1,11 @@
-"""Rank layout of a TP x PP x DP job and the rank sets of every process group.
+"""Rank layout of a TP x CP x PP x DP job and the rank sets of every process group.
 
-Megatron's default order (tp fastest, then dp, then pp): rank = tp + TP*dp + TP*DP*pp; with
-`dp_last` (Megatron's --use-tp-pp-dp-mapping) tp, then pp, then dp: rank = tp + TP*pp + TP*PP*dp,
-so a replica's ranks are contiguous (a node then tends to hold whole replicas).
-A *replica* is one complete model copy: the TP*PP ranks sharing a dp index (DESIGN §3).
+Megatron's default order (`tp-cp-ep-dp-pp`: tp fastest, then cp, then dp, then pp):
+rank = tp + TP*cp + TP*CP*dp + TP*CP*DP*pp; with `dp_last` (Megatron's --use-tp-pp-dp-mapping,
+`tp-cp-ep-pp-dp`) pp before dp: rank = tp + TP*cp + TP*CP*pp + TP*CP*PP*dp, so a replica's ranks
+are contiguous (a node then tends to hold whole replicas). Expert parallelism is not part of it.
+A *replica* is one complete model copy: the TP*CP*PP ranks sharing a dp index (DESIGN §3); its CP
+ranks ([O]) hold the same weights and split each sequence, as its TP ranks split each layer.
 Pure arithmetic, no torch: every rank computes the same answers.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ class Coord(NamedTuple):
     tp: int
     replica: int  # the dp index
     pp: int
+    cp: int = 0  # the context-parallel index inside the replica
 
 
 @dataclass(frozen=True)
@@ -24,49 +27,58 @@ class Topology:
     pp: int
     dp: int
     dp_last: bool = False  # --use-tp-pp-dp-mapping
+    cp: int = 1  # --context-parallel-size
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int, pp: int, dp_last: bool = False) -> "Topology":
-        if world_size % (tp * pp):
-            raise ValueError(f"world size {world_size} is not divisible by TP*PP = {tp * pp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), dp_last=dp_last)
+    def from_world(cls, world_size: int, tp: int, pp: int, dp_last: bool = False,
+                   cp: int = 1) -> "Topology":
+        if world_size % (tp * pp * cp):
+            raise ValueError(f"world size {world_size} is not divisible by TP*CP*PP = "
+                             f"{tp * cp * pp}")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), dp_last=dp_last, cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
-    def rank(self, tp: int, replica: int, pp: int) -> int:
+    def rank(self, tp: int, replica: int, pp: int, cp: int = 0) -> int:
+        inner, width = tp + self.tp * cp, self.tp * self.cp  # tp fastest, then cp
         if self.dp_last:
-            return tp + self.tp * pp + self.tp * self.pp * replica
-        return tp + self.tp * replica + self.tp * self.dp * pp
+            return inner + width * pp + width * self.pp * replica
+        return inner + width * replica + width * self.dp * pp
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        tp, cp, outer = rank % self.tp, (rank // self.tp) % self.cp, rank // (self.tp * self.cp)
         if self.dp_last:
-            return Coord(tp=rank % self.tp, replica=rank // (self.tp * self.pp),
-                         pp=(rank // self.tp) % self.pp)
-        return Coord(tp=rank % self.tp, replica=(rank // self.tp) % self.dp,
-                     pp=rank // (self.tp * self.dp))
+            return Coord(tp=tp, replica=outer // self.pp, pp=outer % self.pp, cp=cp)
+        return Coord(tp=tp, replica=outer % self.dp, pp=outer // self.dp, cp=cp)
 
     def replica_ranks(self, replica: int) -> list[int]:
-        return [self.rank(t, replica, p) for p in range(self.pp) for t in range(self.tp)]
+        return [self.rank(t, replica, p, c) for p in range(self.pp) for c in range(self.cp)
+                for t in range(self.tp)]
 
     def replica_of(self, rank: int) -> int:
         return self.coord(rank).replica
 
-    def tp_ranks(self, replica: int, pp: int) -> list[int]:
-        return [self.rank(t, replica, pp) for t in range(self.tp)]
+    def tp_ranks(self, replica: int, pp: int, cp: int = 0) -> list[int]:
+        return [self.rank(t, replica, pp, cp) for t in range(self.tp)]
 
-    def pp_ranks(self, tp: int, replica: int) -> list[int]:
-        return [self.rank(tp, replica, p) for p in range(self.pp)]
+    def cp_ranks(self, tp: int, replica: int, pp: int) -> list[int]:
+        """The ranks that split this replica's sequences at this (tp, pp) place ([O])."""
+        return [self.rank(tp, replica, pp, c) for c in range(self.cp)]
 
-    def embedding_ranks(self, tp: int, replica: int) -> list[int]:
+    def pp_ranks(self, tp: int, replica: int, cp: int = 0) -> list[int]:
+        return [self.rank(tp, replica, p, cp) for p in range(self.pp)]
+
+    def embedding_ranks(self, tp: int, replica: int, cp: int = 0) -> list[int]:
         """First and last stage: they hold the two copies of tied word embeddings."""
         stages = [0] if self.pp == 1 else [0, self.pp - 1]
-        return [self.rank(tp, replica, p) for p in stages]
+        return [self.rank(tp, replica, p, cp) for p in stages]
 
-    def dp_ranks(self, tp: int, pp: int, replicas: Sequence[int] | None = None) -> list[int]:
+    def dp_ranks(self, tp: int, pp: int, replicas: Sequence[int] | None = None,
+                 cp: int = 0) -> list[int]:
         """One rank per (live) replica: the group the gradient reduction runs on."""
         live = range(self.dp) if replicas is None else sorted(replicas)
-        return [self.rank(tp, r, pp) for r in live]
+        return [self.rank(tp, r, pp, cp) for r in live]

@@ -12,7 +12,7 @@ from recover_patches.topology import Topology
 
 def test_megatron_rank_order_and_groups():
     t = Topology(tp=2, pp=2, dp=2)
-    assert [t.coord(r) for r in (0, 1, 2, 5)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1)]
+    assert [t.coord(r)[:3] for r in (0, 1, 2, 5)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1)]
     assert all(t.rank(*t.coord(r)) == r for r in range(8))
     assert t.replica_ranks(1) == [2, 3, 6, 7]
     assert t.tp_ranks(0, 1) == [4, 5] and t.pp_ranks(1, 0) == [1, 5]
@@ -26,11 +26,34 @@ def test_megatron_rank_order_and_groups():
 
 def test_tp_pp_dp_mapping_keeps_each_replica_contiguous():
     t = Topology.from_world(8, 2, 2, dp_last=True)  # --use-tp-pp-dp-mapping
-    assert [t.coord(r) for r in (0, 1, 2, 5)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 1, 0)]
+    assert [t.coord(r)[:3] for r in (0, 1, 2, 5)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 1, 0)]
     assert all(t.rank(*t.coord(r)) == r for r in range(8))
     assert t.replica_ranks(0) == [0, 1, 2, 3] and t.replica_ranks(1) == [4, 5, 6, 7]
     assert t.tp_ranks(1, 1) == [6, 7] and t.pp_ranks(0, 1) == [4, 6]
     assert t.dp_ranks(1, 0) == [1, 5] and t.embedding_ranks(0, 0) == [0, 2]
+
+
+@pytest.mark.parametrize("dp_last", [False, True])
+@pytest.mark.parametrize("tp, cp, pp, dp", [(1, 2, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (2, 4, 2, 1),
+                                            (2, 2, 2, 3)])
+def test_context_parallel_ranks_follow_megatrons_rank_generator(tp, cp, pp, dp, dp_last):
+    """[O] Every group is the one megatron-core's RankGenerator makes for Megatron's order
+    (`tp-cp-ep-dp-pp`, or `tp-cp-ep-pp-dp` with --use-tp-pp-dp-mapping)."""
+    from megatron.core.parallel_state import RankGenerator
+    t = Topology.from_world(tp * cp * pp * dp, tp, pp, dp_last=dp_last, cp=cp)
+    megatron = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp,
+                             order="tp-cp-ep-pp-dp" if dp_last else "tp-cp-ep-dp-pp")
+
+    def groups(name: str) -> set[tuple[int, ...]]:
+        return {tuple(sorted(g)) for g in megatron.get_ranks(name)}
+    coords = [t.coord(r) for r in range(t.world_size)]
+    assert all(t.rank(*c) == r for r, c in enumerate(coords))
+    assert {tuple(t.tp_ranks(c.replica, c.pp, c.cp)) for c in coords} == groups("tp")
+    assert {tuple(t.cp_ranks(c.tp, c.replica, c.pp)) for c in coords} == groups("cp")
+    assert {tuple(t.pp_ranks(c.tp, c.replica, c.cp)) for c in coords} == groups("pp")
+    assert {tuple(t.dp_ranks(c.tp, c.pp, cp=c.cp)) for c in coords} == groups("dp")
+    # a replica is every rank with its dp index: megatron's tp-cp-pp group
+    assert {tuple(sorted(t.replica_ranks(k))) for k in range(dp)} == groups("tp-cp-pp")
 
 
 def test_sampler_addresses_samples_by_global_id():

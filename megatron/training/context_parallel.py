@@ -12,7 +12,7 @@ sequence over the CP group (one all-gather each, through whatever group it is gi
 fault-tolerant group in a job), puts the chunks in sequence order, and attends its two query
 chunks to the keys at or before them (the causal mask in global positions). The backward pass
 reduce-scatters the keys' and values' gradients back to the ranks that hold those chunks: every
-rank's queries contributed to them. This is transformer-engine's `cp_comm_type all_gather`; the
+rank's queries contributed to them. This is transformer-engine's `cp_comm_type` "allgather"; the
 K/V of the whole sequence is held on every rank for the length of one layer's attention.
 """
 from __future__ import annotations
