@@ -261,7 +261,8 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
                                      args.distributed_backend, args.distributed_timeout_minutes,
                                      joining=incarnation > 0)
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
-                                   args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping)
+                                   args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping,
+                                   cp=args.context_parallel_size)
     make_group = (torch_group_factory if membership is None else resilient_group_factory(
         membership, membership.timeouts.operation, args.distributed_backend,
         connect=incarnation == 0))
@@ -345,7 +346,7 @@ def _stopping(err: Exception, args, trainer, membership) -> int:
     """How the job ends early: one line and the exit status (the process exits at once where
     peers may still hold sockets to it). Anything else is a crash and is raised again."""
     from megatron.training.checkpointing import CheckpointError
-    from megatron.training.replica_step import WeightMismatch
+    from megatron.training.weight_check import WeightMismatch
     from megatron.training.rerun import ResultRejected, ResultReproduced
     from recover_patches.collectives.errors import PeerFailure
     from recover_patches.recovery.agreement import RecoveryStalled

@@ -79,6 +79,12 @@ class Topology:
 
     def dp_ranks(self, tp: int, pp: int, replicas: Sequence[int] | None = None,
                  cp: int = 0) -> list[int]:
-        """One rank per (live) replica: the group the gradient reduction runs on."""
+        """One rank per (live) replica."""
         live = range(self.dp) if replicas is None else sorted(replicas)
         return [self.rank(tp, r, pp, cp) for r in live]
+
+    def dp_cp_ranks(self, tp: int, pp: int, replicas: Sequence[int] | None = None) -> list[int]:
+        """Every CP rank of every (live) replica at this (tp, pp): the group the gradient
+        reduction runs on (Megatron's data-parallel group with context parallelism)."""
+        live = range(self.dp) if replicas is None else sorted(replicas)
+        return sorted(self.rank(tp, r, pp, c) for r in live for c in range(self.cp))

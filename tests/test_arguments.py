@@ -279,7 +279,7 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 @pytest.mark.parametrize("flag", [
     "--expert-model-parallel-size 2", "--num-experts 8",
     "--fp8-format hybrid",
-    "--context-parallel-size 2", "--optimizer sgd"])
+    "--optimizer sgd"])
 def test_unsupported_megatron_flag(flag):
     with pytest.raises(ArgumentError) as err:
         parse_args(TINY + flag.split())

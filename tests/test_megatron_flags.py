@@ -87,7 +87,7 @@ def test_a_refused_flag_stops_the_run_with_one_line_naming_it(row, capsys):
     assert err.count("\n") == 1 and f"error: {flag}: {flag} " in err and "Fix: " in err, err
 
 
-@pytest.mark.parametrize("given", [["--softmax-type", "vanilla"], ["--cp-comm-type", "p2p"],
+@pytest.mark.parametrize("given", [["--softmax-type", "vanilla"],
                                    ["--fim-rate", "0.50"], ["--cuda-graph-impl", "none"],
                                    ["--exit-signal", "15"]])
 def test_a_refused_flag_given_megatrons_default_is_accepted_and_said(given):
@@ -98,7 +98,7 @@ def test_a_refused_flag_given_megatrons_default_is_accepted_and_said(given):
                     "(any other value is refused)"]
 
 
-@pytest.mark.parametrize("given", [["--softmax-type", "off-by-one"], ["--cp-comm-type", "a2a"],
+@pytest.mark.parametrize("given", [["--softmax-type", "off-by-one"], ["--cp-comm-type", "ring"],
                                    ["--cp-comm-type", "p2p", "a2a"], ["--fim-rate", "0.4"],
                                    ["--fim-rate", "half"], ["--moe-router-topk"]])
 def test_any_other_value_of_a_refused_flag_stops_the_run(given, capsys):

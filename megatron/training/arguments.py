@@ -36,6 +36,7 @@ from megatron.training.arguments_unsupported import add_refused_args, reject_uns
 from megatron.training.arguments_validate_io import (
     validate_checkpointing, validate_data, validate_logging, validate_non_persistent, validate_recover,
     validate_tokenizer)
+from megatron.training.arguments_validate_context import validate_context_parallel
 from megatron.training.arguments_validate_model import (
     validate_device_flags, validate_model_shape, validate_parallel)
 from megatron.training.arguments_validate_pipeline import validate_pipeline_backend
@@ -104,6 +105,7 @@ def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu"
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     reject_unsupported_values(args)  # also for namespaces that did not come from parse_args
+    validate_context_parallel(args)
     dp = validate_parallel(args, world_size)
     validate_model_shape(args)
     validate_device_flags(args, device)

@@ -99,7 +99,14 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Sequence parallelism over the TP group (norms and dropout on sequence shards).")
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="Context parallel size. ReCoVer supports only 1.")
+                   help="Context parallel size: each replica's sequences split over this many ranks "
+                        "(megatron/training/context_parallel.py).")
+    g.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
+                   help="How attention exchanges K/V over the CP group (one value, or one per "
+                        "layer): p2p, a2a, allgather, a2a+p2p. Without transformer-engine only "
+                        "allgather.")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                   help="CP sizes of the a2a and p2p levels of --cp-comm-type a2a+p2p.")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                    help="Collective backend. On CPU, nccl means gloo (the CPU backend), silently.")
     g.add_argument("--overlap-grad-reduce", action="store_true",

@@ -37,8 +37,8 @@ GROUPS_NOT_FOR_PRETRAINING: dict[str, str] = {
 }
 
 _MOE = not_yet("belongs to mixture of experts, not supported yet (refused with --num-experts)")
-_CP = not_yet("belongs to context parallelism, not supported yet "
-               "(--context-parallel-size must be 1)")
+_CP = not_yet("belongs to dynamic (hybrid) context parallelism, not supported yet (a fixed "
+               "--context-parallel-size is)")
 _LOW_PRECISION = not_yet("belongs to fp8/fp4 training (transformer-engine recipes), not "
                           "supported yet: ReCoVer trains in bf16, fp16 or fp32",
                           "drop the flag (use --bf16)")
@@ -65,7 +65,7 @@ _OPTIMIZER = not_yet("configures an optimizer other than Adam, not supported yet
 FAMILIES: tuple[tuple[str, Refusal], ...] = (
     (r"(no-)?moe-|expert-|overlap-moe|ep-overlap|overlap-dispatch|use-grouped-gemm|"
      r"high-priority-a2a|gtp-", _MOE),
-    (r"hierarchical-context|cp-comm-type|max-seqlen-per-dp-cp|hybrid-context", _CP),
+    (r"max-seqlen-per-dp-cp|hybrid-context", _CP),
     (r"(no-)?fp8|fp4|first-last-layers-bf16|num-layers-at-(start|end)-in-bf16|"
      r"reuse-grad-buf-for-mxfp8|keep-fp8|te-precision-config|use-kitchen|kitchen-", _LOW_PRECISION),
     (r"(no-)?tp-comm-", not_yet("is transformer-engine's userbuffers overlap of TP "

@@ -61,10 +61,6 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
 
 def reject_unsupported_values(args: argparse.Namespace) -> None:
     """Flags ReCoVer accepts but not with every value Megatron-LM allows."""
-    if args.context_parallel_size != 1:
-        raise ArgumentError("--context-parallel-size",
-                            f"--context-parallel-size {args.context_parallel_size} {_NOT_YET}",
-                            "use --context-parallel-size 1 (or drop the flag)")
     if args.optimizer != "adam":
         raise ArgumentError("--optimizer", f"--optimizer {args.optimizer} {_NOT_YET}",
                             "use --optimizer adam")

@@ -27,13 +27,15 @@ def validate_parallel(args: argparse.Namespace, world_size: int) -> int:
     _require_positive(args, "tensor_model_parallel_size", "pass a positive --tensor-model-parallel-size")
     _require_positive(args, "pipeline_model_parallel_size",
                       "pass a positive --pipeline-model-parallel-size")
-    if world_size % (tp * pp) != 0:
+    cp = args.context_parallel_size
+    if world_size % (tp * pp * cp) != 0:
+        cp_part = f" * --context-parallel-size {cp}" if cp > 1 else ""
         raise ArgumentError(
             "--tensor-model-parallel-size",
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} * "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp} (one model replica)",
-            f"launch a multiple of {tp * pp} ranks or change the TP/PP sizes")
-    dp = world_size // (tp * pp)
+            f"--pipeline-model-parallel-size {pp}{cp_part} = {tp * pp * cp} (one model replica)",
+            f"launch a multiple of {tp * pp * cp} ranks or change the TP/PP/CP sizes")
+    dp = world_size // (tp * pp * cp)
     validate_distributed_optimizer(args, dp)
     return dp
 

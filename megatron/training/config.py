@@ -44,7 +44,7 @@ class RunLayout:
     world_size: int
     rank: int
     local_rank: int  # its GPU on the node: the launcher's LOCAL_RANK wins over --local-rank
-    data_parallel_size: int  # replicas: world / (TP x PP)
+    data_parallel_size: int  # replicas: world / (TP x PP x CP)
     device: str
 
     def __post_init__(self):
@@ -58,7 +58,8 @@ class RunLayout:
         return cls(world_size, int(environ.get("RANK", "0")),
                    int(local) if local is not None else (args.local_rank or 0),
                    world_size // (args.tensor_model_parallel_size
-                                  * args.pipeline_model_parallel_size), device)
+                                  * args.pipeline_model_parallel_size
+                                  * args.context_parallel_size), device)
 
     def megatron_fields(self, args: argparse.Namespace) -> dict:
         """What Megatron-LM's checks write into its args and ours leave out: the layout and the
@@ -129,7 +130,11 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         kv_channels=args.kv_channels,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,  # 1: more is refused by the checks
+        context_parallel_size=args.context_parallel_size,
+        # as Megatron-LM passes them (transformer-engine reads them; ReCoVer's own attention is
+        # allgather, the only value the checks let through with CP)
+        cp_comm_type=args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else args.cp_comm_type,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         virtual_pipeline_model_parallel_size=model_chunks_of(args),
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,

@@ -111,3 +111,10 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         outputs.append(out.permute(2, 0, 1, 3))  # [c, batch, heads, head_dim]
     out = torch.cat(outputs)
     return out.reshape(out.size(0), out.size(1), -1)
+
+
+def batch_for_cp_rank(batch: dict[str, torch.Tensor], cp_size: int,
+                      cp_rank: int) -> dict[str, torch.Tensor]:
+    """A microbatch's [batch, seq] tensors (tokens, labels, loss mask, position ids) cut to this
+    CP rank's two chunks, as Megatron-LM's `get_batch_on_this_cp_rank` does."""
+    return {key: split_for_cp_rank(value, 1, cp_size, cp_rank) for key, value in batch.items()}

@@ -67,6 +67,21 @@ class ParallelGroups:
     # (kind, this rank sends) -> its channel, in creation order
     channels: dict[tuple[Kind, bool], Channel] = field(default_factory=dict)
     resilient: bool = False  # every group is a ResilientGroup (recovery on)
+    # --context-parallel-size > 1 ([O]): the ranks splitting this replica's sequences at this
+    # (tp, pp), and the TP x PP ranks at this CP index (a gradient norm counts each weight once)
+    context: dist.ProcessGroup | None = None
+    model_parallel: dist.ProcessGroup | None = None
+
+    @property
+    def cp(self) -> dist.ProcessGroup:
+        """megatron-core's context-parallel group (size 1 without CP)."""
+        return self.context if self.context is not None else self.self_group
+
+    @property
+    def norm_group(self) -> dist.ProcessGroup:
+        """Where a norm over the replica's weights or gradients is summed: the replica's ranks,
+        less the copies CP holds of the same weights."""
+        return self.model_parallel if self.model_parallel is not None else self.replica
 
     @property
     def is_first_stage(self) -> bool:
@@ -79,7 +94,8 @@ class ParallelGroups:
     def all_groups(self) -> list[dist.ProcessGroup]:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
         groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group,
-                  self.instance, self.position, *(c.group for c in self.channels.values())]
+                  self.context, self.model_parallel, self.instance, self.position,
+                  *(c.group for c in self.channels.values())]
         return list({id(g): g for g in groups if g is not None}.values())  # shared channels: once
 
     def resilient_groups(self) -> list[ResilientGroup]:
@@ -118,7 +134,8 @@ class ParallelGroups:
         a recovery attempt had issued every TP and PP operation of its round: only the groups
         those phases use, so the others can be kept (`regroup`)."""
         narrow = phase in ("reduce", "commit", "recovery")
-        reduction = (self.replica, self.embedding, self.dp, self.instance, self.position)
+        reduction = (self.replica, self.embedding, self.dp, self.instance, self.position,
+                     self.model_parallel)
         for g in self.resilient_groups():
             if narrow and not any(g is h for h in reduction):
                 continue
@@ -137,7 +154,7 @@ class ParallelGroups:
         for g in self.resilient_groups():
             members: Sequence[int] = g.members
             if g is self.dp:
-                members = topo.dp_ranks(c.tp, c.pp, live_replicas)
+                members = topo.dp_cp_ranks(c.tp, c.pp, live_replicas)
             elif g is self.instance:
                 members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
                                                      if r // size == c.replica // size])
@@ -161,8 +178,8 @@ class ParallelGroups:
         pgs = ProcessGroupCollection()
         pgs.tp = self.tp
         pgs.pp = self.pp
-        pgs.cp = self.self_group
-        pgs.tp_cp = self.tp
+        pgs.cp = self.cp
+        pgs.tp_cp = self.tp  # (read by transformer-engine's layers only, not used with CP)
         pgs.embd = self.embedding
         pgs.pos_embd = None
         pgs.dp = self.dp
@@ -201,15 +218,24 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
     `p2p_channels`, "shared" for channels over the PP group (torch's own groups). resilient:
     `make_group` makes ResilientGroups (`resilient_group_factory`)."""
     c = topology.coord(rank)
-    tp = make_group(f"tp.replica{c.replica}.stage{c.pp}", topology.tp_ranks(c.replica, c.pp))
-    pp = make_group(f"pp.replica{c.replica}.tp{c.tp}", topology.pp_ranks(c.tp, c.replica))
+    at = f".cp{c.cp}" if topology.cp > 1 else ""  # ([O]) one group of each per CP index
+    tp = make_group(f"tp.replica{c.replica}.stage{c.pp}{at}",
+                    topology.tp_ranks(c.replica, c.pp, c.cp))
+    pp = make_group(f"pp.replica{c.replica}.tp{c.tp}{at}", topology.pp_ranks(c.tp, c.replica, c.cp))
     replica = make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
     embedding = None
     if topology.pp > 1 and c.pp in (0, topology.pp - 1):
-        embedding = make_group(f"embd.replica{c.replica}.tp{c.tp}",
-                               topology.embedding_ranks(c.tp, c.replica))
-    dp = make_group(f"dp.tp{c.tp}.stage{c.pp}", topology.dp_ranks(c.tp, c.pp))
+        embedding = make_group(f"embd.replica{c.replica}.tp{c.tp}{at}",
+                               topology.embedding_ranks(c.tp, c.replica, c.cp))
+    dp = make_group(f"dp.tp{c.tp}.stage{c.pp}", topology.dp_cp_ranks(c.tp, c.pp))
     self_group = make_group(f"self.rank{rank}", [rank])
+    context = model_parallel = None
+    if topology.cp > 1:
+        context = make_group(f"cp.replica{c.replica}.tp{c.tp}.stage{c.pp}",
+                             topology.cp_ranks(c.tp, c.replica, c.pp))
+        model_parallel = make_group(f"mp.replica{c.replica}{at}",
+                                    [r for r in topology.replica_ranks(c.replica)
+                                     if topology.coord(r).cp == c.cp])
     instance, position, size = None, None, 0
     if optimizer_instances is not None:
         size = topology.dp // optimizer_instances
@@ -222,7 +248,8 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
     return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
                           size, position, p2p_channels(topology, c, make_group,
                                                        pp if channels == "shared" else None)
-                          if channels and topology.pp > 1 else {}, resilient)
+                          if channels and topology.pp > 1 else {}, resilient, context,
+                          model_parallel)
 
 
 def env_rank_world() -> tuple[int, int]:

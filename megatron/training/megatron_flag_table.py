@@ -37,7 +37,10 @@ DIFFERENCES: dict[str, str] = {
 REFUSED_BY_THE_CHECKS: dict[str, str] = {}
 # flag -> the values ReCoVer refuses (each refused in one line naming the flag)
 SOME_VALUES: dict[str, str] = {
-    "--context-parallel-size": "only 1: context parallelism is not supported yet",
+    "--context-parallel-size": "any; not yet with --use-distributed-optimizer, "
+                               "--overlap-grad-reduce, --sequence-parallel, a virtual pipeline, "
+                               "checkpoints, rope, --reset-attention-mask, transformer-engine",
+    "--cp-comm-type": "allgather (with --context-parallel-size > 1: ReCoVer's own attention)",
     "--optimizer": "only adam",
     "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer",

@@ -33,6 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron.training.config import ModelConfig
+from megatron.training.context_parallel import context_parallel_attention
 from recover_patches.pipeline.rng import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class SDPACoreAttention(MegatronModule):
         # read by megatron-core's default sharded_state_dict (a torch_dist checkpoint): it has no
         # parameters, but without a group of its own it would look up the global TP group
         self.tp_group = None if pg_collection is None else pg_collection.tp
+        cp = None if pg_collection is None else pg_collection.cp  # [O]: this replica's sequence
+        self.cp_group = cp if cp is not None and cp.size() > 1 else None  # split over CP ranks
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
         kernels = self.KERNELS.get(config.attention_backend)
@@ -66,11 +69,15 @@ class SDPACoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("attention bias / packed sequences need transformer_engine")
+        dropout = self.dropout if self.training else 0.0
+        rng = get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        if self.cp_group is not None:  # causal over the whole sequence (no mask: refused)
+            with rng, self.kernels():
+                return context_parallel_attention(query, key, value, self.cp_group,
+                                                  self.softmax_scale, dropout)
         # megatron: [seq, batch, heads, head_dim]; sdpa: [batch, heads, seq, head_dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked out
-        dropout = self.dropout if self.training else 0.0
-        rng = get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with rng, self.kernels():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,

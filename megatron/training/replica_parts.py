@@ -2,12 +2,15 @@
 gradient buffer, the link between its stages and its commit vote."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
 from megatron.training.config import ModelConfig
 from megatron.training.config_io import DataConfig
+from megatron.training.context_parallel import batch_for_cp_rank
 from megatron.training.initialize import ParallelGroups
 from megatron.training.model import model_chunks
 from megatron.training.optimizer import LossScaler, Optimizer
@@ -23,7 +26,11 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
                  dataset, tracker, scaler: LossScaler | None = None) -> list[GPTStage]:
     """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
     dropout seeds: with one chunk, the pipeline stage)."""
-    sampler = MicrobatchSampler(dataset, micro_batch_size, with_mask=data.reset_attention_mask)
+    whole = MicrobatchSampler(dataset, micro_batch_size, with_mask=data.reset_attention_mask)
+    sampler: Callable[[int], dict] = whole
+    if groups.topology.cp > 1:  # [O] each CP rank computes its chunks of every sequence
+        cp, cp_rank = groups.topology.cp, groups.coord.cp
+        sampler = lambda microbatch: batch_for_cp_rank(whole(microbatch), cp, cp_rank)  # noqa: E731
     chunks = model_chunks(model)
     pp, last = groups.topology.pp, groups.topology.pp * len(chunks) - 1
     stages = []
@@ -52,10 +59,11 @@ def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: boo
 
 def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device
              ) -> StageLink | ChunkP2P:
-    """Activations between stages: [seq (a TP shard of it with sequence parallelism), micro batch,
-    hidden], in the training dtype; between virtual stages with model chunks."""
+    """Activations between stages: [seq (this CP rank's chunks; a TP shard of them with sequence
+    parallelism), micro batch, hidden], in the training dtype; between virtual stages with model chunks."""
     t = model.transformer
-    seq = model.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
+    seq = model.seq_length // t.context_parallel_size  # [O]: this CP rank's chunks
+    seq //= t.tensor_model_parallel_size if t.sequence_parallel else 1
     shape = (seq, micro_batch_size, t.hidden_size)
     if model.model_chunks is not None:
         return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp, model.model_chunks,

@@ -6,7 +6,6 @@ while the Trainer (`training.py`) keeps the loop, the records and evaluation.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from megatron.training.rerun import (ALARM_LARGE_GRADS, ALARM_NOT_FINITE, ALARM_
                                      SPIKE_INJECTED, Position, SpikeDetector, injected, resolve,
                                      resolve_large_grads, resolve_spike)
 from megatron.training.rerun_stats import DeterminismStats, compare_once, report
+from megatron.training.weight_check import WeightMismatch, weight_fingerprint
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -39,19 +39,6 @@ from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wi
 logger = logging.getLogger(__name__)
 
 Hook = Callable[..., None]  # (phase, microbatch=None): progress mark and fault injection
-
-
-class WeightMismatch(RuntimeError):
-    """Replicas that applied the same gradients hold different weights: never a failure, a bug."""
-
-
-def weight_fingerprint(params: list[torch.Tensor]) -> int:
-    """64 bits of blake2b over the weights' exact bytes (host copies, as Megatron's own check
-    hashes them: an interval check, not a per-iteration cost). Never 0, which means "not sent"."""
-    digest = hashlib.blake2b(digest_size=8)
-    for p in params:
-        digest.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return int.from_bytes(digest.digest(), "little") | 1
 
 
 @dataclass
@@ -143,8 +130,13 @@ class GPTReplicaStep:
         if self.weight_check_due():
             self.weights_ready()
             fingerprint = weight_fingerprint(self.params)
-        reduced = self.grads.reduce(local, self.groups.coord.replica, self._measured_time(),
-                                    fingerprint, self._alarm(local))
+        time_wire, alarm = self._measured_time(), self._alarm(local)
+        if self.groups.coord.cp:  # ([O]) the reduction spans DP x CP: a replica's CP ranks add
+            # their tokens and losses, its first CP rank alone its ids and its replica's slots
+            local = Totals(0, local.tokens, 0, 0, local.loss_sum)
+            time_wire, fingerprint, alarm = 0.0, 0, 0.0
+        reduced = self.grads.reduce(local, self.groups.coord.replica, time_wire, fingerprint,
+                                    alarm)
         self.hook("reduced")
         # Megatron's finalisation, here: a rank rolling forward steps from `reduced` (settle.py)
         grads = [self.grads.reduced_grad(p) for p in self.params]
@@ -183,7 +175,8 @@ class GPTReplicaStep:
             per = max(local.microbatches, 1) * (1.0 if scaler is None else scaler.scale)
             large = self.grad_spikes.spiky(self.grads.local_norm() / per).reshape(1)
             alarm = torch.maximum(alarm, large.to(alarm.dtype) * ALARM_LARGE_GRADS)
-        if self.groups.replica.size() > 1 and (self.groups.topology.pp > 1
+        topo = self.groups.topology  # (the last stage holds the loss; CP ranks each a part)
+        if self.groups.replica.size() > 1 and (topo.pp > 1 or topo.cp > 1
                                                or self.grad_spikes is not None):
             dist.all_reduce(alarm, op=dist.ReduceOp.MAX, group=self.groups.replica)
         return alarm[0]
@@ -266,7 +259,7 @@ class GPTReplicaStep:
             self._empty_cache(2)
         if self.config.log_params_norm:  # the fp32 main params, after the step
             extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
-                                                    self.groups.replica, self.groups.coord.tp)
+                                                    self.groups.norm_group, self.groups.coord.tp)
         self.grads.zero()
         loss = self._share_loss_and_times(reduced)
         return {"lm_loss": loss / tokens, "grad_norm": grad_norm,
@@ -278,13 +271,13 @@ class GPTReplicaStep:
     def _norm_and_zeros(self, reduced: ReducedGradients, grads: list) -> tuple[float, dict]:
         tp_rank, extra = self.groups.coord.tp, {}
         if reduced.scattered:  # only this rank's ranges hold reduced gradients: the optimizer's
-            grad_norm = self.optimizer.grad_norm(grads, self.groups.replica, tp_rank)
+            grad_norm = self.optimizer.grad_norm(grads, self.groups.norm_group, tp_rank)
             if self.config.log_num_zeros:  # before clipping, as Megatron counts them
-                extra["num_zeros"] = self.optimizer.count_zeros(grads, self.groups.replica, tp_rank)
+                extra["num_zeros"] = self.optimizer.count_zeros(grads, self.groups.norm_group, tp_rank)
         else:
-            grad_norm = global_grad_norm(self.params, grads, self.groups.replica, tp_rank)
+            grad_norm = global_grad_norm(self.params, grads, self.groups.norm_group, tp_rank)
             if self.config.log_num_zeros:
-                extra["num_zeros"] = count_zeros(self.params, grads, self.groups.replica, tp_rank)
+                extra["num_zeros"] = count_zeros(self.params, grads, self.groups.norm_group, tp_rank)
         return grad_norm, extra
 
     def _optimizer_step(self, grads: list, microbatches: int) -> None:

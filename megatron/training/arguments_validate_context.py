@@ -1,0 +1,65 @@
+"""--context-parallel-size and its flags ([O]): Megatron-LM's checks, and what ReCoVer does not
+combine with context parallelism yet, each refused in one line naming the flag."""
+from __future__ import annotations
+
+import argparse
+import math
+
+from megatron.training.arguments_errors import ArgumentError
+
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # transformer-engine's
+IMPLEMENTED = ("allgather",)  # ReCoVer's own attention (context_parallel.py)
+
+# (set on the namespace, the flag): combinations not built or not tested with CP yet
+_NOT_WITH_CP_YET = (
+    (lambda a: a.use_distributed_optimizer, "--use-distributed-optimizer"),
+    (lambda a: a.overlap_grad_reduce, "--overlap-grad-reduce"),
+    (lambda a: a.sequence_parallel, "--sequence-parallel"),
+    (lambda a: a.num_layers_per_virtual_pipeline_stage or a.num_virtual_stages_per_pipeline_rank,
+     "--num-layers-per-virtual-pipeline-stage"),
+    (lambda a: a.reset_attention_mask, "--reset-attention-mask"),
+    (lambda a: a.position_embedding_type == "rope", "--position-embedding-type"),
+    (lambda a: a.transformer_impl == "transformer_engine", "--transformer-impl"),
+    (lambda a: a.save is not None, "--save"),
+    (lambda a: a.load is not None, "--load"),
+    (lambda a: a.non_persistent_ckpt_type is not None, "--non-persistent-ckpt-type"),
+)
+
+
+def validate_context_parallel(args: argparse.Namespace) -> None:
+    cp, flag = args.context_parallel_size, "--context-parallel-size"
+    if cp < 1:
+        raise ArgumentError(flag, f"{flag} must be >= 1, got {cp}", f"pass a positive {flag}")
+    _check_comm_type(args, cp)
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        raise ArgumentError(flag, f"--seq-length {args.seq_length} does not split into 2 x {flag} "
+                            f"{cp} = {2 * cp} equal chunks (Megatron's load-balanced layout)",
+                            f"pass a --seq-length that is a multiple of {2 * cp}")
+    for given, other in _NOT_WITH_CP_YET:
+        if given(args):
+            raise ArgumentError(other, f"{other} with {flag} {cp} is not supported by ReCoVer "
+                                "yet", f"drop {other}, or use {flag} 1")
+
+
+def _check_comm_type(args: argparse.Namespace, cp: int) -> None:
+    kinds, flag = args.cp_comm_type, "--cp-comm-type"
+    unknown = [k for k in kinds if k not in CP_COMM_TYPES]
+    if unknown:
+        raise ArgumentError(flag, f"{flag} {unknown[0]}: not one of {', '.join(CP_COMM_TYPES)}",
+                            f"pass {flag} allgather")
+    if len(kinds) not in (1, args.num_layers):
+        raise ArgumentError(flag, f"{flag} takes one value or one per layer ({args.num_layers}), "
+                            f"got {len(kinds)}", f"pass one {flag} value")
+    sizes = args.hierarchical_context_parallel_sizes
+    if "a2a+p2p" in kinds and (sizes is None or math.prod(sizes) != cp):
+        raise ArgumentError("--hierarchical-context-parallel-sizes", "--cp-comm-type a2a+p2p needs "
+                            "--hierarchical-context-parallel-sizes whose product is "
+                            f"--context-parallel-size {cp}", "pass the two levels' sizes")
+    if cp > 1 and any(k not in IMPLEMENTED for k in kinds):
+        other = next(k for k in kinds if k not in IMPLEMENTED)
+        raise ArgumentError(flag, f"{flag} {other} (Megatron's default is p2p) needs "
+                            "transformer-engine's attention, which ReCoVer does not use with CP "
+                            "yet; its own attention all-gathers K/V", f"pass {flag} allgather")
+

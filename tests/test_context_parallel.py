@@ -1,0 +1,69 @@
+"""[O] Context parallelism trains along the single-process trajectory: each replica's sequences
+split over CP ranks (Megatron's chunks, ReCoVer's all-gather attention), the loss and token
+counts summed over CP, the gradients reduced over DP x CP. Layouts (TP, PP, CP, DP) of four ranks,
+fp32 within reduction-order noise and bf16 within its rounding (`test_parallel_equivalence`'s
+tolerances); and the flags' checks, each refusal one line naming the flag."""
+from __future__ import annotations
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments_errors import ArgumentError
+from tests._launch_util import TINY_GPT, launch
+from tests.test_parallel_equivalence import PRECISIONS, assert_same_trajectory
+
+ITERS = 4
+CP_FLAGS = ["--cp-comm-type", "allgather"]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return {}
+
+
+def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1):
+    out = tmp_path_factory.mktemp(f"{precision}-tp{tp}pp{pp}cp{cp}dp{dp}")
+    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[precision],
+             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+             *(["--context-parallel-size", str(cp), *CP_FLAGS] if cp > 1 else [])]
+    run = launch(tp * pp * cp * dp, flags, out / "metrics.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.losses()) == ITERS, run.stdout[-2000:]
+    return run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision, tp, pp, cp, dp", [
+    ("fp32", 1, 1, 2, 2), ("fp32", 2, 1, 2, 1), ("fp32", 1, 2, 2, 1), ("fp32", 1, 1, 4, 1),
+    ("bf16", 1, 1, 2, 2)])
+def test_cp_layouts_follow_the_single_process_trajectory(references, tmp_path_factory,
+                                                          precision, tp, pp, cp, dp):
+    if precision not in references:
+        references[precision] = train(tmp_path_factory, precision)
+    run = train(tmp_path_factory, precision, tp, pp, cp, dp)
+    assert_same_trajectory(run, references[precision], precision, dp)
+
+
+def refusal(*flags: str, world: int = 2) -> str:
+    with pytest.raises(ArgumentError) as refused:
+        validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *flags]), world)
+    return str(refused.value)
+
+
+def test_cp_flags_are_checked_and_what_is_not_built_is_refused_by_name():
+    assert "--cp-comm-type p2p" in refusal("--context-parallel-size", "2")  # Megatron's default
+    assert "--cp-comm-type a2a" in refusal("--context-parallel-size", "2", "--cp-comm-type", "a2a")
+    assert "not one of" in refusal("--cp-comm-type", "ring")
+    assert "--hierarchical-context-parallel-sizes" in refusal(
+        "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p")
+    assert "--seq-length 32 does not split into 2 x --context-parallel-size 3" in refusal(
+        "--context-parallel-size", "3", *CP_FLAGS, world=3)
+    assert "--context-parallel-size 2 = 4" in refusal(  # a replica is TP x PP x CP ranks
+        "--context-parallel-size", "2", "--tensor-model-parallel-size", "2", *CP_FLAGS, world=6)
+    for flag in (["--use-distributed-optimizer"], ["--sequence-parallel"], ["--save", "/tmp/x"],
+                 ["--position-embedding-type", "rope"]):
+        assert refusal("--context-parallel-size", "2", *CP_FLAGS, *flag).startswith(flag[0])
+    args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", "--context-parallel-size", "2",
+                                     *CP_FLAGS]), 4)
+    assert args.context_parallel_size == 2 and args.cp_comm_type == ["allgather"]
