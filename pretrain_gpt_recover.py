@@ -228,7 +228,8 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
                                           "store_ops": lambda: membership.store_ops}))
     if recovering:
         trainer.grow_back_with(membership)
-    groups.before_tp_op(lambda op: trainer.hook("tp_allreduce"))
+    groups.before_parallel_ops(lambda op: trainer.hook("tp_allreduce"),
+                               lambda op: trainer.hook("cp_exchange"))
     return trainer
 
 

@@ -67,3 +67,32 @@ def test_cp_flags_are_checked_and_what_is_not_built_is_refused_by_name():
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", "--context-parallel-size", "2",
                                      *CP_FLAGS]), 4)
     assert args.context_parallel_size == 2 and args.cp_comm_type == ["allgather"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_lost_cp_rank_loses_its_replica_and_the_trajectory_is_kept(references, tmp_path_factory):
+    """DP 3 x CP 2, recovery on: rank 1 (replica 0's second CP rank) dies in the attention's K/V
+    exchange of iteration 2, rank 4 (replica 2's first) in a backward of iteration 4. Each takes
+    its replica; the survivors recompute the lost microbatches in the same iteration, and every
+    iteration commits its M microbatches with the failure-free losses."""
+    if "fp32" not in references:
+        references["fp32"] = train(tmp_path_factory, "fp32")
+    out = tmp_path_factory.mktemp("cp-kills")
+    flags = [*TINY_GPT, "--train-iters", str(ITERS), "--context-parallel-size", "2", *CP_FLAGS,
+             "--recover-balance", "even", "--recover-spares", "off",
+             "--inject-fault", "kill:rank=1,iter=2,phase=cp_exchange",
+             "--inject-fault", "kill:rank=4,iter=4,phase=backward"]
+    run = launch(6, flags, out / "metrics.jsonl", launcher_args=[], timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), run.stdout[-3000:]
+    for mine, ref in zip(records, references["fp32"].records):
+        i = mine["iteration"]
+        assert mine["microbatches"] == 8 and mine["id_sum"] == sum(range((i - 1) * 8, i * 8))
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
+    assert [r["live_replicas"] for r in records] == [[0, 1, 2], [1, 2], [1, 2], [1]]
+    assert [bool(r["recoveries"]) for r in records] == [False, True, False, True]
+    said = run.stdout + run.stderr
+    assert "rank 1: injecting kill at iter 2 phase cp_exchange" in said
+    assert "cp.replica0.tp0.stage0.allgather failed" in said  # its CP peer saw it in the exchange

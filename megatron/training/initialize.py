@@ -103,11 +103,14 @@ class ParallelGroups:
         torch's plain groups (no coordinator) have nothing to abandon, regroup or latch."""
         return cast(list[ResilientGroup], self.all_groups()) if self.resilient else []
 
-    def before_tp_op(self, hook: Callable[[str], None]) -> None:
-        """Fault injection: `hook(op)` before each tensor-parallel operation."""
+    def before_parallel_ops(self, hook: Callable[[str], None],
+                            cp_hook: Callable[[str], None]) -> None:
+        """Fault injection: `hook(op)` before each tensor-parallel operation, `cp_hook(op)`
+        before each context-parallel one (the attention's K/V exchange)."""
         resilient = {id(g): g for g in self.resilient_groups()}
-        if id(self.tp) in resilient:
-            resilient[id(self.tp)].set_before_op(hook)
+        for group, before in ((self.tp, hook), (self.context, cp_hook)):
+            if group is not None and id(group) in resilient:
+                resilient[id(group)].set_before_op(before)
 
     def raise_latched(self) -> None:
         """Before the commit vote: a rank votes only for a reduction that really ended. On NCCL,
