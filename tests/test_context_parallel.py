@@ -96,3 +96,30 @@ def test_a_lost_cp_rank_loses_its_replica_and_the_trajectory_is_kept(references,
     said = run.stdout + run.stderr
     assert "rank 1: injecting kill at iter 2 phase cp_exchange" in said
     assert "cp.replica0.tp0.stage0.allgather failed" in said  # its CP peer saw it in the exchange
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_grow_back_re_forms_a_cp_replica(tmp_path_factory):
+    """DP 2 x CP 2, one replacement allowed: rank 1 dies in iteration 3; its replica's other CP
+    rank waits as a spare, the launcher's replacement joins it, each takes the state from the rank
+    of its own CP index in replica 1, and replica 0 trains again: the losses are the failure-free
+    ones and the replicas' weights agree after every iteration (the hash check)."""
+    iters = 12
+    common = [*TINY_GPT, "--train-iters", str(iters), "--context-parallel-size", "2", *CP_FLAGS,
+              "--recover-balance", "even", "--check-weight-hash-across-dp-replicas-interval", "1"]
+    reference = launch(1, [*TINY_GPT, "--train-iters", str(iters)],
+                       tmp_path_factory.mktemp("cp-ref") / "metrics.jsonl")
+    run = launch(4, [*common, "--inject-fault", "kill:rank=1,iter=3,phase=forward",
+                     "--inject-fault", "slow:rank=2,seconds=0.15,iter=4,phase=forward"],
+                 tmp_path_factory.mktemp("cp-grow") / "metrics.jsonl", timeout=300,
+                 launcher_args=["--max-replacements", "1"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    for mine, ref in zip(records, reference.records, strict=True):
+        assert mine["microbatches"] == 8
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
+    live = [r["live_replicas"] for r in records]
+    assert [0, 1] in live[3:] and [1] in live and live[-1] == [0, 1], live
+    assert [r["join"]["joined"] for r in run.records if "join" in r] == [[0]]
+    assert [r.get("weights_checked_after") for r in records[1:]] == list(range(1, iters))

@@ -53,9 +53,9 @@ def apply_live_state(training: TrainingState, state: dict) -> dict[int, float | 
 
 
 def _peer(groups: ParallelGroups, replica: int) -> int:
-    """The data-parallel group index of `replica`'s rank in this rank's (tp, pp) slot."""
+    """The reduction group index of `replica`'s rank in this rank's (tp, pp, cp) slot."""
     topo, c = groups.topology, groups.coord
-    return dist.get_group_rank(groups.dp, topo.rank(c.tp, replica, c.pp))
+    return dist.get_group_rank(groups.dp, topo.rank(c.tp, replica, c.pp, c.cp))
 
 
 def _strip(obj, tensors: list[torch.Tensor]):
