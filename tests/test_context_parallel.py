@@ -22,8 +22,11 @@ def references(tmp_path_factory):
 
 
 def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1):
+    """`precision`: fp32 or bf16, with "-rope" for rotary position embeddings."""
     out = tmp_path_factory.mktemp(f"{precision}-tp{tp}pp{pp}cp{cp}dp{dp}")
-    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[precision],
+    dtype, _, rope = precision.partition("-")
+    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype],
+             *(["--position-embedding-type", "rope"] if rope else []),
              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
              *(["--context-parallel-size", str(cp), *CP_FLAGS] if cp > 1 else [])]
     run = launch(tp * pp * cp * dp, flags, out / "metrics.jsonl")
@@ -36,13 +39,13 @@ def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision, tp, pp, cp, dp", [
     ("fp32", 1, 1, 2, 2), ("fp32", 2, 1, 2, 1), ("fp32", 1, 2, 2, 1), ("fp32", 1, 1, 4, 1),
-    ("bf16", 1, 1, 2, 2)])
+    ("bf16", 1, 1, 2, 2), ("fp32-rope", 1, 1, 2, 2)])
 def test_cp_layouts_follow_the_single_process_trajectory(references, tmp_path_factory,
                                                           precision, tp, pp, cp, dp):
     if precision not in references:
         references[precision] = train(tmp_path_factory, precision)
     run = train(tmp_path_factory, precision, tp, pp, cp, dp)
-    assert_same_trajectory(run, references[precision], precision, dp)
+    assert_same_trajectory(run, references[precision], precision.split("-")[0], dp)
 
 
 def refusal(*flags: str, world: int = 2) -> str:
@@ -62,7 +65,7 @@ def test_cp_flags_are_checked_and_what_is_not_built_is_refused_by_name():
     assert "--context-parallel-size 2 = 4" in refusal(  # a replica is TP x PP x CP ranks
         "--context-parallel-size", "2", "--tensor-model-parallel-size", "2", *CP_FLAGS, world=6)
     for flag in (["--use-distributed-optimizer"], ["--sequence-parallel"], ["--save", "/tmp/x"],
-                 ["--position-embedding-type", "rope"]):
+                 ["--overlap-grad-reduce"]):
         assert refusal("--context-parallel-size", "2", *CP_FLAGS, *flag).startswith(flag[0])
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", "--context-parallel-size", "2",
                                      *CP_FLAGS]), 4)

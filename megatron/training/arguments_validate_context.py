@@ -18,7 +18,6 @@ _NOT_WITH_CP_YET = (
     (lambda a: a.num_layers_per_virtual_pipeline_stage or a.num_virtual_stages_per_pipeline_rank,
      "--num-layers-per-virtual-pipeline-stage"),
     (lambda a: a.reset_attention_mask, "--reset-attention-mask"),
-    (lambda a: a.position_embedding_type == "rope", "--position-embedding-type"),
     (lambda a: a.transformer_impl == "transformer_engine", "--transformer-impl"),
     (lambda a: a.save is not None, "--save"),
     (lambda a: a.load is not None, "--load"),

@@ -118,3 +118,10 @@ def batch_for_cp_rank(batch: dict[str, torch.Tensor], cp_size: int,
     """A microbatch's [batch, seq] tensors (tokens, labels, loss mask, position ids) cut to this
     CP rank's two chunks, as Megatron-LM's `get_batch_on_this_cp_rank` does."""
     return {key: split_for_cp_rank(value, 1, cp_size, cp_rank) for key, value in batch.items()}
+
+
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int,
+                            cp_group: dist.ProcessGroup) -> torch.Tensor:
+    """megatron-core's `get_pos_emb_on_this_cp_rank` (the rope table cut to this rank's chunks),
+    without its `.cuda()` of the index, which a CPU-only build cannot do: the same chunks."""
+    return split_for_cp_rank(pos_emb, seq_dim, cp_group.size(), cp_group.rank())

@@ -39,7 +39,7 @@ REFUSED_BY_THE_CHECKS: dict[str, str] = {}
 SOME_VALUES: dict[str, str] = {
     "--context-parallel-size": "any; not yet with --use-distributed-optimizer, "
                                "--overlap-grad-reduce, --sequence-parallel, a virtual pipeline, "
-                               "checkpoints, rope, --reset-attention-mask, transformer-engine",
+                               "checkpoints, --reset-attention-mask, transformer-engine",
     "--cp-comm-type": "allgather (with --context-parallel-size > 1: ReCoVer's own attention)",
     "--optimizer": "only adam",
     "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnBackend
@@ -33,7 +34,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron.training.config import ModelConfig
-from megatron.training.context_parallel import context_parallel_attention
+from megatron.training.context_parallel import (context_parallel_attention,
+                                                pos_emb_on_this_cp_rank)
 from recover_patches.pipeline.rng import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -205,6 +207,11 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
         # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
         # those allocations into CPU ones and nothing else (CUDA stays unavailable).
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    if config.context_parallel_size > 1:
+        # rope's table is cut to this CP rank's chunks by a megatron-core function that moves its
+        # index with `.cuda()`; the module reads it by name at each call, so the CPU-capable one
+        # of the same meaning goes there (the only way in: it is not a constructor argument)
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     vp = m.model_chunks
     first, last = pp_stage == 0, pp_stage == config.pipeline_model_parallel_size - 1
     chunks = [
