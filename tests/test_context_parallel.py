@@ -5,15 +5,18 @@ fp32 within reduction-order noise and bf16 within its rounding (`test_parallel_e
 tolerances); and the flags' checks, each refusal one line naming the flag."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.arguments_errors import ArgumentError
 from tests._launch_util import TINY_GPT, launch
-from tests.test_parallel_equivalence import PRECISIONS, assert_same_trajectory
+from tests.test_parallel_equivalence import PRECISIONS, TOLERANCE, assert_same_trajectory
 
 ITERS = 4
 CP_FLAGS = ["--cp-comm-type", "allgather"]
+EVAL = ["--eval-interval", "2", "--eval-iters", "1"]  # the validation loss is summed over CP too
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 
     """`precision`: fp32 or bf16, with "-rope" for rotary position embeddings."""
     out = tmp_path_factory.mktemp(f"{precision}-tp{tp}pp{pp}cp{cp}dp{dp}")
     dtype, _, rope = precision.partition("-")
-    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype],
+    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype], *EVAL,
              *(["--position-embedding-type", "rope"] if rope else []),
              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
              *(["--context-parallel-size", str(cp), *CP_FLAGS] if cp > 1 else [])]
@@ -45,7 +48,16 @@ def test_cp_layouts_follow_the_single_process_trajectory(references, tmp_path_fa
     if precision not in references:
         references[precision] = train(tmp_path_factory, precision)
     run = train(tmp_path_factory, precision, tp, pp, cp, dp)
-    assert_same_trajectory(run, references[precision], precision.split("-")[0], dp)
+    dtype, reference = precision.split("-")[0], references[precision]
+    assert_same_trajectory(trained(run), trained(reference), dtype, dp)
+    valid = [[r["valid_lm_loss"] for r in one.records if "valid_lm_loss" in r]
+             for one in (run, reference)]
+    assert len(valid[0]) == ITERS // 2 and valid[0] == pytest.approx(valid[1], rel=TOLERANCE[dtype])
+
+
+def trained(run) -> SimpleNamespace:
+    """The run's training records only (its validation records apart)."""
+    return SimpleNamespace(records=[r for r in run.records if "lm_loss" in r])
 
 
 def refusal(*flags: str, world: int = 2) -> str:
@@ -90,7 +102,7 @@ def test_a_lost_cp_rank_loses_its_replica_and_the_trajectory_is_kept(references,
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [r for r in run.records if "lm_loss" in r]
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), run.stdout[-3000:]
-    for mine, ref in zip(records, references["fp32"].records):
+    for mine, ref in zip(records, trained(references["fp32"]).records):
         i = mine["iteration"]
         assert mine["microbatches"] == 8 and mine["id_sum"] == sum(range((i - 1) * 8, i * 8))
         assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * abs(ref["lm_loss"]), (mine, ref)
