@@ -64,7 +64,8 @@ class Metrics:
 
 
 def make_args(tmp: Path, **over) -> CheckpointConfig:
-    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, save=str(tmp / "ck"),
+    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, save=str(tmp / "ck"),
                 load=None, save_interval=2, train_iters=100, no_save_optim=None, no_save_rng=None,
                 no_load_optim=None, no_load_rng=None, finetune=False, exit_signal_handler=False,
                 use_tp_pp_dp_mapping=False, exit_interval=None, exit_duration_in_mins=None,

@@ -76,7 +76,8 @@ def test_cp_flags_are_checked_and_what_is_not_built_is_refused_by_name():
         "--context-parallel-size", "3", *CP_FLAGS, world=3)
     assert "--context-parallel-size 2 = 4" in refusal(  # a replica is TP x PP x CP ranks
         "--context-parallel-size", "2", "--tensor-model-parallel-size", "2", *CP_FLAGS, world=6)
-    for flag in (["--use-distributed-optimizer"], ["--sequence-parallel"], ["--save", "/tmp/x"],
+    for flag in (["--use-distributed-optimizer"], ["--sequence-parallel"],
+                 ["--ckpt-format", "torch", "--save", "/tmp/x"],
                  ["--overlap-grad-reduce"]):
         assert refusal("--context-parallel-size", "2", *CP_FLAGS, *flag).startswith(flag[0])
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", "--context-parallel-size", "2",

@@ -69,9 +69,9 @@ def is_torch_dist(directory: Path) -> bool:
 def model_sharded(training: TrainingState) -> dict:
     """{"model": ...} or, with model chunks, {"model0": ..., "model1": ...} as in Megatron; the
     sharded keys inside are global (layer numbers include a chunk's offset), so a checkpoint loads
-    into any TP/PP/VP layout. The DP part of every replica id is 0: only the writing replica
-    writes (`checkpoint_writers` splits the items among replicas), and on load every replica needs
-    every slice of its own layout."""
+    into any TP/PP/VP layout. The DP part of every replica id is 0 (Megatron's DP x CP rank):
+    `checkpoint_writers` picks who writes each item among the ranks that hold it, and on load
+    every rank needs every slice of its own layout, whatever its CP index."""
     metadata = {"dp_cp_group": training.groups.self_group}
     return {key: chunk.sharded_state_dict(metadata=metadata)
             for key, chunk in zip(checkpoint_keys(training.model), model_chunks(training.model))}

@@ -1,7 +1,8 @@
 """Who writes a torch_dist save, and how the writers exchange its plan and results.
 
 Replicas hold identical state, so the items of one position (a (tp, pp) coordinate) can be
-written by any of its live replicas. By default, as in Megatron-LM (--ckpt-fully-parallel-save is
+written by any of its live replicas, and by any of a replica's CP ranks at that position (context
+parallelism splits the sequence, not the weights). By default, as in Megatron-LM (--ckpt-fully-parallel-save is
 its default; --no-ckpt-fully-parallel-save turns it off), the live replicas share the writing:
 each item of a position goes to one of them, the largest first to the least loaded, a choice
 every rank makes alike without communicating. With --no-ckpt-fully-parallel-save the lowest live
@@ -9,9 +10,9 @@ replica writes everything. Either way a writer that dies mid-save abandons that 
 survivors' exchange fails, `latest` stays on the last complete checkpoint.
 
 The exchange (DCP's local plans, then the write results) runs over groups the trainer already
-has, so a save needs no communicator of its own: over the DP group (one position's replicas),
-then over the replica group (the positions): every writer ends with every writer's part, in one
-order on all of them.
+has, so a save needs no communicator of its own: over the DP group (one position's holders: DP
+x CP ranks), then over the positions of this rank's replica at its CP index (the replica itself
+without CP): every writer ends with every writer's part, in one order on all of them.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ _OBJECT_BYTES = 1024
 @dataclass(frozen=True)
 class Writers:
     """This rank's part in a torch_dist save."""
-    replica: dist.ProcessGroup  # this rank's replica: the positions
-    sharing: dist.ProcessGroup | None  # this position in every live replica; None: one writes
+    replica: dist.ProcessGroup  # the positions: TP x PP ranks of this replica at this CP index
+    sharing: dist.ProcessGroup | None  # this position's holders (DP x CP); None: one writes
     is_coordinator: bool  # writes DCP's `.metadata`: the save's leader, which then commits
     device: torch.device  # where the exchange's collectives run (the model's device)
 

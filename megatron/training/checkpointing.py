@@ -76,7 +76,8 @@ __all__ = ["CheckpointError", "Checkpointer", "LATEST_FILE", "find_resume_point"
 
 # -- small helpers ----------------------------------------------------------------------------------
 def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) -> int:
-    """Deterministic: every rank agrees without communication on who writes (tp, pp)."""
+    """Deterministic: every rank agrees without communication on who writes (tp, pp) (its CP
+    index 0: the CP ranks of a position hold the same weights)."""
     return topology.rank(tp, min(live_replicas), pp)
 
 
@@ -110,7 +111,8 @@ class Checkpointer:
         self.format = CkptFormat(config.format)
         self.async_save = config.async_save
         self.topology = Topology.from_world(world_size, config.tensor_parallel,
-                                            config.pipeline_parallel, config.tp_pp_dp_mapping)
+                                            config.pipeline_parallel, config.tp_pp_dp_mapping,
+                                            config.context_parallel)
         local = config.non_persistent
         self.non_persistent_dir = (  # --non-persistent-ckpt-type global saves here
             None if local.kind != "global" or not config.save else
@@ -302,7 +304,8 @@ class Checkpointer:
         if is_leader:
             ckd.write_common(tmp, common)
         groups = host.training.groups
-        writers = Writers(groups.replica, groups.dp if config.fully_parallel_save else None,
+        writers = Writers(groups.replica_positions,
+                          groups.dp if config.fully_parallel_save else None,
                           is_leader, next(host.training.model.parameters()).device)
         return ckd.ShardedWrite(sharded, tmp, writers, self.plans)
 

@@ -130,6 +130,7 @@ class CheckpointConfig:
     exit_duration_in_mins: float | None
     tensor_parallel: int
     pipeline_parallel: int
+    context_parallel: int  # CP ranks hold the same weights: they share a save as replicas do
     tp_pp_dp_mapping: bool  # --use-tp-pp-dp-mapping: the rank order of the checkpoint's layout
     # --dist-ckpt-optim-fully-reshardable with --use-distributed-optimizer (Megatron's condition)
     optimizer_fully_reshardable: bool
@@ -170,6 +171,7 @@ class CheckpointConfig:
             exit_duration_in_mins=args.exit_duration_in_mins,
             tensor_parallel=args.tensor_model_parallel_size,
             pipeline_parallel=args.pipeline_model_parallel_size,
+            context_parallel=args.context_parallel_size,
             tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping),
             optimizer_fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable
                                              and args.use_distributed_optimizer),

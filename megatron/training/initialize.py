@@ -78,9 +78,10 @@ class ParallelGroups:
         return self.context if self.context is not None else self.self_group
 
     @property
-    def norm_group(self) -> dist.ProcessGroup:
-        """Where a norm over the replica's weights or gradients is summed: the replica's ranks,
-        less the copies CP holds of the same weights."""
+    def replica_positions(self) -> dist.ProcessGroup:
+        """The replica's ranks less the copies CP holds of the same weights (TP x PP at this CP
+        index): where a norm over its weights or gradients is summed, where a save's writers
+        exchange their plans."""
         return self.model_parallel if self.model_parallel is not None else self.replica
 
     @property

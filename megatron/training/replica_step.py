@@ -259,7 +259,8 @@ class GPTReplicaStep:
             self._empty_cache(2)
         if self.config.log_params_norm:  # the fp32 main params, after the step
             extra["params_norm"] = global_grad_norm(self.params, self.optimizer.main_params,
-                                                    self.groups.norm_group, self.groups.coord.tp)
+                                                    self.groups.replica_positions,
+                                                    self.groups.coord.tp)
         self.grads.zero()
         loss = self._share_loss_and_times(reduced)
         return {"lm_loss": loss / tokens, "grad_norm": grad_norm,
@@ -269,15 +270,15 @@ class GPTReplicaStep:
                 **({"reduce_scattered": True} if reduced.scattered else {})}
 
     def _norm_and_zeros(self, reduced: ReducedGradients, grads: list) -> tuple[float, dict]:
-        tp_rank, extra = self.groups.coord.tp, {}
+        tp_rank, extra, group = self.groups.coord.tp, {}, self.groups.replica_positions
         if reduced.scattered:  # only this rank's ranges hold reduced gradients: the optimizer's
-            grad_norm = self.optimizer.grad_norm(grads, self.groups.norm_group, tp_rank)
+            grad_norm = self.optimizer.grad_norm(grads, group, tp_rank)
             if self.config.log_num_zeros:  # before clipping, as Megatron counts them
-                extra["num_zeros"] = self.optimizer.count_zeros(grads, self.groups.norm_group, tp_rank)
+                extra["num_zeros"] = self.optimizer.count_zeros(grads, group, tp_rank)
         else:
-            grad_norm = global_grad_norm(self.params, grads, self.groups.norm_group, tp_rank)
+            grad_norm = global_grad_norm(self.params, grads, group, tp_rank)
             if self.config.log_num_zeros:
-                extra["num_zeros"] = count_zeros(self.params, grads, self.groups.norm_group, tp_rank)
+                extra["num_zeros"] = count_zeros(self.params, grads, group, tp_rank)
         return grad_norm, extra
 
     def _optimizer_step(self, grads: list, microbatches: int) -> None:
