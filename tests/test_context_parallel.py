@@ -24,12 +24,18 @@ def references(tmp_path_factory):
     return {}
 
 
+# the distributed optimizer sharded over DP x CP as in Megatron, its buckets reduce-scattered
+# during the backward (small buckets: several per step) and its weights gathered in the forward
+DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+           "--ddp-bucket-size", "4000"]
+VARIANTS = {"": [], "rope": ["--position-embedding-type", "rope"], "distopt": DISTOPT}
+
+
 def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1):
-    """`precision`: fp32 or bf16, with "-rope" for rotary position embeddings."""
+    """`precision`: fp32 or bf16, with "-rope" (rotary position embeddings) or "-distopt"."""
     out = tmp_path_factory.mktemp(f"{precision}-tp{tp}pp{pp}cp{cp}dp{dp}")
-    dtype, _, rope = precision.partition("-")
-    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype], *EVAL,
-             *(["--position-embedding-type", "rope"] if rope else []),
+    dtype, _, variant = precision.partition("-")
+    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype], *EVAL, *VARIANTS[variant],
              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
              *(["--context-parallel-size", str(cp), *CP_FLAGS] if cp > 1 else [])]
     run = launch(tp * pp * cp * dp, flags, out / "metrics.jsonl")
@@ -42,14 +48,17 @@ def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision, tp, pp, cp, dp", [
     ("fp32", 1, 1, 2, 2), ("fp32", 2, 1, 2, 1), ("fp32", 1, 2, 2, 1), ("fp32", 1, 1, 4, 1),
-    ("bf16", 1, 1, 2, 2), ("fp32-rope", 1, 1, 2, 2)])
+    ("bf16", 1, 1, 2, 2), ("fp32-rope", 1, 1, 2, 2), ("fp32-distopt", 1, 1, 2, 2)])
 def test_cp_layouts_follow_the_single_process_trajectory(references, tmp_path_factory,
                                                           precision, tp, pp, cp, dp):
-    if precision not in references:
-        references[precision] = train(tmp_path_factory, precision)
+    model = precision.removesuffix("-distopt")  # the optimizer's sharding changes no number
+    if model not in references:
+        references[model] = train(tmp_path_factory, model)
     run = train(tmp_path_factory, precision, tp, pp, cp, dp)
-    dtype, reference = precision.split("-")[0], references[precision]
+    dtype, reference = precision.split("-")[0], references[model]
     assert_same_trajectory(trained(run), trained(reference), dtype, dp)
+    if precision.endswith("distopt"):  # reduce-scattered over the four DP x CP shards
+        assert all(r.get("reduce_scattered") for r in trained(run).records)
     valid = [[r["valid_lm_loss"] for r in one.records if "valid_lm_loss" in r]
              for one in (run, reference)]
     assert len(valid[0]) == ITERS // 2 and valid[0] == pytest.approx(valid[1], rel=TOLERANCE[dtype])
@@ -76,9 +85,7 @@ def test_cp_flags_are_checked_and_what_is_not_built_is_refused_by_name():
         "--context-parallel-size", "3", *CP_FLAGS, world=3)
     assert "--context-parallel-size 2 = 4" in refusal(  # a replica is TP x PP x CP ranks
         "--context-parallel-size", "2", "--tensor-model-parallel-size", "2", *CP_FLAGS, world=6)
-    for flag in (["--use-distributed-optimizer"], ["--sequence-parallel"],
-                 ["--ckpt-format", "torch", "--save", "/tmp/x"],
-                 ["--overlap-grad-reduce"]):
+    for flag in (["--sequence-parallel"], ["--ckpt-format", "torch", "--save", "/tmp/x"]):
         assert refusal("--context-parallel-size", "2", *CP_FLAGS, *flag).startswith(flag[0])
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", "--context-parallel-size", "2",
                                      *CP_FLAGS]), 4)
@@ -91,12 +98,15 @@ def test_a_lost_cp_rank_loses_its_replica_and_the_trajectory_is_kept(references,
     """DP 3 x CP 2, recovery on: rank 1 (replica 0's second CP rank) dies in the attention's K/V
     exchange of iteration 2, rank 4 (replica 2's first) in a backward of iteration 4. Each takes
     its replica; the survivors recompute the lost microbatches in the same iteration, and every
-    iteration commits its M microbatches with the failure-free losses."""
+    iteration commits its M microbatches with the failure-free losses. The distributed optimizer
+    runs with three instances (one a replica: its two CP ranks hold half the state each), so the
+    survivors re-shard the state of the holders that died from their own copies."""
     if "fp32" not in references:
         references["fp32"] = train(tmp_path_factory, "fp32")
     out = tmp_path_factory.mktemp("cp-kills")
     flags = [*TINY_GPT, "--train-iters", str(ITERS), "--context-parallel-size", "2", *CP_FLAGS,
              "--recover-balance", "even", "--recover-spares", "off",
+             "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3",
              "--inject-fault", "kill:rank=1,iter=2,phase=cp_exchange",
              "--inject-fault", "kill:rank=4,iter=4,phase=backward"]
     run = launch(6, flags, out / "metrics.jsonl", launcher_args=[], timeout=300)

@@ -308,16 +308,16 @@ class ShardedAdamW:
         return total.reshape(1)
 
     # -- the replicas changed -------------------------------------------------------------------
-    def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:
-        """Take this rank's ranges for the live replicas `live_replicas` (instances of
-        `per_instance` consecutive replicas), then gather the instance's weights. A collective over
-        `dp_group`: one rank per live replica, in replica order, each taking part. Pieces move
-        point to point from the lowest rank holding them; a rank's old ranges stay until the
-        whole new ones arrived. TooFewReplicas if some piece died with every rank that held it.
-        Returns the bytes this rank received."""
+    def reshard(self, holders: Sequence[int], per_instance: int, dp_group) -> int:
+        """Take this rank's ranges for the live `holders` (one per live replica and CP rank:
+        `ParallelGroups.optimizer_holders`; instances of `per_instance` consecutive holders), then
+        gather the instance's weights. A collective over `dp_group`: its ranks in holder order,
+        each taking part. Pieces move point to point from the lowest rank holding them; a rank's
+        old ranges stay until the whole new ones arrived. TooFewReplicas if some piece died with
+        every rank that held it. Returns the bytes this rank received."""
         start = time.perf_counter()
         self._gather.reset()  # the weights are gathered afresh at the end
-        live = sorted(live_replicas)
+        live = sorted(holders)
         me, size = (0, 1) if dp_group is None else (dp_group.rank(), dp_group.size())
         positions = instance_positions(live, per_instance)
         wanted = [bucket_ranges(self.layout.buckets, j, n) for j, n in positions]
@@ -329,7 +329,7 @@ class ShardedAdamW:
         except ShardLost as lost:
             raise TooFewReplicas(
                 f"the distributed optimizer's state {lost} of this stage's flat parameters was "
-                f"held only by lost replicas (live: {live}); "
+                f"held only by lost replicas (live holders: {live}); "
                 "--num-distributed-optimizer-instances K keeps K copies") from None
         ranges, bases, old = wanted[me], self._bases(wanted[me]), self.ranges
         started = step > 0
@@ -347,7 +347,7 @@ class ShardedAdamW:
         self.gather_weights()
         if received:
             logger.info(f"distributed optimizer: {self.held_numel} parameters' state held for "
-                        f"live replicas {live}, {received / 2**20:.2f} MiB received, "
+                        f"live holders {live}, {received / 2**20:.2f} MiB received, "
                         f"{(time.perf_counter() - start) * 1000:.0f} ms")
         return received
 

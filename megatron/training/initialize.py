@@ -58,10 +58,12 @@ class ParallelGroups:
     embedding: dist.ProcessGroup | None  # first + last stage (tied embeddings), None if PP == 1
     dp: dist.ProcessGroup  # one rank per replica with this (tp, pp): gradient reduction
     self_group: dist.ProcessGroup  # size 1: megatron-core's context-parallel group
-    # --use-distributed-optimizer: the DP ranks of this rank's instance (the optimizer's shards)
+    # --use-distributed-optimizer: the DP x CP ranks of this rank's instance (the optimizer's
+    # shards: a replica's CP ranks hold different ones, as in Megatron)
     instance: dist.ProcessGroup | None = None
     per_instance: int = 0  # replicas per instance (instance of replica r: r // per_instance)
-    # the DP ranks at this rank's place in every instance: its gradient range summed across them
+    # the DP ranks at this rank's place (replica in its instance, CP index) in every instance:
+    # its gradient range summed across them
     position: dist.ProcessGroup | None = None
     # model chunks (the interleaved schedule): a communicator per p2p channel, see p2p.ChunkP2P;
     # (kind, this rank sends) -> its channel, in creation order
@@ -83,6 +85,24 @@ class ParallelGroups:
         index): where a norm over its weights or gradients is summed, where a save's writers
         exchange their plans."""
         return self.model_parallel if self.model_parallel is not None else self.replica
+
+    @property
+    def optimizer_shards(self) -> int:
+        """The distributed optimizer's shards per instance while every replica is live."""
+        return self.per_instance * self.topology.cp
+
+    @property
+    def optimizer_shard(self) -> int:
+        """This rank's shard: its holder index (`optimizer_holders`) within its instance."""
+        return self.coord.replica % self.per_instance * self.topology.cp + self.coord.cp
+
+    def optimizer_holders(self, live_replicas: Sequence[int]) -> list[int]:
+        """Who holds the distributed optimizer's shards: holder r x CP + c is replica r's CP
+        rank c, so instances are `optimizer_shards` consecutive holders and the DP group's ranks
+        come in holder order (the rank order is (replica, cp) lexicographic in both of
+        Megatron's orders)."""
+        cp = self.topology.cp
+        return [r * cp + c for r in sorted(live_replicas) for c in range(cp)]
 
     @property
     def is_first_stage(self) -> bool:
@@ -160,11 +180,11 @@ class ParallelGroups:
             if g is self.dp:
                 members = topo.dp_cp_ranks(c.tp, c.pp, live_replicas)
             elif g is self.instance:
-                members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
-                                                     if r // size == c.replica // size])
+                members = topo.dp_cp_ranks(c.tp, c.pp, [r for r in live_replicas
+                                                        if r // size == c.replica // size])
             elif g is self.position:
                 members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
-                                                     if r % size == c.replica % size])
+                                                     if r % size == c.replica % size], c.cp)
             plans.append((g, g.meet(epoch, members, key, force=force)))
         start = time.perf_counter()
         if any(not g.host_waits for g, _ in plans):  # NCCL: connecting takes 1-10 s each
@@ -245,10 +265,10 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
         size = topology.dp // optimizer_instances
         first = c.replica // size * size
         instance = make_group(f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}",
-                              topology.dp_ranks(c.tp, c.pp, range(first, first + size)))
+                              topology.dp_cp_ranks(c.tp, c.pp, range(first, first + size)))
         place = c.replica % size
-        position = make_group(f"distopt.tp{c.tp}.stage{c.pp}.place{place}",
-                              topology.dp_ranks(c.tp, c.pp, range(place, topology.dp, size)))
+        position = make_group(f"distopt.tp{c.tp}.stage{c.pp}.place{place}{at}",
+                              topology.dp_ranks(c.tp, c.pp, range(place, topology.dp, size), c.cp))
     return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
                           size, position, p2p_channels(topology, c, make_group,
                                                        pp if channels == "shared" else None)

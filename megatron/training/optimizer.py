@@ -50,8 +50,9 @@ class Optimizer(Protocol):
         """The weights in place before anything but a forward reads them (PeerFailure if a
         gather failed)."""
 
-    def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:
-        """Take this rank's part for the live replicas; the bytes received."""
+    def reshard(self, holders: Sequence[int], per_instance: int, dp_group) -> int:
+        """Take this rank's part for the live holders (`ParallelGroups.optimizer_holders`:
+        one per live replica and CP rank, `per_instance` to an instance); the bytes received."""
 
     def forget(self) -> None:
         """This rank's replica broke: what it holds of sharded state is out of date."""
@@ -125,7 +126,7 @@ class MainParamsAdamW:
     def finish_gather(self) -> None:
         pass
 
-    def reshard(self, live_replicas: Sequence[int], per_instance: int, dp_group) -> int:
+    def reshard(self, holders: Sequence[int], per_instance: int, dp_group) -> int:
         return 0
 
     def forget(self) -> None:

@@ -34,9 +34,8 @@ def build_optimizer(model: torch.nn.Module, setup: OptimizerSetup, groups) -> Op
     layout = flat_layout_for(setup, groups, [p for g in param_groups for p in g["params"]])
     if not adam.use_distributed_optimizer:
         return MainParamsAdamW(param_groups, layout=layout, **hyper)
-    size = groups.topology.dp // setup.instances
-    return ShardedAdamW(param_groups, layout=layout, shard=groups.coord.replica % size,
-                        shards=size, instance_group=groups.instance, **hyper)
+    return ShardedAdamW(param_groups, layout=layout, shard=groups.optimizer_shard,
+                        shards=groups.optimizer_shards, instance_group=groups.instance, **hyper)
 
 
 def flat_layout_for(setup: OptimizerSetup, groups, params: Sequence[torch.Tensor]) -> FlatLayout:
@@ -50,7 +49,7 @@ def flat_layout_for(setup: OptimizerSetup, groups, params: Sequence[torch.Tensor
         bucket = max(40_000_000, 1_000_000 * groups.topology.dp)
     if not setup.adam.use_distributed_optimizer:
         return flat_layout(params, bucket)
-    return flat_layout(params, bucket, pad_to=groups.per_instance,
+    return flat_layout(params, bucket, pad_to=groups.optimizer_shards,
                        alone=lambda p: getattr(p, "tied_embedding_copy", False))
 
 

@@ -45,12 +45,12 @@ def bucket_ranges(buckets: Sequence[tuple[int, int]], shard: int,
     return [(s + lo, s + hi) for s, e in buckets for lo, hi in [shard_range(e - s, shard, shards)]]
 
 
-def instance_positions(live_replicas: Sequence[int], per_instance: int) -> list[tuple[int, int]]:
-    """(shard, shards) of each live replica, in the order given: its place among its instance's
-    live replicas, and how many there are."""
+def instance_positions(holders: Sequence[int], per_instance: int) -> list[tuple[int, int]]:
+    """(shard, shards) of each live holder (a replica, or with CP a replica's CP rank), in the
+    order given: its place among its instance's live holders, and how many there are."""
     result = []
-    for r in live_replicas:
-        mates = sorted(q for q in live_replicas if q // per_instance == r // per_instance)
+    for r in holders:
+        mates = sorted(q for q in holders if q // per_instance == r // per_instance)
         result.append((mates.index(r), len(mates)))
     return result
 

@@ -318,7 +318,8 @@ class GPTReplicaStep:
         optimizer's shards follow."""
         regrouped = self.groups.regroup(live_replicas, epoch, key)
         self.grads.scatter_into(self.scatter_while(live_replicas))
-        self.optimizer.reshard(live_replicas, self.groups.per_instance, self.groups.dp)
+        g = self.groups
+        self.optimizer.reshard(g.optimizer_holders(live_replicas), g.optimizer_shards, g.dp)
         self.weights_stale = False  # the reshard gathered every slice afresh
         return regrouped
 
@@ -348,7 +349,7 @@ class GPTReplicaStep:
         if not self.optimizer.shards_gradients() or len(live_replicas) < g.topology.dp:
             return None
         assert g.instance is not None
-        return Scatter(g.instance, g.position, g.coord.replica % g.per_instance, g.per_instance)
+        return Scatter(g.instance, g.position, g.optimizer_shard, g.optimizer_shards)
 
     def weights_ready(self) -> None:
         """Before reading the weights outside a forward (save, evaluate, a join, a check): the
