@@ -28,11 +28,13 @@ def references(tmp_path_factory):
 # during the backward (small buckets: several per step) and its weights gathered in the forward
 DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
            "--ddp-bucket-size", "4000"]
-VARIANTS = {"": [], "rope": ["--position-embedding-type", "rope"], "distopt": DISTOPT}
+VARIANTS = {"": [], "rope": ["--position-embedding-type", "rope"], "distopt": DISTOPT,
+            "sp": ["--sequence-parallel"]}
 
 
 def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1):
-    """`precision`: fp32 or bf16, with "-rope" (rotary position embeddings) or "-distopt"."""
+    """`precision`: fp32 or bf16, with "-rope" (rotary position embeddings), "-distopt" or
+    "-sp" (sequence parallelism: the CP rank's chunks split again over TP)."""
     out = tmp_path_factory.mktemp(f"{precision}-tp{tp}pp{pp}cp{cp}dp{dp}")
     dtype, _, variant = precision.partition("-")
     flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype], *EVAL, *VARIANTS[variant],
@@ -48,10 +50,12 @@ def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision, tp, pp, cp, dp", [
     ("fp32", 1, 1, 2, 2), ("fp32", 2, 1, 2, 1), ("fp32", 1, 2, 2, 1), ("fp32", 1, 1, 4, 1),
-    ("bf16", 1, 1, 2, 2), ("fp32-rope", 1, 1, 2, 2), ("fp32-distopt", 1, 1, 2, 2)])
+    ("bf16", 1, 1, 2, 2), ("fp32-rope", 1, 1, 2, 2), ("fp32-distopt", 1, 1, 2, 2),
+    ("fp32-sp", 2, 1, 2, 1)])
 def test_cp_layouts_follow_the_single_process_trajectory(references, tmp_path_factory,
                                                           precision, tp, pp, cp, dp):
-    model = precision.removesuffix("-distopt")  # the optimizer's sharding changes no number
+    # the optimizer's sharding and sequence parallelism change no number: one process without
+    model = precision.removesuffix("-distopt").removesuffix("-sp")
     if model not in references:
         references[model] = train(tmp_path_factory, model)
     run = train(tmp_path_factory, precision, tp, pp, cp, dp)
@@ -85,7 +89,7 @@ def test_cp_flags_are_checked_and_what_is_not_built_is_refused_by_name():
         "--context-parallel-size", "3", *CP_FLAGS, world=3)
     assert "--context-parallel-size 2 = 4" in refusal(  # a replica is TP x PP x CP ranks
         "--context-parallel-size", "2", "--tensor-model-parallel-size", "2", *CP_FLAGS, world=6)
-    for flag in (["--sequence-parallel"], ["--ckpt-format", "torch", "--save", "/tmp/x"]):
+    for flag in (["--reset-attention-mask"], ["--ckpt-format", "torch", "--save", "/tmp/x"]):
         assert refusal("--context-parallel-size", "2", *CP_FLAGS, *flag).startswith(flag[0])
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", "--context-parallel-size", "2",
                                      *CP_FLAGS]), 4)

@@ -12,7 +12,6 @@ IMPLEMENTED = ("allgather",)  # ReCoVer's own attention (context_parallel.py)
 
 # (set on the namespace, the flag): combinations not built or not tested with CP yet
 _NOT_WITH_CP_YET = (
-    (lambda a: a.sequence_parallel, "--sequence-parallel"),
     (lambda a: a.num_layers_per_virtual_pipeline_stage or a.num_virtual_stages_per_pipeline_rank,
      "--num-layers-per-virtual-pipeline-stage"),
     (lambda a: a.reset_attention_mask, "--reset-attention-mask"),
