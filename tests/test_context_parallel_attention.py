@@ -1,6 +1,8 @@
-"""[O] Context parallelism's CPU attention (`megatron/training/context_parallel.py`) against full
-causal attention of one process: Megatron's chunking (rank r holds chunks r and 2C-1-r), the
-K/V all-gather and its gradient's reduce-scatter, at CP 2 and CP 4 in one gloo job of 4 ranks,
+"""[O] Context parallelism's CPU attention (`megatron/training/context_parallel.py`,
+`context_parallel_comm.py`) against full causal attention of one process: Megatron's chunking
+(rank r holds chunks r and 2C-1-r), and each `cp_comm_type`: the K/V all-gather and its
+gradient's reduce-scatter, the p2p ring, the a2a head exchange, at CP 2 and CP 4 (a2a: CP 2) in
+one gloo job of 4 ranks,
 fp32, with grouped-query attention. Outputs and the gradients of queries, keys and values must
 equal the full attention's, sliced the same way, to fp32 round-off."""
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from megatron.training.context_parallel import (context_parallel_attention, cp_chunks,
                                                 split_for_cp_rank)
+from megatron.training.context_parallel_comm import ring_attention, ulysses_attention
 from tests.gloo_ranks import run_ranks
 
 SEQ, BATCH, HEADS, KV_HEADS, DIM = 16, 2, 4, 2, 8
@@ -41,19 +44,26 @@ def _compare_rank(rank: int) -> None:
     expected = _full_attention(q, k, v)
     (expected * weight).sum().backward()
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
-    for cp_size, group in ((2, halves[rank // 2]), (4, dist.group.WORLD)):
+    # a2a splits the K/V heads over CP: CP 2 only (2 K/V heads)
+    for kind, attention, cp_size in (("allgather", context_parallel_attention, 2),
+                                     ("allgather", context_parallel_attention, 4),
+                                     ("p2p", ring_attention, 2), ("p2p", ring_attention, 4),
+                                     ("a2a", ulysses_attention, 2)):
+        group = halves[rank // 2] if cp_size == 2 else dist.group.WORLD
         cp_rank = dist.get_rank(group)
 
         def mine(t: torch.Tensor) -> torch.Tensor:
             return split_for_cp_rank(t, 0, cp_size, cp_rank)
         local = [mine(t.detach()).requires_grad_() for t in (q, k, v)]
-        out = context_parallel_attention(*local, group=group)
+        out = attention(*local, group=group)
         (out * mine(weight)).sum().backward()
-        torch.testing.assert_close(out, mine(expected.detach()), rtol=1e-5, atol=1e-6)
+        where = f"{kind} at CP {cp_size}"
+        torch.testing.assert_close(out, mine(expected.detach()), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, w=where: f"output, {w}: {m}")
         for name, full, part in zip("qkv", (q, k, v), local):
             assert part.grad is not None, name
             torch.testing.assert_close(part.grad, mine(full.grad), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name, c=cp_size: f"d{n} at CP {c}: {m}")
+                                       msg=lambda m, n=name, w=where: f"d{n}, {w}: {m}")
 
 
 @pytest.mark.multiprocess

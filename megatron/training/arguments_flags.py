@@ -102,9 +102,9 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="Context parallel size: each replica's sequences split over this many ranks "
                         "(megatron/training/context_parallel.py).")
     g.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
-                   help="How attention exchanges K/V over the CP group (one value, or one per "
-                        "layer): p2p, a2a, allgather, a2a+p2p. Without transformer-engine only "
-                        "allgather.")
+                   help="How attention exchanges K/V over the CP group: p2p (a ring), a2a "
+                        "(heads for sequence), allgather; a2a+p2p is refused, and so is a "
+                        "different value per layer (megatron/training/context_parallel_comm.py).")
     g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
                    help="CP sizes of the a2a and p2p levels of --cp-comm-type a2a+p2p.")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],

@@ -8,7 +8,7 @@ import math
 from megatron.training.arguments_errors import ArgumentError
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # transformer-engine's
-IMPLEMENTED = ("allgather",)  # ReCoVer's own attention (context_parallel.py)
+IMPLEMENTED = ("allgather", "p2p", "a2a")  # ReCoVer's own attention (context_parallel*.py)
 
 # (set on the namespace, the flag): combinations not built or not tested with CP yet
 _NOT_WITH_CP_YET = (
@@ -53,9 +53,20 @@ def _check_comm_type(args: argparse.Namespace, cp: int) -> None:
         raise ArgumentError("--hierarchical-context-parallel-sizes", "--cp-comm-type a2a+p2p needs "
                             "--hierarchical-context-parallel-sizes whose product is "
                             f"--context-parallel-size {cp}", "pass the two levels' sizes")
-    if cp > 1 and any(k not in IMPLEMENTED for k in kinds):
-        other = next(k for k in kinds if k not in IMPLEMENTED)
-        raise ArgumentError(flag, f"{flag} {other} (Megatron's default is p2p) needs "
-                            "transformer-engine's attention, which ReCoVer does not use with CP "
-                            "yet; its own attention all-gathers K/V", f"pass {flag} allgather")
+    if cp == 1:
+        return
+    if any(k not in IMPLEMENTED for k in kinds):
+        raise ArgumentError(flag, f"{flag} a2a+p2p (hierarchical) is not implemented by "
+                            "ReCoVer's attention", f"pass {flag} p2p, a2a or allgather")
+    if len(set(kinds)) > 1:
+        raise ArgumentError(flag, f"{flag} with a value per layer: megatron-core 0.16.1 indexes "
+                            "the list by the 1-based layer number and fails on the last layer",
+                            f"pass one {flag} value")
+    heads = args.num_attention_heads // args.tensor_model_parallel_size
+    groups = (args.num_query_groups if args.group_query_attention
+              else args.num_attention_heads) // args.tensor_model_parallel_size
+    if "a2a" in kinds and (heads % cp or groups % cp):
+        raise ArgumentError(flag, f"{flag} a2a gives each CP rank 1/{cp} of a TP rank's heads: "
+                            f"{heads} attention heads and {groups} query groups per TP rank do not "
+                            f"divide by --context-parallel-size {cp}", f"pass {flag} p2p")
 

@@ -180,8 +180,9 @@ def validate_device_flags(args: argparse.Namespace, device: str) -> None:
 
 def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
     te_available = importlib.util.find_spec("transformer_engine") is not None
-    if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if (not on_cpu and te_available) else "local"
+    if args.transformer_impl is None:  # with CP, ReCoVer's own attention (TE's is refused)
+        te_default = not on_cpu and te_available and args.context_parallel_size == 1
+        args.transformer_impl = "transformer_engine" if te_default else "local"
     elif args.transformer_impl == "transformer_engine":
         if on_cpu:
             raise ArgumentError("--transformer-impl", "transformer_engine needs a GPU",

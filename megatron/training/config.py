@@ -131,9 +131,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
-        # as Megatron-LM passes them (transformer-engine reads them; ReCoVer's own attention is
-        # allgather, the only value the checks let through with CP)
-        cp_comm_type=args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else args.cp_comm_type,
+        # one value (the checks let no other through with CP): megatron-core hands it to each
+        # layer's core attention, which picks ReCoVer's exchange of that kind
+        cp_comm_type=args.cp_comm_type[0],
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         virtual_pipeline_model_parallel_size=model_chunks_of(args),
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,

@@ -41,7 +41,7 @@ def split_for_cp_rank(tensor: torch.Tensor, seq_dim: int, cp_size: int,
     return torch.cat([pieces[c] for c in cp_chunks(cp_size, cp_rank)], dim=seq_dim)
 
 
-def _gathered_to_sequence_order(cp_size: int) -> list[int]:
+def gathered_to_sequence_order(cp_size: int) -> list[int]:
     """For each chunk of the sequence, in order, where it lies in the all-gather's output (rank
     r's two chunks are at 2r and 2r+1)."""
     where = {}
@@ -58,7 +58,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         cp_size = dist.get_world_size(group)
-        ctx.group, ctx.order = group, _gathered_to_sequence_order(cp_size)
+        ctx.group, ctx.order = group, gathered_to_sequence_order(cp_size)
         gathered = local.new_empty((cp_size * local.size(0), *local.shape[1:]))
         dist.all_gather_single(gathered, local.contiguous(), group=group)
         chunks = gathered.chunk(2 * cp_size)

@@ -36,9 +36,14 @@ from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 from megatron.training.config import ModelConfig
 from megatron.training.context_parallel import (context_parallel_attention,
                                                 pos_emb_on_this_cp_rank)
+from megatron.training.context_parallel_comm import ring_attention, ulysses_attention
 from recover_patches.pipeline.rng import derive_seed
 
 logger = logging.getLogger(__name__)
+
+
+CP_ATTENTION = {"allgather": context_parallel_attention, "p2p": ring_attention,
+                "a2a": ulysses_attention}
 
 
 class SDPACoreAttention(MegatronModule):
@@ -62,6 +67,8 @@ class SDPACoreAttention(MegatronModule):
         self.tp_group = None if pg_collection is None else pg_collection.tp
         cp = None if pg_collection is None else pg_collection.cp  # [O]: this replica's sequence
         self.cp_group = cp if cp is not None and cp.size() > 1 else None  # split over CP ranks
+        # megatron-core passes this layer's --cp-comm-type (transformer-engine's names)
+        self.cp_attention = CP_ATTENTION[cp_comm_type or "p2p"]
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
         kernels = self.KERNELS.get(config.attention_backend)
@@ -75,8 +82,8 @@ class SDPACoreAttention(MegatronModule):
         rng = get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         if self.cp_group is not None:  # causal over the whole sequence (no mask: refused)
             with rng, self.kernels():
-                return context_parallel_attention(query, key, value, self.cp_group,
-                                                  self.softmax_scale, dropout)
+                return self.cp_attention(query, key, value, self.cp_group, self.softmax_scale,
+                                         dropout)
         # megatron: [seq, batch, heads, head_dim]; sdpa: [batch, heads, seq, head_dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked out

@@ -16,13 +16,13 @@ PeerFailure within its bound, and whose inner backend can be replaced in place (
     (`watchdog.py`) bounds the work, aborts the communicator and latches a PeerFailure.
   * After a PeerFailure, do not reuse its buffers: the old backend may still write them. Works
     returned for async ops only implement wait() (is_completed() stays False).
-
 It registers in torch.distributed's group tables: `dist.get_rank(group)`, `broadcast(src=...)` work.
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -35,13 +35,11 @@ from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
 from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
 
 
+@dataclass(slots=True, eq=False)  # identity: held in a set while in flight
 class _Op:
     """An issued operation not yet waited for, the group's only reference to its work: `_discard`
     drops it (a work pins its backend, whose sockets would keep blocked peers waiting)."""
-    __slots__ = ("work",)
-
-    def __init__(self, work):
-        self.work = work
+    work: dist.Work | None
 
 
 class ResilientProcessGroup(dist.ProcessGroup):
@@ -117,14 +115,17 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.AllgatherOptions()
         return self._issue("allgather", lambda b: b._allgather_base(output, input, opts))
-
     _allgather_base = all_gather_single
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._issue("reduce_scatter", lambda b: b._reduce_scatter_base(output, input, opts))
-
     _reduce_scatter_base = reduce_scatter_single
+
+    def all_to_all_single(self, output, input, out_splits, in_splits, opts=None):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._issue("alltoall", lambda b: b.alltoall_base(output, input, out_splits,
+                                                                 in_splits, opts))
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -150,8 +151,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self.apply(self.meet(epoch, members, key, force=True))
 
     def regroup(self, epoch: int, members: Sequence[int], key: str = "") -> str:
-        """`rebuild`, unless every member can keep the backend (see `rendezvous`): 'kept',
-        'shrunk' or 'rebuilt', the same on every member."""
+        """`rebuild` unless the members keep the backend: 'kept', 'shrunk' or 'rebuilt' (alike)."""
         return self.apply(self.meet(epoch, members, key))
 
     @property
