@@ -119,10 +119,11 @@ def test_cp_attention_benchmark_measures_every_size_and_plots(tmp_path):
     run = run_script(["--seq", "64", "--heads", "2", "--head-dim", "8", "--cp", "1", "2",
                       "--repeats", "1", "--plot", str(plot)], timeout=110, script=CP_ATTENTION)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = re.findall(r"CP (\d): per rank wall +([\d.]+) ms +cpu +([\d.]+) ms +peak \+ *([\d.]+) "
-                      r"MiB +ratio to CP 1: cpu ([\d.]+)", run.stdout)
-    assert [r[0] for r in rows] == ["1", "2"], run.stdout
-    assert all(float(r[2]) > 0 for r in rows) and rows[0][4] == "1.00", rows
+    rows = re.findall(r"CP (\d) (\w+) *: per rank wall +([\d.]+) ms +cpu +([\d.]+) ms +peak "
+                      r"\+ *([\d.]+) MiB +ratio to CP 1: cpu ([\d.]+)", run.stdout)
+    assert [r[:2] for r in rows] == [("1", "full"), ("2", "a2a"), ("2", "allgather"),
+                                     ("2", "p2p")], run.stdout
+    assert all(float(r[3]) > 0 for r in rows) and rows[0][5] == "1.00", rows
     assert plot.stat().st_size > 0
     refused = run_script(["--seq", "64", "--cp", "1", "3"], timeout=50, script=CP_ATTENTION)
     assert refused.returncode == 2 and "--seq must be a multiple" in refused.stderr

@@ -98,9 +98,17 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     query, key, value: [2c, batch, heads, head_dim] (megatron-core's layout; key and value may
     have fewer heads, grouped-query attention), this rank's two chunks (`split_for_cp_rank`).
     Returns [2c, batch, heads * head_dim], as megatron-core's core attention does."""
-    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk_len = query.size(0) // 2
     keys, values = gather_sequence(key, group), gather_sequence(value, group)
+    return attend_chunks(query, keys, values, dist.get_world_size(group), dist.get_rank(group),
+                         scale, dropout)
+
+
+def attend_chunks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cp_size: int,
+                  cp_rank: int, scale: float | None, dropout: float) -> torch.Tensor:
+    """This rank's two query chunks ([2c, batch, heads, dim]) attending causally to the whole
+    sequence's keys and values ([2Cc, batch, kv heads, dim], in sequence order); returns
+    [2c, batch, heads * dim]."""
+    chunk_len = query.size(0) // 2
     outputs = []
     for local, chunk in zip(query.chunk(2), cp_chunks(cp_size, cp_rank)):
         visible = (chunk + 1) * chunk_len  # keys after this chunk are masked anyway: not computed

@@ -3,12 +3,12 @@ and Megatron's default) and "a2a". Same inputs and result as `context_parallel_a
 "allgather" kind): this CP rank's two chunks of queries, keys and values in Megatron's layout,
 causal attention over the whole sequence; what differs is how the keys meet the queries.
 
-p2p, a ring: the keys and values move CP - 1 times to the next rank of the CP group (and their
-gradients back the other way in the backward pass), so a rank holds two ranks' K/V at a time,
-never the whole sequence's. Each step attends this rank's query chunks to the arriving chunks:
-a key chunk after a query chunk is skipped (all masked), the same chunk is causal, an earlier one
-is whole. The partial results are merged by their log-sum-exp at the end, which is softmax over
-all keys exactly (in fp32 here; transformer-engine does the same in its kernels).
+p2p, a ring: the keys and values move CP - 1 times to the next rank of the CP group (their
+gradients go back the other way in the backward pass), so every exchange is between neighbours,
+as in transformer-engine; once all chunks arrived the rank attends as "allgather" does (one
+masked flash-kernel call per query chunk). transformer-engine also overlaps each step's block with
+the next exchange and keeps only two ranks' K/V at a time; here the autograd graph keeps every
+arrived block, so memory is the all-gather's (measured: scripts/bench/cp_attention.py).
 
 a2a (Ulysses): one all-to-all trades the sequence split for a head split (each rank gets the
 whole sequence for heads/CP of the heads), plain causal attention runs on that, and a second
@@ -20,13 +20,12 @@ CP peer lost mid-exchange is a PeerFailure like any other.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.training.context_parallel import cp_chunks, gathered_to_sequence_order
+from megatron.training.context_parallel import (attend_chunks, cp_chunks,
+                                                gathered_to_sequence_order)
 
 
 # -- p2p: a ring ----------------------------------------------------------------------------------
@@ -60,51 +59,22 @@ class _RingShift(torch.autograd.Function):
         return _shift(grad, ctx.group, forward=False), None
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-           dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query chunk against one key chunk ([batch, heads, c, dim]): the softmax-normalised
-    output of this block alone and its log-sum-exp per query (fp32)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        c = scores.size(-1)
-        allowed = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.unsqueeze(-1))
-    if dropout > 0:
-        weights = F.dropout(weights, dropout)
-    return torch.matmul(weights, v.float()), lse
-
-
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    group: dist.ProcessGroup, scale: float | None = None,
                    dropout: float = 0.0) -> torch.Tensor:
     """`cp_comm_type` p2p. query, key, value: [2c, batch, heads, head_dim] (key and value may
     have fewer heads); returns [2c, batch, heads * head_dim]."""
     cp_size, cp_rank = group.size(), group.rank()
-    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    repeat = query.size(2) // key.size(2)  # grouped-query attention: K/V heads serve several
-    mine = cp_chunks(cp_size, cp_rank)
-    queries = [t.permute(1, 2, 0, 3) for t in query.chunk(2)]  # [batch, heads, c, dim]
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
     kv = torch.stack([key, value])
+    arrived: dict[int, torch.Tensor] = {}  # chunk of the sequence -> its [2, c, b, h, d] K/V
     for step in range(cp_size):
         if step:
             kv = _RingShift.apply(kv, group)
-        theirs = cp_chunks(cp_size, (cp_rank - step) % cp_size)
-        for k_chunk, k, v in zip(theirs, kv[0].chunk(2), kv[1].chunk(2)):
-            k, v = (t.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3) for t in (k, v))
-            for i, (q_chunk, q) in enumerate(zip(mine, queries)):
-                if k_chunk <= q_chunk:  # later key chunks are all masked: not computed
-                    parts[i].append(_block(q, k, v, scale, k_chunk == q_chunk, dropout))
-    outputs = []
-    for blocks in parts:
-        lses = torch.stack([lse for _, lse in blocks])
-        weights = torch.softmax(lses, dim=0).unsqueeze(-1)  # each block's share of the softmax
-        merged = (weights * torch.stack([out for out, _ in blocks])).sum(0)
-        outputs.append(merged.to(query.dtype).permute(2, 0, 1, 3))  # [c, batch, heads, dim]
-    out = torch.cat(outputs)
-    return out.reshape(out.size(0), out.size(1), -1)
+        owner = (cp_rank - step) % cp_size
+        for chunk, piece in zip(cp_chunks(cp_size, owner), kv.chunk(2, dim=1)):
+            arrived[chunk] = piece
+    keys, values = torch.cat([arrived[c] for c in range(2 * cp_size)], dim=1).unbind(0)
+    return attend_chunks(query, keys, values, cp_size, cp_rank, scale, dropout)
 
 
 # -- a2a: sequence split <-> head split -----------------------------------------------------------
