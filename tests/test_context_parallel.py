@@ -31,20 +31,23 @@ DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-pa
            "--ddp-bucket-size", "4000"]
 VARIANTS = {"": [], "rope": ["--position-embedding-type", "rope"], "distopt": DISTOPT,
             "sp": ["--sequence-parallel"], "allgather": ["--cp-comm-type", "allgather"],
-            "a2a": ["--cp-comm-type", "a2a"]}
-SAME_MODEL = ("distopt", "sp", "allgather", "a2a")  # one process without them: the reference
+            "a2a": ["--cp-comm-type", "a2a"],
+            "vp": ["--num-layers-per-virtual-pipeline-stage", "1"]}  # the interleaved schedule
+SAME_MODEL = ("distopt", "sp", "allgather", "a2a", "vp")  # one process without them: the reference
 
 
 def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1):
     """`precision`: fp32 or bf16, with a VARIANTS suffix: "-rope" (rotary position embeddings),
-    "-distopt", "-sp" (sequence parallelism: the CP rank's chunks split again over TP), or
-    another --cp-comm-type than the default p2p ("-allgather", "-a2a")."""
+    "-distopt", "-sp" (sequence parallelism: the CP rank's chunks split again over TP), "-vp"
+    (two model chunks per pipeline rank), or another --cp-comm-type than the default p2p ("-allgather", "-a2a")."""
     out = tmp_path_factory.mktemp(f"{precision}-tp{tp}pp{pp}cp{cp}dp{dp}")
     dtype, _, variant = precision.partition("-")
     flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype], *EVAL, *VARIANTS[variant],
              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
              *(["--context-parallel-size", str(cp), *CP_FLAGS] if cp > 1 else [])]
-    run = launch(tp * pp * cp * dp, flags, out / "metrics.jsonl")
+    # the interleaved schedule with recovery on: its p2p channels are groups of their own
+    run = launch(tp * pp * cp * dp, flags, out / "metrics.jsonl",
+                 launcher_args=[] if variant == "vp" else None)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.losses()) == ITERS, run.stdout[-2000:]
     return run
@@ -55,7 +58,8 @@ def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 
 @pytest.mark.parametrize("precision, tp, pp, cp, dp", [
     ("fp32", 1, 1, 2, 2), ("fp32", 2, 1, 2, 1), ("fp32", 1, 2, 2, 1),
     ("fp32-allgather", 1, 1, 4, 1), ("fp32-a2a", 1, 1, 2, 2), ("bf16", 1, 1, 2, 2),
-    ("fp32-rope", 1, 1, 2, 2), ("fp32-distopt", 1, 1, 2, 2), ("fp32-sp", 2, 1, 2, 1)])
+    ("fp32-rope", 1, 1, 2, 2), ("fp32-distopt", 1, 1, 2, 2), ("fp32-sp", 2, 1, 2, 1),
+    ("fp32-vp", 1, 2, 2, 1)])
 def test_cp_layouts_follow_the_single_process_trajectory(references, tmp_path_factory,
                                                           precision, tp, pp, cp, dp):
     dtype, _, variant = precision.partition("-")

@@ -12,8 +12,6 @@ IMPLEMENTED = ("allgather", "p2p", "a2a")  # ReCoVer's own attention (context_pa
 
 # (set on the namespace, the flag): combinations not built or not tested with CP yet
 _NOT_WITH_CP_YET = (
-    (lambda a: a.num_layers_per_virtual_pipeline_stage or a.num_virtual_stages_per_pipeline_rank,
-     "--num-layers-per-virtual-pipeline-stage"),
     (lambda a: a.reset_attention_mask, "--reset-attention-mask"),
     (lambda a: a.transformer_impl == "transformer_engine", "--transformer-impl"),
     # the torch format's per-position files would work, but only torch_dist is tested with CP

@@ -217,7 +217,8 @@ def p2p_channels(topology: Topology, c: Coord, make_group: GroupFactory,
     waits on a rank that waits on it). `shared`: the PP group for all four, told apart by tag --
     torch's own groups (no coordinator) name a group by its ranks, so two groups of the same two
     ranks would collide; gloo keeps that correct, NCCL would not (refused on a GPU)."""
-    stages, by_stage = topology.pp, topology.pp_ranks(c.tp, c.replica)
+    stages, by_stage = topology.pp, topology.pp_ranks(c.tp, c.replica, c.cp)
+    at = f".cp{c.cp}" if topology.cp > 1 else ""  # ([O]) each CP index has its own pipeline
     s = c.pp
     after, before = (s + 1) % stages, (s - 1) % stages  # wrapping: chunk c's last -> c+1's first
     mine = {(Kind.FORWARD, True): (s, after), (Kind.FORWARD, False): (before, s),
@@ -229,7 +230,8 @@ def p2p_channels(topology: Topology, c: Coord, make_group: GroupFactory,
             channels[(kind, sends)] = Channel(shared, peer, tag=int(kind is Kind.BACKWARD))
             continue
         members = sorted({by_stage[src], by_stage[dst]})
-        group = make_group(f"p2p.replica{c.replica}.tp{c.tp}.{kind.value}{src}to{dst}", members)
+        group = make_group(f"p2p.replica{c.replica}.tp{c.tp}{at}.{kind.value}{src}to{dst}",
+                           members)
         channels[(kind, sends)] = Channel(group, members.index(by_stage[peer]))
     return channels
 
