@@ -13,7 +13,6 @@ IMPLEMENTED = ("allgather", "p2p", "a2a")  # ReCoVer's own attention (context_pa
 # (set on the namespace, the flag): combinations not built or not tested with CP yet
 _NOT_WITH_CP_YET = (
     (lambda a: a.reset_attention_mask, "--reset-attention-mask"),
-    (lambda a: a.transformer_impl == "transformer_engine", "--transformer-impl"),
     # the torch format's per-position files would work, but only torch_dist is tested with CP
     (lambda a: (a.save or a.load) and a.ckpt_format == "torch", "--ckpt-format"),
     (lambda a: a.non_persistent_ckpt_type is not None, "--non-persistent-ckpt-type"),

@@ -154,7 +154,10 @@ def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | N
     if implementation == "transformer_engine":  # GPU with TE installed (checked before)
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        if config.context_parallel_size > 1:  # ReCoVer's CP attention (not run on a GPU yet)
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        return spec
     spec = get_gpt_layer_local_spec(normalization=config.normalization,
                                     qk_layernorm=config.qk_layernorm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules

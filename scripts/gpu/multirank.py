@@ -15,7 +15,7 @@ kill run's inits minus the free run's are what its recovery created. --survive-m
 one kill run at (2,1,2) that trains on for M minutes after the failure: torch's heartbeat
 monitor, left on, would end a survivor about 8 minutes after an NCCL error.
 Then VP = 2 (issue [J]): (1,2,2) free and kill, (1,4,1) free, against one process of the same
-8-layer model. --quick: only (2,1,2), free and kill; --only NAME...: those runs of the full
+8-layer model; and CP = 2 (issue [O]): (1,1,2) free and kill. --quick: only (2,1,2), free and kill; --only NAME...: those runs of the full
 plan (a short lease). Results: OUT/summary.json and one line per run on stdout;
 exit status 1 if any check failed.
 """
@@ -41,6 +41,7 @@ ITERS, FAIL_AT, TOLERANCE = 8, 3, 1e-3
 def launch(out: Path, name: str, layout, iters: int, faults: list[str], timeout: float,
            extra: tuple[str, ...] = ()) -> dict:
     tp, pp, dp = layout
+    cp = context_parallel(extra)
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("*"):  # a previous harness run's files: metrics are appended to
@@ -49,7 +50,7 @@ def launch(out: Path, name: str, layout, iters: int, faults: list[str], timeout:
             "--pipeline-model-parallel-size", str(pp), *extra,
             *[a for f in faults for a in ("--inject-fault", f)]]
     start = time.monotonic()
-    run = bounded_launch(tp * pp * dp, args, run_dir / "metrics.jsonl", timeout=timeout,
+    run = bounded_launch(tp * pp * dp * cp, args, run_dir / "metrics.jsonl", timeout=timeout,
                          env={"NCCL_DEBUG": "INFO", "RECOVER_COUNT_SYNCS": str(run_dir)},
                          launcher_args=[],  # the coordinator on: in-job recovery
                          script=(str(REPO / "scripts/gpu/shared_gpu_rank.py"),
@@ -63,9 +64,14 @@ def launch(out: Path, name: str, layout, iters: int, faults: list[str], timeout:
             "rank0_syncs": int(syncs.read_text()) if syncs.exists() else None}
 
 
-def victim(layout) -> int:
+def context_parallel(flags: tuple[str, ...]) -> int:
+    return int(dict(zip(flags[::2], flags[1::2])).get("--context-parallel-size", 1))
+
+
+def victim(layout, cp: int = 1) -> int:
+    """The last rank of replica 1 (with CP, its last CP rank)."""
     tp, pp, dp = layout
-    return Topology.from_world(tp * pp * dp, tp, pp, False).pp_ranks(0, 1)[-1]
+    return Topology.from_world(tp * pp * dp * cp, tp, pp, False, cp).pp_ranks(0, 1, cp - 1)[-1]
 
 
 def check(run: dict, reference: list[float], iters: int) -> list[str]:
@@ -97,6 +103,7 @@ def summarize(run: dict, problems: list[str]) -> dict:
 
 
 VP2 = (("--num-layers", "8"), ("--num-virtual-stages-per-pipeline-rank", "2"))  # model, schedule
+CP2 = ((), ("--context-parallel-size", "2"))  # issue [O]: the same model, sequences split in two
 
 
 def plan(quick: bool) -> list[tuple[str, tuple, list[str], tuple, tuple]]:
@@ -116,6 +123,10 @@ def plan(quick: bool) -> list[tuple[str, tuple, list[str], tuple, tuple]]:
         runs.append(("1x2x2-vp2-kill", (1, 2, 2),
                      [f"kill:rank={victim((1, 2, 2))},iter={FAIL_AT},phase=backward"], *VP2))
         runs.append(("1x4x1-vp2-free", (1, 4, 1), [], *VP2))
+        # issue [O]: CP 2 (the p2p ring over NCCL send/recv), a CP rank killed in its backward
+        runs.append(("1x1x2-cp2-free", (1, 1, 2), [], *CP2))
+        runs.append(("1x1x2-cp2-kill", (1, 1, 2),
+                     [f"kill:rank={victim((1, 1, 2), 2)},iter={FAIL_AT},phase=backward"], *CP2))
     return runs
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks for a short lease (one ~9-minute call of a 15-minute device budget), each stage
 # bounded so a hang costs only its stage, most wanted first: the multi-rank NCCL harness's
-# failure-free run, kill and hang at small layouts, then a 2x2x2 kill, then layer 1's NCCL
+# failure-free run, kill and hang at small layouts, then a 2x2x2 kill and a CP 2 kill ([O], not
+# run on a GPU yet), then layer 1's NCCL
 # tests (they and the one-rank training tests passed on an H200 on 2026-11-26; VP = 2 and the
 # rest: `multirank.py --only`, check.sh). Each run is bounded below its stage (--run-timeout):
 # a run that times out keeps its output, with every rank's Python stacks (and native ones, with
@@ -23,8 +24,8 @@ work=/tmp/recover-gpu t=tests/test_gpu.py
 gpu_tests=(python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 150 --durations=10)
 stage multirank_small 250 python3 scripts/gpu/multirank.py --out "$work/small" --run-timeout 75 \
     --only 2x1x2-free 2x1x2-kill 1x2x2-hang
-stage multirank_more 125 python3 scripts/gpu/multirank.py --out "$work/more" --run-timeout 75 \
-    --only 2x2x2-kill
+stage multirank_more 200 python3 scripts/gpu/multirank.py --out "$work/more" --run-timeout 75 \
+    --only 2x2x2-kill 1x1x2-cp2-kill
 stage nccl_tests 80 "${gpu_tests[@]}" $t::test_nccl_size_one_group_reduces_and_aborts \
     $t::test_a_member_missing_at_connect_fails_the_build_within_its_bound \
     $t::test_a_resilient_nccl_group_leaves_the_host_free_and_times_only_what_could_start
