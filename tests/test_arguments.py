@@ -276,8 +276,7 @@ def test_recover_flags_and_env_defaults(monkeypatch):
 
 # --- user errors ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag", [
-    "--expert-model-parallel-size 2", "--num-experts 8",
+@pytest.mark.parametrize("flag", [  # MoE's refusals: tests/test_moe.py
     "--fp8-format hybrid",
     "--optimizer sgd"])
 def test_unsupported_megatron_flag(flag):

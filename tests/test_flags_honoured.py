@@ -83,7 +83,8 @@ BRANCHES = [validated(),
                       "--async-save", "--swiglu", "--use-flash-attn", "--log-straggler"),
             validated("--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
                       "local", "--replication", "--replication-jump", "1",
-                      "--replication-factor", "1")]
+                      "--replication-factor", "1"),
+            validated("--num-experts", "4", "--disable-bias-linear")]  # [P] the MoE fields
 
 
 def read_by_the_entry_point() -> set[str]:

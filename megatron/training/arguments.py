@@ -36,7 +36,9 @@ from megatron.training.arguments_unsupported import add_refused_args, reject_uns
 from megatron.training.arguments_validate_io import (
     validate_checkpointing, validate_data, validate_logging, validate_non_persistent, validate_recover,
     validate_tokenizer)
+from megatron.training.arguments_flags_moe import add_moe_args
 from megatron.training.arguments_validate_context import validate_context_parallel
+from megatron.training.arguments_validate_moe import validate_moe
 from megatron.training.arguments_validate_model import (
     validate_device_flags, validate_model_shape, validate_parallel)
 from megatron.training.arguments_validate_pipeline import validate_pipeline_backend
@@ -85,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resilient GPT pre-training: Megatron-LM pretrain_gpt.py flags plus ReCoVer's.")
     for add_group in (add_model_args, add_parallel_args, add_batch_args, add_optimizer_args,
                       add_data_args, add_checkpoint_args, add_logging_args, add_precision_args,
-                      add_numerics_args, add_recover_args, add_ft_package_args, add_refused_args):
+                      add_numerics_args, add_recover_args, add_ft_package_args, add_moe_args,
+                      add_refused_args):
         add_group(parser)
     add_megatron_refusals(parser)  # last: every Megatron-LM flag not declared above
     return parser
@@ -106,6 +109,7 @@ def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu"
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     reject_unsupported_values(args)  # also for namespaces that did not come from parse_args
     validate_context_parallel(args)
+    validate_moe(args, device)
     dp = validate_parallel(args, world_size)
     validate_model_shape(args)
     validate_device_flags(args, device)

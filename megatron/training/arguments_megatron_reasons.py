@@ -36,7 +36,8 @@ GROUPS_NOT_FOR_PRETRAINING: dict[str, str] = {
     "workload inspector": "starts NVIDIA's workload inspector server",
 }
 
-_MOE = not_yet("belongs to mixture of experts, not supported yet (refused with --num-experts)")
+_MOE = not_yet("is a mixture-of-experts option not supported yet (--num-experts and the MoE "
+               "flags of `arguments_flags_moe` are)")
 _CP = not_yet("belongs to dynamic (hybrid) context parallelism, not supported yet (a fixed "
                "--context-parallel-size is)")
 _LOW_PRECISION = not_yet("belongs to fp8/fp4 training (transformer-engine recipes), not "

@@ -36,8 +36,6 @@ REMOVED_FLAGS: tuple[RefusedFlag, ...] = (
 UNSUPPORTED_FLAGS: tuple[RefusedFlag, ...] = tuple(
     RefusedFlag(flag, nargs, _NOT_YET, "drop the flag")
     for flag, nargs in (
-        ("--expert-model-parallel-size", 1),
-        ("--num-experts", 1),
         ("--fp8-format", 1),
     )
 )

@@ -22,6 +22,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron.training.config_moe import moe_fields
 from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
 from megatron.training.straggler import StragglerConfig
@@ -176,6 +177,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         add_qkv_bias=args.add_qkv_bias or args.add_bias_linear,  # as Megatron-LM keeps them
         # Gradients accumulate into ReCoVer's main-grad buffer by a hook (recovery/grad_buffer).
         gradient_accumulation_fusion=False,
+        **moe_fields(args),
     )
 
 

@@ -207,6 +207,10 @@ class ParallelGroups:
         pgs.embd = self.embedding
         pgs.pos_embd = None
         pgs.dp = self.dp
+        # mixture of experts ([P]) without expert parallelism: every replica holds every expert,
+        # tensor-parallel like the dense layers, reduced over the DP group like them
+        pgs.ep, pgs.expt_tp, pgs.tp_ep, pgs.expt_dp = self.self_group, self.tp, self.tp, self.dp
+        pgs.tp_dp_cp = None  # the router's, for global_aux_loss only (refused: it spans replicas)
         return pgs
 
 

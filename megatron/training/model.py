@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_layer_local_spec)
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
@@ -31,6 +32,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron.training.config import ModelConfig
@@ -151,23 +153,42 @@ def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | N
                pp_rank: int):
     """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
     loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules."""
-    if implementation == "transformer_engine":  # GPU with TE installed (checked before)
+    te = implementation == "transformer_engine"  # a GPU with TE installed (checked before)
+    if config.num_moe_experts:  # [P] megatron-core's dense / MoE layers by --moe-layer-freq
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                           normalization=config.normalization,
+                                           vp_stage=vp_stage, pp_rank=pp_rank)
+        for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and MoE specs
+            _recover_modules(spec, config, te)
+        if not te:
+            block.layer_norm = TorchNorm
+        return block
+    if te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-        if config.context_parallel_size > 1:  # ReCoVer's CP attention (not run on a GPU yet)
-            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        _recover_modules(spec, config, te)
         return spec
     spec = get_gpt_layer_local_spec(normalization=config.normalization,
                                     qk_layernorm=config.qk_layernorm)
+    _recover_modules(spec, config, te)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
+        layer_norm=TorchNorm)
+
+
+def _recover_modules(spec, config: TransformerConfig, te: bool) -> None:
+    """ReCoVer's attention and norms in a megatron-core layer spec (with transformer-engine,
+    only the attention with CP: not run on a GPU yet)."""
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    if te:
+        if config.context_parallel_size > 1:
+            attention.core_attention = SDPACoreAttention
+        return
     attention.core_attention = SDPACoreAttention
     layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
     if config.qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = TorchNorm
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
-        layer_norm=TorchNorm)
 
 
 class DeviceMemoryBuffer:
@@ -222,6 +243,10 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
         # index with `.cuda()`; the module reads it by name at each call, so the CPU-capable one
         # of the same meaning goes there (the only way in: it is not a constructor argument)
         rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    if config.num_moe_experts and not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1's router reads this name when transformer-engine is absent too
+        # (its import failed, so the name is undefined); None is the value its check expects
+        moe_utils.te_general_gemm = None
     vp = m.model_chunks
     first, last = pp_stage == 0, pp_stage == config.pipeline_model_parallel_size - 1
     chunks = [

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron.training.config import ModelConfig
 from megatron.training.config_io import DataConfig
@@ -44,8 +45,21 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
                                device=next(chunk.parameters()).device,
                                loss_scale=None if scaler is None else (lambda: scaler.scale),
                                cross_entropy=fused_vocab_parallel_cross_entropy if fused
-                               else vocab_parallel_cross_entropy))
+                               else vocab_parallel_cross_entropy,
+                               before_backward=aux_loss_scaling(
+                                   chunk.config, micro_batch_size * data.seq_length)))
     return stages
+
+
+def aux_loss_scaling(config, tokens: int) -> Callable[[float], None] | None:
+    """[P] MoE's load-balancing and z-losses: megatron-core scales their gradient by a class-wide
+    factor. The language-model loss here is a sum over tokens, divided by the iteration's tokens
+    after the reduction; an auxiliary loss weighted by a microbatch's nominal `tokens` (micro
+    batch x sequence) thus enters as in Megatron (a mean over the microbatches, when no token is
+    masked), whichever replica computes the microbatch: the factor is not the replica's quota."""
+    if not config.num_moe_experts:
+        return None
+    return lambda scale: MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(tokens * scale)))
 
 
 def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: bool) -> GradBuffer:

@@ -18,9 +18,13 @@ class GPTStage:
     def __init__(self, model, sampler: Callable[[int], dict], *, tp_group, tracker: DeviceRNGStatesTracker,
                  seed: int, pp_stage: int, tp_rank: int, is_first: bool, is_last: bool,
                  device: torch.device | str = "cpu", loss_scale: Callable[[], float] | None = None,
-                 cross_entropy: Callable = vocab_parallel_cross_entropy):
+                 cross_entropy: Callable = vocab_parallel_cross_entropy,
+                 before_backward: Callable[[float], None] | None = None):
         """`loss_scale`: fp16's current loss scale, multiplied into the loss before backward;
-        `cross_entropy(logits, labels, tp_group)`: the per-token loss over vocabulary shards."""
+        `cross_entropy(logits, labels, tp_group)`: the per-token loss over vocabulary shards;
+        `before_backward(scale)`: before each backward, with that loss scale (MoE's auxiliary
+        losses take their gradient scale from it)."""
+        self.before_backward = before_backward
         self.model = model
         self.device = torch.device(device)
         self.loss_scale = loss_scale
@@ -55,8 +59,10 @@ class GPTStage:
 
     def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,
                  output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        scale = 1.0 if self.loss_scale is None else self.loss_scale()
+        if self.before_backward is not None:
+            self.before_backward(scale)
         if self.is_last:
-            scale = 1.0 if self.loss_scale is None else self.loss_scale()
             torch.autograd.backward(output * scale if scale != 1.0 else output)
         else:
             torch.autograd.backward(output, grad_tensors=output_grad)

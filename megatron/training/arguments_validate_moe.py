@@ -1,0 +1,89 @@
+"""--num-experts and its flags ([P]): Megatron-LM's checks, and what ReCoVer does not combine
+with mixture of experts yet, each refused in one line naming the flag."""
+from __future__ import annotations
+
+import argparse
+
+from megatron.core.transformer import TransformerConfig
+
+from megatron.training.arguments_errors import ArgumentError
+from megatron.training.config_moe import moe_fields
+
+
+def validate_moe(args: argparse.Namespace, device: str) -> None:
+    experts, flag = args.num_experts, "--num-experts"
+    if experts is None:
+        if args.expert_model_parallel_size != 1:
+            raise ArgumentError("--expert-model-parallel-size", "--expert-model-parallel-size "
+                                "needs --num-experts", "add --num-experts or drop the flag")
+        return
+    if experts < 1:
+        raise ArgumentError(flag, f"{flag} must be >= 1, got {experts}", f"pass a positive {flag}")
+    if not 1 <= args.moe_router_topk <= experts:
+        raise ArgumentError("--moe-router-topk", f"--moe-router-topk {args.moe_router_topk} must "
+                            f"be between 1 and {flag} {experts}", "pass a smaller top-k")
+    freq = args.moe_layer_freq
+    if isinstance(freq, list) and len(freq) != args.num_layers:
+        raise ArgumentError("--moe-layer-freq", f"--moe-layer-freq gives {len(freq)} layers, the "
+                            f"model has --num-layers {args.num_layers}", "give one 0/1 per layer")
+    _refuse_not_built(args, device)
+    _megatron_core_checks(args)
+
+
+def _refuse_not_built(args: argparse.Namespace, device: str) -> None:
+    ep, etp, tp = (args.expert_model_parallel_size, args.expert_tensor_parallel_size,
+                   args.tensor_model_parallel_size)
+    if ep != 1:
+        raise ArgumentError("--expert-model-parallel-size", f"--expert-model-parallel-size {ep}: "
+                            "expert parallelism is not supported by ReCoVer yet (each replica "
+                            "holds every expert)", "pass --expert-model-parallel-size 1")
+    if etp not in (None, tp):
+        raise ArgumentError("--expert-tensor-parallel-size", f"--expert-tensor-parallel-size "
+                            f"{etp} other than --tensor-model-parallel-size {tp} is not "
+                            "supported by ReCoVer yet", "drop the flag")
+    kinds = args.moe_router_load_balancing_type
+    if "global_aux_loss" in (kinds if isinstance(kinds, list) else [kinds]):
+        raise ArgumentError("--moe-router-load-balancing-type", "--moe-router-load-balancing-type "
+                            "global_aux_loss sums expert loads over the data-parallel replicas, "
+                            "so one replica's microbatches would change with the others': "
+                            "not with ReCoVer's recovery", "pass aux_loss or seq_aux_loss")
+    dispatcher = args.moe_token_dispatcher_type
+    if dispatcher == "flex" or (dispatcher == "alltoall" and device == "cpu"):
+        why = ("needs DeepEP" if dispatcher == "flex" else
+               "makes a CUDA stream when it is built: it needs a GPU")
+        raise ArgumentError("--moe-token-dispatcher-type", f"--moe-token-dispatcher-type "
+                            f"{dispatcher} {why}", "pass --moe-token-dispatcher-type allgather")
+    for given, other in ((args.save, "--save"), (args.load, "--load"),
+                         (args.non_persistent_ckpt_type, "--non-persistent-ckpt-type")):
+        if given is not None:  # the experts' sharded keys do not load back yet
+            raise ArgumentError(other, f"{other} with --num-experts: checkpoints of a mixture "
+                                "of experts are not supported by ReCoVer yet",
+                                f"drop {other} (or --num-experts)")
+    if args.context_parallel_size > 1:
+        raise ArgumentError("--num-experts", "--num-experts with --context-parallel-size "
+                            f"{args.context_parallel_size} is not supported by ReCoVer yet",
+                            "use --context-parallel-size 1")
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:  # megatron-core's
+        raise ArgumentError("--num-experts", "--num-experts with --tensor-model-parallel-size "
+                            f"{args.tensor_model_parallel_size} needs --sequence-parallel "
+                            "(megatron-core's MoE layer refuses to train without it)",
+                            "add --sequence-parallel")
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        raise ArgumentError("--moe-pad-expert-input-to-capacity", "--moe-pad-expert-input-to-"
+                            "capacity needs --moe-expert-capacity-factor",
+                            "add --moe-expert-capacity-factor or drop the flag")
+
+
+def _megatron_core_checks(args: argparse.Namespace) -> None:
+    """megatron-core's own checks of the MoE fields, as one line instead of a traceback."""
+    try:
+        TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads,
+                          ffn_hidden_size=args.ffn_hidden_size,
+                          tensor_model_parallel_size=args.tensor_model_parallel_size,
+                          sequence_parallel=args.sequence_parallel,
+                          add_bias_linear=args.add_bias_linear, **moe_fields(args))
+    except (AssertionError, ValueError) as err:
+        raise ArgumentError("--num-experts", f"megatron-core refuses this mixture of experts: "
+                            f"{str(err).splitlines()[0][:200]}", "change the MoE flags it "
+                            "names (megatron-core's field names are the flags' with _)") from None
