@@ -29,7 +29,7 @@ def references(tmp_path_factory):
 # during the backward (small buckets: several per step) and its weights gathered in the forward
 DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
            "--ddp-bucket-size", "4000"]
-VARIANTS = {"": [], "rope": ["--position-embedding-type", "rope"], "distopt": DISTOPT,
+VARIANTS = {"rope": ["--position-embedding-type", "rope"], "distopt": DISTOPT,
             "sp": ["--sequence-parallel"], "allgather": ["--cp-comm-type", "allgather"],
             "a2a": ["--cp-comm-type", "a2a"],
             "vp": ["--num-layers-per-virtual-pipeline-stage", "1"]}  # the interleaved schedule
@@ -37,17 +37,18 @@ SAME_MODEL = ("distopt", "sp", "allgather", "a2a", "vp")  # one process without 
 
 
 def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1):
-    """`precision`: fp32 or bf16, with a VARIANTS suffix: "-rope" (rotary position embeddings),
+    """`precision`: fp32 or bf16, with VARIANTS suffixes: "-rope" (rotary position embeddings),
     "-distopt", "-sp" (sequence parallelism: the CP rank's chunks split again over TP), "-vp"
     (two model chunks per pipeline rank), or another --cp-comm-type than the default p2p ("-allgather", "-a2a")."""
     out = tmp_path_factory.mktemp(f"{precision}-tp{tp}pp{pp}cp{cp}dp{dp}")
-    dtype, _, variant = precision.partition("-")
-    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype], *EVAL, *VARIANTS[variant],
+    dtype, *variants = precision.split("-")
+    flags = [*TINY_GPT, "--train-iters", str(ITERS), *PRECISIONS[dtype], *EVAL,
+             *(flag for variant in variants for flag in VARIANTS[variant]),
              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
              *(["--context-parallel-size", str(cp), *CP_FLAGS] if cp > 1 else [])]
     # the interleaved schedule with recovery on: its p2p channels are groups of their own
     run = launch(tp * pp * cp * dp, flags, out / "metrics.jsonl",
-                 launcher_args=[] if variant == "vp" else None)
+                 launcher_args=[] if "vp" in variants else None)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.losses()) == ITERS, run.stdout[-2000:]
     return run
@@ -57,19 +58,18 @@ def train(tmp_path_factory, precision: str, tp: int = 1, pp: int = 1, cp: int = 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision, tp, pp, cp, dp", [
     ("fp32", 1, 1, 2, 2), ("fp32", 2, 1, 2, 1), ("fp32", 1, 2, 2, 1),
-    ("fp32-allgather", 1, 1, 4, 1), ("fp32-a2a", 1, 1, 2, 2), ("bf16", 1, 1, 2, 2),
-    ("fp32-rope", 1, 1, 2, 2), ("fp32-distopt", 1, 1, 2, 2), ("fp32-sp", 2, 1, 2, 1),
-    ("fp32-vp", 1, 2, 2, 1)])
+    ("fp32-allgather", 1, 1, 4, 1), ("bf16", 1, 1, 2, 2), ("fp32-rope", 1, 1, 2, 2),
+    ("fp32-distopt", 1, 1, 2, 2), ("fp32-sp-a2a", 2, 1, 2, 1), ("fp32-vp", 1, 2, 2, 1)])
 def test_cp_layouts_follow_the_single_process_trajectory(references, tmp_path_factory,
                                                           precision, tp, pp, cp, dp):
-    dtype, _, variant = precision.partition("-")
-    model = dtype if variant in SAME_MODEL else precision
+    dtype, *variants = precision.split("-")
+    model = dtype if all(v in SAME_MODEL for v in variants) else precision
     if model not in references:
         references[model] = train(tmp_path_factory, model)
     run = train(tmp_path_factory, precision, tp, pp, cp, dp)
     reference = references[model]
     assert_same_trajectory(trained(run), trained(reference), dtype, dp)
-    if precision.endswith("distopt"):  # reduce-scattered over the four DP x CP shards
+    if "distopt" in variants:  # reduce-scattered over the DP x CP shards
         assert all(r.get("reduce_scattered") for r in trained(run).records)
     valid = [[r["valid_lm_loss"] for r in one.records if "valid_lm_loss" in r]
              for one in (run, reference)]
