@@ -53,12 +53,6 @@ def _refuse_not_built(args: argparse.Namespace, device: str) -> None:
                "makes a CUDA stream when it is built: it needs a GPU")
         raise ArgumentError("--moe-token-dispatcher-type", f"--moe-token-dispatcher-type "
                             f"{dispatcher} {why}", "pass --moe-token-dispatcher-type allgather")
-    for given, other in ((args.save, "--save"), (args.load, "--load"),
-                         (args.non_persistent_ckpt_type, "--non-persistent-ckpt-type")):
-        if given is not None:  # the experts' sharded keys do not load back yet
-            raise ArgumentError(other, f"{other} with --num-experts: checkpoints of a mixture "
-                                "of experts are not supported by ReCoVer yet",
-                                f"drop {other} (or --num-experts)")
     if args.context_parallel_size > 1:
         raise ArgumentError("--num-experts", "--num-experts with --context-parallel-size "
                             f"{args.context_parallel_size} is not supported by ReCoVer yet",

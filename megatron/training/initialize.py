@@ -208,8 +208,11 @@ class ParallelGroups:
         pgs.pos_embd = None
         pgs.dp = self.dp
         # mixture of experts ([P]) without expert parallelism: every replica holds every expert,
-        # tensor-parallel like the dense layers, reduced over the DP group like them
-        pgs.ep, pgs.expt_tp, pgs.tp_ep, pgs.expt_dp = self.self_group, self.tp, self.tp, self.dp
+        # tensor-parallel like the dense layers (their gradients reduced over the DP group like
+        # theirs). expt_dp is read only for the experts' checkpoint replica ids: 0, as for the
+        # dense weights (`checkpoint_dist.model_sharded`; `checkpoint_writers` picks who writes)
+        pgs.ep, pgs.expt_tp, pgs.tp_ep = self.self_group, self.tp, self.tp
+        pgs.expt_dp = self.self_group
         pgs.tp_dp_cp = None  # the router's, for global_aux_loss only (refused: it spans replicas)
         return pgs
 
