@@ -229,7 +229,8 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
     if recovering:
         trainer.grow_back_with(membership)
     groups.before_parallel_ops(lambda op: trainer.hook("tp_allreduce"),
-                               lambda op: trainer.hook("cp_exchange"))
+                               lambda op: trainer.hook("cp_exchange"),
+                               lambda op: trainer.hook("ep_dispatch"))
     return trainer
 
 
@@ -263,7 +264,8 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
                                      joining=incarnation > 0)
     topology = Topology.from_world(world, args.tensor_model_parallel_size,
                                    args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping,
-                                   cp=args.context_parallel_size)
+                                   cp=args.context_parallel_size,
+                                   ep=args.expert_model_parallel_size)
     make_group = (torch_group_factory if membership is None else resilient_group_factory(
         membership, membership.timeouts.operation, args.distributed_backend,
         connect=incarnation == 0))

@@ -3,9 +3,11 @@
 Megatron's default order (`tp-cp-ep-dp-pp`: tp fastest, then cp, then dp, then pp):
 rank = tp + TP*cp + TP*CP*dp + TP*CP*DP*pp; with `dp_last` (Megatron's --use-tp-pp-dp-mapping,
 `tp-cp-ep-pp-dp`) pp before dp: rank = tp + TP*cp + TP*CP*pp + TP*CP*PP*dp, so a replica's ranks
-are contiguous (a node then tends to hold whole replicas). Expert parallelism is not part of it.
-A *replica* is one complete model copy: the TP*CP*PP ranks sharing a dp index (DESIGN §3); its CP
-ranks ([O]) hold the same weights and split each sequence, as its TP ranks split each layer.
+are contiguous (a node then tends to hold whole replicas). A *replica* is one complete model
+copy but for its experts: the TP*CP*PP ranks sharing a dp index (DESIGN §3); its CP ranks ([O])
+hold the same weights and split each sequence, as its TP ranks split each layer. Expert
+parallelism ([P], Megatron's `ep` inside `dp`) splits the experts over EP consecutive replicas, a
+*unit*: replica r is expert rank r % EP of unit r // EP, and a unit fails as one (DESIGN §3).
 Pure arithmetic, no torch: every rank computes the same answers.
 """
 from __future__ import annotations
@@ -28,14 +30,18 @@ class Topology:
     dp: int
     dp_last: bool = False  # --use-tp-pp-dp-mapping
     cp: int = 1  # --context-parallel-size
+    ep: int = 1  # --expert-model-parallel-size: replicas per unit
 
     @classmethod
     def from_world(cls, world_size: int, tp: int, pp: int, dp_last: bool = False,
-                   cp: int = 1) -> "Topology":
+                   cp: int = 1, ep: int = 1) -> "Topology":
         if world_size % (tp * pp * cp):
             raise ValueError(f"world size {world_size} is not divisible by TP*CP*PP = "
                              f"{tp * cp * pp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), dp_last=dp_last, cp=cp)
+        dp = world_size // (tp * pp * cp)
+        if dp % ep:
+            raise ValueError(f"data-parallel size {dp} is not divisible by EP = {ep}")
+        return cls(tp=tp, pp=pp, dp=dp, dp_last=dp_last, cp=cp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -58,6 +64,30 @@ class Topology:
     def replica_ranks(self, replica: int) -> list[int]:
         return [self.rank(t, replica, p, c) for p in range(self.pp) for c in range(self.cp)
                 for t in range(self.tp)]
+
+    def unit_replicas(self, replica: int) -> list[int]:
+        """The replicas that hold the experts together with this one (itself alone at EP 1)."""
+        first = replica // self.ep * self.ep
+        return list(range(first, first + self.ep))
+
+    def unit_ranks(self, replica: int) -> list[int]:
+        """Every rank of this replica's unit: a death of any of them breaks all its replicas."""
+        return [rank for r in self.unit_replicas(replica) for rank in self.replica_ranks(r)]
+
+    def ep_ranks(self, tp: int, replica: int, pp: int) -> list[int]:
+        """The unit's ranks at this (tp, pp): megatron-core's expert-parallel group."""
+        return [self.rank(tp, r, pp) for r in self.unit_replicas(replica)]
+
+    def tp_ep_ranks(self, replica: int, pp: int) -> list[int]:
+        """The unit's ranks at this stage (the allgather dispatcher's group), tp fastest."""
+        return [self.rank(t, r, pp) for r in self.unit_replicas(replica) for t in range(self.tp)]
+
+    def expert_dp_ranks(self, tp: int, replica: int, pp: int,
+                        replicas: Sequence[int] | None = None) -> list[int]:
+        """The (live) replicas' ranks holding the same experts as this one, at this (tp, pp):
+        where expert gradients are summed (Megatron's expert-data-parallel group)."""
+        live = range(self.dp) if replicas is None else sorted(replicas)
+        return [self.rank(tp, r, pp) for r in live if r % self.ep == replica % self.ep]
 
     def replica_of(self, rank: int) -> int:
         return self.coord(rank).replica

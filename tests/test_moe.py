@@ -101,8 +101,16 @@ def refusal(*flags: str, world: int = 2) -> str:
 
 def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
     moe = ["--disable-bias-linear", "--num-experts", "4"]
-    assert "--expert-model-parallel-size 2: expert parallelism is not supported" in refusal(
-        *moe, "--expert-model-parallel-size", "2")
+    ep = [*moe, "--expert-model-parallel-size", "2"]
+    assert "must divide --num-experts 4" in refusal(*moe, "--expert-model-parallel-size", "3",
+                                                   world=3)
+    assert "must divide the data-parallel size 3" in refusal(*ep, world=3)
+    assert refusal(*ep, "--use-distributed-optimizer").startswith(
+        "--use-distributed-optimizer: --use-distributed-optimizer with "
+        "--expert-model-parallel-size 2: sharding the experts' optimizer state is not built")
+    assert refusal(*ep, "--rerun-mode", "report_stats").startswith("--rerun-mode")
+    assert refusal(*ep, "--save", "/tmp/x", "--save-interval", "1").startswith("--save")
+    validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *ep]), 4)  # EP 2 of DP 4: taken
     assert refusal(*moe, "--expert-tensor-parallel-size", "2").startswith(
         "--expert-tensor-parallel-size: --expert-tensor-parallel-size 2 other than")
     assert "global_aux_loss sums expert loads over the data-parallel replicas" in refusal(

@@ -38,7 +38,7 @@ from megatron.training.arguments_validate_io import (
     validate_tokenizer)
 from megatron.training.arguments_flags_moe import add_moe_args
 from megatron.training.arguments_validate_context import validate_context_parallel
-from megatron.training.arguments_validate_moe import validate_moe
+from megatron.training.arguments_validate_moe import validate_expert_layout, validate_moe
 from megatron.training.arguments_validate_model import (
     validate_device_flags, validate_model_shape, validate_parallel)
 from megatron.training.arguments_validate_pipeline import validate_pipeline_backend
@@ -111,6 +111,7 @@ def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu"
     validate_context_parallel(args)
     validate_moe(args, device)
     dp = validate_parallel(args, world_size)
+    validate_expert_layout(args, dp)
     validate_model_shape(args)
     validate_device_flags(args, device)
     validate_pipeline_backend(args, device)

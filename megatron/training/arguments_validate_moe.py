@@ -33,10 +33,12 @@ def validate_moe(args: argparse.Namespace, device: str) -> None:
 def _refuse_not_built(args: argparse.Namespace, device: str) -> None:
     ep, etp, tp = (args.expert_model_parallel_size, args.expert_tensor_parallel_size,
                    args.tensor_model_parallel_size)
-    if ep != 1:
-        raise ArgumentError("--expert-model-parallel-size", f"--expert-model-parallel-size {ep}: "
-                            "expert parallelism is not supported by ReCoVer yet (each replica "
-                            "holds every expert)", "pass --expert-model-parallel-size 1")
+    if ep < 1 or args.num_experts % ep:
+        raise ArgumentError("--expert-model-parallel-size", f"--expert-model-parallel-size {ep} "
+                            f"must divide --num-experts {args.num_experts}",
+                            "pass a divisor of the expert count")
+    if ep > 1:
+        _refuse_with_expert_parallelism(args)
     if etp not in (None, tp):
         raise ArgumentError("--expert-tensor-parallel-size", f"--expert-tensor-parallel-size "
                             f"{etp} other than --tensor-model-parallel-size {tp} is not "
@@ -66,6 +68,33 @@ def _refuse_not_built(args: argparse.Namespace, device: str) -> None:
         raise ArgumentError("--moe-pad-expert-input-to-capacity", "--moe-pad-expert-input-to-"
                             "capacity needs --moe-expert-capacity-factor",
                             "add --moe-expert-capacity-factor or drop the flag")
+
+
+def _refuse_with_expert_parallelism(args: argparse.Namespace) -> None:
+    """What is not built for EP > 1 yet, each by its flag."""
+    why = {"--use-distributed-optimizer": (args.use_distributed_optimizer, "sharding the "
+                                           "experts' optimizer state"),
+           "--save": (args.save, "torch_dist checkpoints with expert shards"),
+           "--load": (args.load, "torch_dist checkpoints with expert shards"),
+           "--check-weight-hash-across-dp-replicas-interval": (
+               args.check_weight_hash_across_dp_replicas_interval, "comparing the experts' "
+               "weights across units"),
+           "--rerun-mode": (args.rerun_mode == "report_stats", "re-running one replica's "
+                            "microbatches (its unit runs together)")}
+    for flag, (given, what) in why.items():
+        if given:
+            raise ArgumentError(flag, f"{flag} with --expert-model-parallel-size "
+                                f"{args.expert_model_parallel_size}: {what} is not built yet",
+                                "drop the flag or pass --expert-model-parallel-size 1")
+
+
+def validate_expert_layout(args: argparse.Namespace, dp: int) -> None:
+    """Megatron's check: the expert-parallel group is carved out of the data-parallel ranks."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is not None and dp % ep:
+        raise ArgumentError("--expert-model-parallel-size", f"--expert-model-parallel-size {ep} "
+                            f"must divide the data-parallel size {dp}",
+                            "launch a multiple of EP replicas or change the flag")
 
 
 def _megatron_core_checks(args: argparse.Namespace) -> None:

@@ -73,6 +73,13 @@ class ParallelGroups:
     # (tp, pp), and the TP x PP ranks at this CP index (a gradient norm counts each weight once)
     context: dist.ProcessGroup | None = None
     model_parallel: dist.ProcessGroup | None = None
+    # --expert-model-parallel-size > 1 ([P]): the unit's ranks at this (tp, pp) (megatron-core's
+    # expert-parallel group), at this stage (the dispatcher's TP x EP group), and the live
+    # replicas' ranks holding this rank's experts (their gradients' reduction). `replica` then
+    # spans the unit: it fails, votes and sums its norms as one
+    expert: dist.ProcessGroup | None = None
+    tp_expert: dist.ProcessGroup | None = None
+    expert_dp: dist.ProcessGroup | None = None
 
     @property
     def cp(self) -> dist.ProcessGroup:
@@ -115,7 +122,8 @@ class ParallelGroups:
     def all_groups(self) -> list[dist.ProcessGroup]:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
         groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group,
-                  self.context, self.model_parallel, self.instance, self.position,
+                  self.context, self.model_parallel, self.expert, self.tp_expert, self.expert_dp,
+                  self.instance, self.position,
                   *(c.group for c in self.channels.values())]
         return list({id(g): g for g in groups if g is not None}.values())  # shared channels: once
 
@@ -124,12 +132,13 @@ class ParallelGroups:
         torch's plain groups (no coordinator) have nothing to abandon, regroup or latch."""
         return cast(list[ResilientGroup], self.all_groups()) if self.resilient else []
 
-    def before_parallel_ops(self, hook: Callable[[str], None],
-                            cp_hook: Callable[[str], None]) -> None:
+    def before_parallel_ops(self, hook: Callable[[str], None], cp_hook: Callable[[str], None],
+                            ep_hook: Callable[[str], None]) -> None:
         """Fault injection: `hook(op)` before each tensor-parallel operation, `cp_hook(op)`
-        before each context-parallel one (the attention's K/V exchange)."""
+        before each context-parallel one (the attention's K/V exchange), `ep_hook(op)` before
+        each of the token dispatcher's (expert parallelism)."""
         resilient = {id(g): g for g in self.resilient_groups()}
-        for group, before in ((self.tp, hook), (self.context, cp_hook)):
+        for group, before in ((self.tp, hook), (self.context, cp_hook), (self.tp_expert, ep_hook)):
             if group is not None and id(group) in resilient:
                 resilient[id(group)].set_before_op(before)
 
@@ -159,7 +168,7 @@ class ParallelGroups:
         those phases use, so the others can be kept (`regroup`)."""
         narrow = phase in ("reduce", "commit", "recovery")
         reduction = (self.replica, self.embedding, self.dp, self.instance, self.position,
-                     self.model_parallel)
+                     self.model_parallel, self.expert_dp)
         for g in self.resilient_groups():
             if narrow and not any(g is h for h in reduction):
                 continue
@@ -182,6 +191,8 @@ class ParallelGroups:
             elif g is self.instance:
                 members = topo.dp_cp_ranks(c.tp, c.pp, [r for r in live_replicas
                                                         if r // size == c.replica // size])
+            elif g is self.expert_dp:
+                members = topo.expert_dp_ranks(c.tp, c.replica, c.pp, live_replicas)
             elif g is self.position:
                 members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
                                                      if r % size == c.replica % size], c.cp)
@@ -212,6 +223,8 @@ class ParallelGroups:
         # theirs). expt_dp is read only for the experts' checkpoint replica ids: 0, as for the
         # dense weights (`checkpoint_dist.model_sharded`; `checkpoint_writers` picks who writes)
         pgs.ep, pgs.expt_tp, pgs.tp_ep = self.self_group, self.tp, self.tp
+        if self.expert is not None:  # [P]: the unit splits the experts, TP x EP ranks apiece
+            pgs.ep, pgs.tp_ep = self.expert, self.tp_expert
         pgs.expt_dp = self.self_group
         pgs.tp_dp_cp = None  # the router's, for global_aux_loss only (refused: it spans replicas)
         return pgs
@@ -255,7 +268,9 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
     tp = make_group(f"tp.replica{c.replica}.stage{c.pp}{at}",
                     topology.tp_ranks(c.replica, c.pp, c.cp))
     pp = make_group(f"pp.replica{c.replica}.tp{c.tp}{at}", topology.pp_ranks(c.tp, c.replica, c.cp))
-    replica = make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
+    unit = c.replica // topology.ep  # [P]: with expert parallelism the unit is the replica
+    replica = (make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
+               if topology.ep == 1 else make_group(f"unit{unit}", topology.unit_ranks(c.replica)))
     embedding = None
     if topology.pp > 1 and c.pp in (0, topology.pp - 1):
         embedding = make_group(f"embd.replica{c.replica}.tp{c.tp}{at}",
@@ -269,6 +284,14 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
         model_parallel = make_group(f"mp.replica{c.replica}{at}",
                                     [r for r in topology.replica_ranks(c.replica)
                                      if topology.coord(r).cp == c.cp])
+    expert = tp_expert = expert_dp = None
+    if topology.ep > 1:
+        expert = make_group(f"ep.unit{unit}.tp{c.tp}.stage{c.pp}",
+                            topology.ep_ranks(c.tp, c.replica, c.pp))
+        tp_expert = expert if topology.tp == 1 else make_group(
+            f"tpep.unit{unit}.stage{c.pp}", topology.tp_ep_ranks(c.replica, c.pp))
+        expert_dp = make_group(f"edp.tp{c.tp}.stage{c.pp}.ep{c.replica % topology.ep}",
+                               topology.expert_dp_ranks(c.tp, c.replica, c.pp))
     instance, position, size = None, None, 0
     if optimizer_instances is not None:
         size = topology.dp // optimizer_instances
@@ -282,7 +305,7 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
                           size, position, p2p_channels(topology, c, make_group,
                                                        pp if channels == "shared" else None)
                           if channels and topology.pp > 1 else {}, resilient, context,
-                          model_parallel)
+                          model_parallel, expert, tp_expert, expert_dp)
 
 
 def env_rank_world() -> tuple[int, int]:

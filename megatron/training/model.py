@@ -274,6 +274,9 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
                                 tp_size=config.tensor_model_parallel_size, tp_rank=tp_rank,
                                 gated=config.gated_linear_unit)
     model = chunks[0] if vp is None else ModelChunks(chunks)
+    if pg_collection.ep.rank() > 0:  # [P]: the unit's first replica counts its dense weights
+        for param in model.parameters():
+            setattr(param, "unit_duplicate", getattr(param, "allreduce", True))  # not an expert
     return model.to(device=device, dtype=config.params_dtype)
 
 
@@ -293,6 +296,7 @@ def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_sha
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _SCALED_INIT = ("linear_proj.weight", "linear_fc2.weight")  # Megatron's output_layer_init_method
 
 
@@ -301,7 +305,12 @@ def global_parameter_name(model: GPTModel, local_name: str) -> str:
     match = _LAYER.match(local_name)
     if match:
         layer = model.decoder.layers[int(match.group(1))]
-        return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+        rest = local_name[match.end():]
+        expert = _EXPERT.match("." + rest)
+        if expert:  # [P]: with expert parallelism, local expert i is global expert offset + i
+            rest = (f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(expert[1])]}."
+                    + rest[expert.end() - 1:])
+        return f"decoder.layers.{layer.layer_number - 1}." + rest
     if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
     return local_name

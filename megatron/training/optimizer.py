@@ -231,8 +231,10 @@ def sync_sequence_parallel_grads(params: Sequence[torch.Tensor],
 
 def is_counted(p: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank counts `p` in norms, so that the replica counts each parameter once:
-    TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all."""
+    TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all, and
+    with expert parallelism ([P]: norms over the unit) dense ones only on its first replica."""
     return not getattr(p, "tied_embedding_is_duplicate", False) \
+        and not getattr(p, "unit_duplicate", False) \
         and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
 
 

@@ -68,7 +68,7 @@ def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: boo
     assert optimizer.layout is not None, "an optimizer from optimizer_setup.build_optimizer"
     return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
                       device=optimizer.model_params[0].device, layout=optimizer.layout,
-                      overlap=overlap)
+                      overlap=overlap, expert_dp_group=groups.expert_dp)
 
 
 def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device
@@ -103,3 +103,15 @@ def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
         return int(value.item())
     return ReplicaLink(groups.topology.replica_of, group.rank() == 0, exchange, share)
 
+
+
+def pad_for_unit(ids: list[int], groups: ParallelGroups, device) -> list[int]:
+    """Expert parallelism ([P]): a unit's replicas exchange tokens in every MoE layer of every
+    microbatch, so each computes as many microbatches as the unit's longest quota, the short
+    ones fillers (`stage.py`). Agreed over the unit's group (the replica group, not the
+    dispatcher's: its fault-injection point stays the dispatcher's own)."""
+    if groups.expert is None:
+        return ids
+    longest = torch.tensor([len(ids)], dtype=torch.int64, device=device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=groups.replica)
+    return ids + [-1 - k for k in range(int(longest.item()) - len(ids))]

@@ -18,6 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.config import StepConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
+from megatron.training.replica_parts import pad_for_unit
 from megatron.training.rerun import (ALARM_LARGE_GRADS, ALARM_NOT_FINITE, ALARM_SPIKY,
                                      SPIKE_INJECTED, Position, SpikeDetector, injected, resolve,
                                      resolve_large_grads, resolve_spike)
@@ -33,7 +34,7 @@ from recover_patches.recovery.iteration import LiveReplicas
 from recover_patches.recovery.reduce import Totals
 from recover_patches.pipeline.schedule import ScheduleResult, run_1f1b, run_interleaved
 from recover_patches.pipeline.stage import GPTStage
-from recover_patches.workload.policy import even_plan, stable_plan
+from recover_patches.workload.policy import even_plan, stable_plan, unit_plan, unit_timings
 from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
 
 logger = logging.getLogger(__name__)
@@ -80,14 +81,16 @@ class GPTReplicaStep:
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
-        if self.config.drop_lost:
-            # the replica-dropping baseline: each replica keeps its failure-free share, the
-            # shares of dead replicas are simply not computed
-            return even_plan(ids, range(self.groups.topology.dp))
+        return unit_plan(ids, replicas, self.groups.topology.ep, self._place)
+
+    def _place(self, ids, replicas):  # (over units, each by its first replica, with EP > 1)
+        topo = self.groups.topology
+        if self.config.drop_lost:  # the replica-dropping baseline: dead replicas' shares are lost
+            return even_plan(ids, range(0, topo.dp, topo.ep))
         if self.config.even_balance:
             return even_plan(ids, replicas)
-        return stable_plan(ids, replicas, self.timings, self.groups.topology.pp, min_gain=0.10,
-                           chunks=self.config.chunks, group=self.config.vp_group)
+        return stable_plan(ids, replicas, unit_timings(self.timings, topo.ep), topo.pp,
+                           min_gain=0.10, chunks=self.config.chunks, group=self.config.vp_group)
 
     def refresh(self) -> None:
         if self.weights_stale:
@@ -95,6 +98,7 @@ class GPTReplicaStep:
                               "the last step's weight all-gather failed in this replica")
 
     def execute(self, ids: list[int]) -> ScheduleResult:
+        ids = pad_for_unit(ids, self.groups, self.device)  # [P]: the unit runs in step
         self.model.train()
         self.clock.start()
         if isinstance(self.link, ChunkP2P):
@@ -195,7 +199,7 @@ class GPTReplicaStep:
         c, topo = self.groups.coord, self.groups.topology
         at = Position(self.iteration() + 1, c.replica, tuple(self.live.live_replicas), topo.dp,
                       self.live.epoch, self.groups.is_last_stage, c.tp + topo.tp * c.pp,
-                      topo.tp * topo.pp)
+                      topo.tp * topo.pp, topo.ep)
         if self.config.rerun.mode == "report_stats":  # every iteration: one replica re-run
             self.determinism.record(compare_once(self, at, dict(assignment), local.loss_sum))
             report(self.determinism, at.iteration, self.groups.rank == min(self.live.members()))

@@ -116,6 +116,7 @@ class Position:
     is_last_stage: bool  # holds the loss
     slot: int = 0  # this rank's (tp, pp) position in its replica: tp + TP x pp
     slots: int = 1  # TP x PP
+    unit: int = 1  # replicas per unit (expert parallelism)
 
 
 class RerunHost(Protocol):
@@ -139,6 +140,10 @@ def _finite(loss: Any) -> bool:
 
 def _validator(at: Position, suspects: list[int]) -> tuple[list[int], int]:
     """The live replicas that are not suspects, and the one that re-runs (itself, if none)."""
+    if at.unit > 1:  # every rank gets here alike: all stop with this line
+        raise RuntimeError(f"iteration {at.iteration}: replica(s) {suspects} raised a --rerun-mode "
+                           "alarm, and a re-run on one replica is not built for "
+                           "--expert-model-parallel-size > 1 (its unit runs together): stopping")
     others = [r for r in at.live_replicas if r not in suspects]
     return others, min(others) if others else min(at.live_replicas)
 

@@ -23,6 +23,7 @@ from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import Optimizer
 from megatron.training.profiling import Profiler
+from megatron.training.replica_parts import pad_for_unit
 from megatron.training.replica_step import GPTReplicaStep
 from megatron.training.straggler import straggler_line
 from megatron.training.state_transfer import receive_state, send_state
@@ -37,7 +38,7 @@ from recover_patches.recovery.reduce import Totals
 from recover_patches.pipeline.sampler import first_microbatch_id
 from recover_patches.pipeline.schedule import run_forward_only, run_forward_only_interleaved
 from recover_patches.pipeline.stage import GPTStage
-from recover_patches.workload.policy import even_plan
+from recover_patches.workload.policy import even_plan, unit_plan
 from recover_patches.log import PLAIN
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Trainer:
         topo, c = self.groups.topology, self.groups.coord
         self.device = self.grads.device
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
-                                 replica_ranks=topo.replica_ranks,
+                                 replica_ranks=topo.replica_ranks, unit_ranks=topo.unit_ranks,
                                  # one instance of the distributed optimizer: its shards die
                                  # with their replica
                                  min_replicas=topo.dp if self.one_optimizer_copy
@@ -350,12 +351,13 @@ class Trainer:
         m = config.batches.global_batch_size // config.batches.micro_batch_size
         assert config.eval_interval  # evaluate() runs only at an evaluation interval
         first = (self.state.iteration // config.eval_interval - 1) * config.eval_iters * m
-        total = Totals.of_ids([])
+        total, topo = Totals.of_ids([]), self.groups.topology
         assert self.valid_stages is not None  # train() evaluates only with a validation set
         with torch.no_grad():
             for k in range(config.eval_iters):
                 ids = list(range(first + k * m, first + (k + 1) * m))
-                mine = even_plan(ids, self.live.live_replicas).get(self.groups.coord.replica, [])
+                mine = pad_for_unit(unit_plan(ids, self.live.live_replicas, topo.ep, even_plan).get(
+                    self.groups.coord.replica, []), self.groups, self.device)
                 if isinstance(self.link, ChunkP2P):
                     done = run_forward_only_interleaved(
                         mine, self.valid_stages, self.link, rank=self.groups.coord.pp,

@@ -40,6 +40,13 @@ class ScheduleResult:
     loss_sum: float | torch.Tensor = 0.0
     tokens: int = 0
 
+    def add(self, microbatch: int, tokens: int) -> None:
+        """One microbatch done; a filler (id < 0: expert parallelism's padding, `stage.py`)
+        is computed but not counted."""
+        if microbatch >= 0:
+            self.ids.append(microbatch)
+        self.tokens += tokens
+
 
 def _nothing() -> None:
     pass
@@ -55,6 +62,7 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
     steady = n - warmup
     in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
     result = ScheduleResult()
+    backwards = [0]  # done so far (fillers included)
 
     def forward(k: int, x: torch.Tensor | None) -> torch.Tensor:
         hook("forward", ids[k])
@@ -65,13 +73,13 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
     def backward(dy: torch.Tensor | None) -> torch.Tensor | None:
         g, x, y = in_flight.pop(0)
         hook("backward", g)
-        if len(result.ids) == n - 1:
+        if backwards[0] == n - 1:
             before_last_backward()
         dx = stage.backward(x, y, dy)
+        backwards[0] += 1
         if link.is_last:
             result.loss_sum = result.loss_sum + y.detach().double()
-        result.ids.append(g)
-        result.tokens += stage.tokens(g)
+        result.add(g, stage.tokens(g))
         return dx
 
     for k in range(warmup):
@@ -113,8 +121,7 @@ def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
         link.send_forward(y)
         if link.is_last:
             result.loss_sum = result.loss_sum + y.detach().double()
-        result.ids.append(g)
-        result.tokens += stage.tokens(g)
+        result.add(g, stage.tokens(g))
     return result
 
 
@@ -187,8 +194,7 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
                 result.loss_sum = result.loss_sum + y.detach().double()
             tokens = stage.tokens(g)  # every chunk counted them in its forward
             if a.chunk == 0:
-                result.ids.append(g)
-                result.tokens += tokens
+                result.add(g, tokens)
             link.send(a.kind, a.chunk, a.index, dx)
     except BaseException:  # a failed peer: these sends belong to a broken group
         link.discard()
@@ -215,8 +221,7 @@ def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], li
                 if c * stages + rank == last:
                     result.loss_sum = result.loss_sum + y.detach().double()
                 if c == 0:
-                    result.ids.append(g)
-                    result.tokens += tokens
+                    result.add(g, tokens)
     except BaseException:
         link.discard()
         raise

@@ -3,9 +3,14 @@
 Every rank can compute any microbatch: data comes from the id-addressed sampler, dropout from
 generators seeded by the id (DESIGN §7), and the loss is a *sum* over tokens, normalised only after
 the DP reduction.
+
+A negative id is a *filler* (expert parallelism, [P]): a unit's replicas run their experts
+together, so one with a shorter quota than its unit's longest computes sample ~id with a loss and
+an auxiliary-loss scale of zero: its experts answer the others' tokens, it adds nothing itself.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
@@ -38,12 +43,17 @@ class GPTStage:
         self.is_first = is_first
         self.is_last = is_last
         self._token_counts: dict[int, int] = {}
+        self._fillers: deque[bool] = deque()  # per forward not yet backward, in order
 
     def forward(self, microbatch_id: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        seed_microbatch(self.tracker, self.seed, microbatch_id, self.pp_stage, self.tp_rank)
-        batch = self.sampler(microbatch_id)
+        filler = microbatch_id < 0
+        sample = ~microbatch_id if filler else microbatch_id
+        seed_microbatch(self.tracker, self.seed, sample, self.pp_stage, self.tp_rank)
+        batch = self.sampler(sample)
         # counted on the host copy: reading it back from the GPU would stall the pipeline
-        self._token_counts[microbatch_id] = int(batch["loss_mask"].sum().item())
+        self._token_counts[microbatch_id] = 0 if filler else int(batch["loss_mask"].sum().item())
+        if torch.is_grad_enabled():  # a backward follows (not in evaluation)
+            self._fillers.append(filler)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if not self.is_first:
             self.model.set_input_tensor(input_tensor)
@@ -55,13 +65,15 @@ class GPTStage:
         if not self.is_last:
             return output
         token_loss = self.cross_entropy(output, batch["labels"], self.tp_group)
-        return masked_loss_sum(token_loss, batch["loss_mask"])
+        loss = masked_loss_sum(token_loss, batch["loss_mask"])
+        return loss * 0.0 if filler else loss
 
     def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,
                  output_grad: torch.Tensor | None) -> torch.Tensor | None:
         scale = 1.0 if self.loss_scale is None else self.loss_scale()
+        filler = self._fillers.popleft()
         if self.before_backward is not None:
-            self.before_backward(scale)
+            self.before_backward(0.0 if filler else scale)
         if self.is_last:
             torch.autograd.backward(output * scale if scale != 1.0 else output)
         else:

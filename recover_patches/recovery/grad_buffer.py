@@ -44,6 +44,12 @@ _LOSS_SLOTS = 2  # hi, lo
 HASH_LIMBS, HASH_LIMB_BITS = 4, 16  # a 64-bit weight fingerprint per replica
 
 
+def is_expert(param: torch.Tensor) -> bool:
+    """An expert's weight under expert parallelism: megatron-core marks it `allreduce=False`
+    (it is summed over the expert-data-parallel group, not the data-parallel one)."""
+    return getattr(param, "allreduce", True) is False
+
+
 def _limbs(value: int) -> list[float]:
     if not 0 <= value < 1 << (LIMB_BITS * LIMBS):
         raise ValueError(f"{value} does not fit {LIMBS} limbs of {LIMB_BITS} bits")
@@ -85,10 +91,12 @@ class FlatLayout:
 
 
 def flat_layout(params: Sequence[torch.Tensor], bucket_numel: int | None = None, pad_to: int = 1,
-                alone: Callable[[torch.Tensor], bool] = lambda p: False) -> FlatLayout:
+                alone: Callable[[torch.Tensor], bool] = lambda p: False,
+                apart: Callable[[torch.Tensor], bool] = is_expert) -> FlatLayout:
     """Parameters in reverse order, so buckets fill up in the order backward produces the
-    gradients; a bucket closes once it holds `bucket_numel` (None: one bucket), and a parameter
-    `alone` says so gets a bucket of its own. Each bucket is padded with zeros to a multiple of
+    gradients; a bucket closes once it holds `bucket_numel` (None: one bucket), a parameter
+    `alone` says so gets a bucket of its own, and one whose `apart` differs from the previous
+    one's starts a new bucket (experts' gradients are summed over another group). Each bucket is padded with zeros to a multiple of
     `pad_to` (the distributed optimizer's instance size: its shards then split every bucket
     evenly)."""
     offsets: dict[torch.Tensor, int] = {}
@@ -99,9 +107,11 @@ def flat_layout(params: Sequence[torch.Tensor], bucket_numel: int | None = None,
         end = start + -(-(offset - start) // pad_to) * pad_to
         buckets.append((start, end))
         return end
+    kind = None
     for p in reversed(params):
-        if alone(p) and offset > start:
+        if (alone(p) or apart(p) != kind) and offset > start:
             start = offset = close()
+        kind = apart(p)
         offsets[p] = offset
         offset += p.numel()
         if alone(p) or (bucket_numel is not None and offset - start >= bucket_numel):
@@ -114,7 +124,7 @@ def flat_layout(params: Sequence[torch.Tensor], bucket_numel: int | None = None,
 class GradBuffer:
     def __init__(self, params: Sequence[torch.Tensor], *, replicas: int, dp_group,
                  device: torch.device | str = "cpu", bucket_numel: int | None = None,
-                 overlap: bool = False, layout: FlatLayout | None = None):
+                 overlap: bool = False, layout: FlatLayout | None = None, expert_dp_group=None):
         self.params = list(params)
         self.dp_group = dp_group
         self.replicas = replicas
@@ -127,15 +137,22 @@ class GradBuffer:
                                  device=self.device)
         self.reduced = torch.zeros_like(self.local)
         self._offsets = self.layout.offsets
-        # [start, end) in the buffers, reduced as one operation; the last one holds the tail
-        self.buckets = list(self.layout.buckets[:-1]) + [
-            (self.layout.buckets[-1][0], self.numel + self.meta_numel)]
         self._bucket_of: dict[torch.Tensor, int] = {}
         for p in self.params:
             offset = self._offsets[p]
             setattr(p, "main_grad", self.local[offset:offset + p.numel()].view_as(p))
             self._bucket_of[p] = next(b for b, (s, e) in enumerate(self.layout.buckets)
                                       if s <= offset < e)
+        # [start, end) in the buffers, reduced as one operation over its group; the last one
+        # holds the tail, on the DP group: alone if the last gradients are experts'
+        experts = {b for p, b in self._bucket_of.items() if is_expert(p)}
+        self.groups = [expert_dp_group if b in experts else dp_group
+                       for b in range(len(self.layout.buckets))]
+        last = len(self.layout.buckets) - 1
+        self.buckets = list(self.layout.buckets[:last]) + (
+            [self.layout.buckets[last], (self.numel, self.numel + self.meta_numel)]
+            if last in experts else [(self.layout.buckets[last][0], self.numel + self.meta_numel)])
+        self.groups += [dp_group] * (len(self.buckets) - len(self.groups))
         self._bucket_params = [0] * len(self.buckets)  # params per bucket
         for b in self._bucket_of.values():
             self._bucket_params[b] += 1
@@ -180,10 +197,10 @@ class GradBuffer:
             if self.scatter is not None:
                 self._works[b] = self._scatter_bucket(b, start, grads_end, self.scatter)
             else:
-                self._works[b] = (dist.all_reduce(self.reduced[start:end], group=self.dp_group,
+                group = self.groups[b]
+                self._works[b] = (dist.all_reduce(self.reduced[start:end], group=group,
                                                   async_op=True)
-                                  if self.dp_group is not None and self.dp_group.size() > 1
-                                  else None)
+                                  if group is not None and group.size() > 1 else None)
         except PeerFailure as err:
             self._works[b], self._failure = None, err
 

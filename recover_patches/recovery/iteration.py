@@ -19,9 +19,9 @@
 A PeerFailure in 2-4 is settled first (`settle.py`, through the store): if the round committed
 elsewhere -- this rank's ack or exchange failed after the others' completed -- this rank holds its
 full sum and steps with it ("rolls forward"). Otherwise every survivor enters recovery: agree on
-the new membership epoch, drop the
-broken replicas, rebuild the DP groups among the survivors, re-plan *only the ids the broken
-replicas owned*, compute them on top of the gradients already accumulated, and reduce again.
+the new membership epoch, drop the broken replicas (with expert parallelism, whole units), rebuild
+the DP groups among the survivors, re-plan *only the ids the broken replicas owned*, compute them
+on top of the gradients already accumulated, and reduce again.
 Nothing is rolled back, no survivor recomputes its own microbatches, and a failure during recovery
 simply starts the next round. What a replica does in each phase is one object, a `ReplicaStep`
 (its implementation: `megatron/training/replica_step.py`), so this file shows the whole order.
@@ -48,9 +48,8 @@ class TooFewReplicas(Exception):
 
 
 class StepInterrupted(RuntimeError):
-    """A rank of a replica that stays live failed inside its step (its exchange had committed the
-    round): a step is never run twice, so the rank leaves as a dead rank would and its replica is
-    lost like any other. A lost member ends the replica (ReplicaLost) before this is raised."""
+    """A rank of a live replica failed inside its step (after the commit): a step never runs
+    twice, so it leaves as a dead rank would (a lost member: ReplicaLost is raised first)."""
 
 
 class Executed(Protocol):
@@ -111,13 +110,10 @@ class ReplicaStep(Protocol):
     def restore(self, state: Any) -> None: ...
 
 
-class Agreement(Protocol):
+class Agreement(Protocol):  # the store's part (`agreement.py`)
     def latest_epoch(self) -> int: ...
-
     def note_commit(self, key: str, decision: Decision) -> None: ...
-
     def settle(self, key: str, members: list[int], status: str) -> Decision: ...
-
     def agree_on_epoch(self, key: str, since_epoch: int) -> tuple[int, frozenset[int]]: ...
 
     def barrier(self, key: str, members: list[int], epoch: int) -> None: ...
@@ -133,6 +129,7 @@ class LiveReplicas:
     min_replicas: int = 1
     replicas: int = 0  # all replicas of the layout (DP): the ones not live may grow back
     dead: frozenset[int] = frozenset()  # the agreed epoch's dead ranks
+    unit_ranks: Callable[[int], list[int]] | None = None  # whose death breaks r ([P]): its unit
 
     @classmethod
     def solo(cls) -> LiveReplicas:
@@ -144,7 +141,10 @@ class LiveReplicas:
         return [rank for r in chosen for rank in self.replica_ranks(r)]
 
     def broken(self, dead: frozenset[int]) -> set[int]:
-        return {r for r in self.live_replicas if dead & set(self.replica_ranks(r))}
+        return {r for r in self.live_replicas if dead & set(self._needs(r))}
+
+    def _needs(self, replica: int) -> list[int]:  # the ranks without which it cannot compute
+        return (self.unit_ranks or self.replica_ranks)(replica)
 
     def adopt_epoch(self, epoch: int, dead: frozenset[int]) -> list[int]:
         """Take an agreed epoch: drop the live replicas it broke and return them. Raises
@@ -157,7 +157,7 @@ class LiveReplicas:
             raise TooFewReplicas(f"{len(self.live_replicas)} complete replica(s) left, "
                                  f"{required} required")
         if self.replica in lost:
-            mine = sorted(dead & set(self.replica_ranks(self.replica)))
+            mine = sorted(dead & set(self._needs(self.replica)))
             raise ReplicaLost(f"replica {self.replica} lost rank(s) {mine}")
         return lost
 
@@ -174,7 +174,7 @@ class LiveReplicas:
     def joinable(self) -> list[int]:
         """Replicas not live whose every rank the agreed epoch counts as a member again."""
         return [r for r in range(self.replicas) if r not in self.live_replicas
-                and not self.dead & set(self.replica_ranks(r))]
+                and not self.dead & set(self._needs(r))]
 
 
 @dataclass
@@ -204,8 +204,8 @@ class _Progress:
     ids: list[int]
     owner: dict[int, int]  # round-0 owner of every id, never changed
     replanned: dict[int, list[int]] = field(default_factory=dict)  # this recovery round's plan
-    seconds: dict[str, float] = field(
-        default_factory=lambda: {"execute": 0.0, "reduce": 0.0, "commit": 0.0})
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("execute", "reduce", "commit"), 0.0))
     recoveries: list[RecoveryRecord] = field(default_factory=list)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from recover_patches.pipeline.interleaved import best_group, makespan
 
@@ -195,3 +195,35 @@ def stable_plan(ids: Sequence[int], replicas: Sequence[int],
     t_even = predicted_time(quotas_of(even), time_per_microbatch, pipeline_depth, chunks, group)
     t_best = predicted_time(quotas_of(best), time_per_microbatch, pipeline_depth, chunks, group)
     return best if t_best < (1.0 - min_gain) * t_even else even
+
+
+def unit_plan(ids: Sequence[int], replicas: Sequence[int], ep: int,
+              place: Callable[[Sequence[int], Sequence[int]], Mapping[int, Sequence[int]]]
+              ) -> dict[int, list[int]]:
+    """Expert parallelism ([P]): the EP replicas of a unit run every microbatch's experts
+    together, so `place(ids, units)` places the ids on the live units (each named by its first
+    replica), and each unit's block is split over its replicas as evenly as possible (contiguous,
+    in replica order). Their quotas then differ by at most one; the short ones pad (`execute`)."""
+    if ep == 1:
+        return {r: list(q) for r, q in place(ids, replicas).items()}
+    order = _check_replicas(replicas, list(ids))
+    leaders = sorted({r // ep * ep for r in order})
+    if sorted(order) != [r for u in leaders for r in range(u, u + ep)]:
+        raise PlanInputError(f"live replicas {order} are not whole units of {ep}")
+    plan_: dict[int, list[int]] = {}
+    for leader, block in place(ids, leaders).items():
+        members = list(range(leader, leader + ep))
+        plan_.update(_blocks(list(block), members, even_quotas(len(block), members)))
+    return plan_
+
+
+def unit_timings(timings: Mapping[int, float | None], ep: int) -> dict[int, float | None]:
+    """A unit's time per microbatch, keyed by its first replica: its slowest member's (the
+    members wait for each other at every expert exchange), None while any is unknown."""
+    if ep == 1:
+        return dict(timings)
+    units: dict[int, list[float | None]] = {}
+    for replica, seconds in timings.items():
+        units.setdefault(replica // ep * ep, []).append(seconds)
+    known = {u: [s for s in ts if s is not None] for u, ts in units.items()}
+    return {u: max(ts) if len(ts) == ep else None for u, ts in known.items()}
