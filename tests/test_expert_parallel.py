@@ -45,6 +45,16 @@ def test_a_dead_rank_breaks_every_replica_of_its_unit():
     assert alone.broken(frozenset({5})) == {1}
 
 
+def test_a_unit_grows_back_whole_or_not_at_all():
+    topo = Topology.from_world(4, tp=1, pp=1, ep=2)
+    survivor = LiveReplicas(replica=2, live_replicas=[0, 1, 2, 3], epoch=0, replicas=4,
+                            replica_ranks=topo.replica_ranks, unit_ranks=topo.unit_ranks)
+    survivor.adopt_epoch(1, frozenset({1}))
+    assert survivor.joinable() == []  # replica 0's rank lives, its unit does not
+    survivor.adopt_join([2, 3], 2, frozenset())  # rank 1 replaced
+    assert survivor.joinable() == [0, 1]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process's losses at global batch 8 (the layouts) and 6 (the kills)."""
