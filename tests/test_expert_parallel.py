@@ -3,11 +3,13 @@ the recovery unit (DESIGN §3). EP 2 of DP 2, EP 2 of DP 4 and EP 2 with TP 2 + 
 process (fp32, 1e-5); in DP 6 at EP 2 a rank killed in the token dispatcher's exchange and then
 one killed in a backward each cost their unit, whose microbatches the other units compute in the
 same iteration -- an odd share split over a unit's two replicas, so one pads with a filler -- and
-the losses and gradient norms stay the failure-free ones."""
+the losses and gradient norms stay the failure-free ones. A torch_dist checkpoint saved at EP 2
+resumes at EP 2 and at EP 1."""
 from __future__ import annotations
 
 import pytest
 
+from megatron.training.checkpointing import LATEST_FILE
 from recover_patches.recovery.iteration import LiveReplicas, ReplicaLost
 from recover_patches.topology import Topology
 from recover_patches.workload.policy import PlanInputError, even_plan, unit_plan, unit_timings
@@ -100,3 +102,25 @@ def test_killed_expert_parallel_ranks_cost_their_units_not_the_trajectory(refere
     for mine, ref in zip(records, reference[6], strict=True):
         assert mine["microbatches"] == 6 and close(mine, ref, "lm_loss"), (mine, ref)
         assert close(mine, ref, "grad_norm"), (mine, ref)  # a filler's aux loss would show here
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_an_expert_parallel_checkpoint_resumes_at_ep_2_and_at_ep_1(reference, tmp_path):
+    """DP 4 at EP 2 saves with four writers, each expert item by one holder of those experts;
+    iteration 2 resumes in one process (EP 2 -> 1, the experts re-sharded by DCP) and at EP 2 of
+    DP 2, both on the uninterrupted losses."""
+    ckpt = tmp_path / "ckpt"
+    saved = launch(4, [*FLAGS, *EP2, "--save", str(ckpt), "--save-interval", "2"],
+                   tmp_path / "a.jsonl")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert len(list((ckpt / "iter_0000002").glob("*.distcp"))) == 4
+    (ckpt / LATEST_FILE).write_text("2")
+    ref = [r["lm_loss"] for r in reference[8]][2:]
+    for world, layout in ((1, []), (2, EP2)):
+        resumed = launch(world, [*FLAGS, *layout, "--load", str(ckpt)],
+                         tmp_path / f"b{world}.jsonl")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        mine = resumed.losses()
+        assert len(mine) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mine, ref)), (
+            world, mine, ref)

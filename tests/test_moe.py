@@ -109,7 +109,9 @@ def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
         "--use-distributed-optimizer: --use-distributed-optimizer with "
         "--expert-model-parallel-size 2: sharding the experts' optimizer state is not built")
     assert refusal(*ep, "--rerun-mode", "report_stats").startswith("--rerun-mode")
-    assert refusal(*ep, "--save", "/tmp/x", "--save-interval", "1").startswith("--save")
+    assert refusal(*ep, "--save", "/tmp/x", "--save-interval", "1",
+                   "--no-ckpt-fully-parallel-save").startswith("--no-ckpt-fully-parallel-save")
+    assert refusal(*ep, "--load", "/tmp/x", "--ckpt-format", "torch").startswith("--ckpt-format")
     validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *ep]), 4)  # EP 2 of DP 4: taken
     assert refusal(*moe, "--expert-tensor-parallel-size", "2").startswith(
         "--expert-tensor-parallel-size: --expert-tensor-parallel-size 2 other than")

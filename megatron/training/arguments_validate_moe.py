@@ -74,8 +74,13 @@ def _refuse_with_expert_parallelism(args: argparse.Namespace) -> None:
     """What is not built for EP > 1 yet, each by its flag."""
     why = {"--use-distributed-optimizer": (args.use_distributed_optimizer, "sharding the "
                                            "experts' optimizer state"),
-           "--save": (args.save, "torch_dist checkpoints with expert shards"),
-           "--load": (args.load, "torch_dist checkpoints with expert shards"),
+           "--ckpt-format": ((args.save or args.load) and args.ckpt_format == "torch",
+                             "per-position files of each expert rank"),
+           "--no-ckpt-fully-parallel-save": (
+               args.save and not args.ckpt_fully_parallel_save, "one replica writing its "
+               "unit's experts"),
+           "--non-persistent-ckpt-type": (args.non_persistent_ckpt_type == "local",
+                                          "local checkpoints of each expert rank"),
            "--check-weight-hash-across-dp-replicas-interval": (
                args.check_weight_hash_across_dp_replicas_interval, "comparing the experts' "
                "weights across units"),

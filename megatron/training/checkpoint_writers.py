@@ -13,6 +13,10 @@ The exchange (DCP's local plans, then the write results) runs over groups the tr
 has, so a save needs no communicator of its own: over the DP group (one position's holders: DP
 x CP ranks), then over the positions of this rank's replica at its CP index (the replica itself
 without CP): every writer ends with every writer's part, in one order on all of them.
+
+With expert parallelism ([P]) a position's replicas hold different experts: an expert item
+(megatron-core's `.mlp.experts.` keys, one shard per local expert) is shared out among the
+replicas holding the same experts (the expert-data-parallel group), the others as before.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 # a ShardedObject (RNG state, ...) is small; a nominal size spreads several of them out
 _OBJECT_BYTES = 1024
+EXPERT_ITEM = ".mlp.experts."  # routed experts' keys (shared experts: `.mlp.shared_experts.`)
 
 
 @dataclass(frozen=True)
@@ -34,18 +39,24 @@ class Writers:
     sharing: dist.ProcessGroup | None  # this position's holders (DP x CP); None: one writes
     is_coordinator: bool  # writes DCP's `.metadata`: the save's leader, which then commits
     device: torch.device  # where the exchange's collectives run (the model's device)
+    expert_sharing: dist.ProcessGroup | None = None  # EP > 1: the holders of these experts
 
     @property
     def ranks(self) -> tuple[tuple[int, ...], ...]:
         """Who writes with this rank: a change (a replica lost) plans the save again."""
-        groups = [self.replica] + ([self.sharing] if self.sharing is not None else [])
-        return tuple(tuple(dist.get_process_group_ranks(g)) for g in groups)
+        groups = [self.replica, self.sharing, self.expert_sharing]
+        return tuple(tuple(dist.get_process_group_ranks(g)) for g in groups if g is not None)
 
     def share(self, items: dict[str, list]) -> dict[str, list]:
         """The items (sharded key -> its shards on this rank) this rank writes."""
         if self.sharing is None:
             return items
-        mine = assign_items(items, self.sharing.size())[dist.get_rank(self.sharing)]
+        by_group = {self.sharing: [k for k in items if self.expert_sharing is None
+                                   or EXPERT_ITEM not in k]}
+        if self.expert_sharing is not None:
+            by_group[self.expert_sharing] = [k for k in items if EXPERT_ITEM in k]
+        mine = [key for group, keys in by_group.items() for key in assign_items(
+            {k: items[k] for k in keys}, group.size())[dist.get_rank(group)]]
         return {key: items[key] for key in mine}
 
     def all_gather(self, obj) -> list:

@@ -304,9 +304,10 @@ class Checkpointer:
         if is_leader:
             ckd.write_common(tmp, common)
         groups = host.training.groups
-        writers = Writers(groups.replica_positions,
+        writers = Writers(groups.save_positions,
                           groups.dp if config.fully_parallel_save else None,
-                          is_leader, next(host.training.model.parameters()).device)
+                          is_leader, next(host.training.model.parameters()).device,
+                          groups.expert_dp if config.fully_parallel_save else None)
         return ckd.ShardedWrite(sharded, tmp, writers, self.plans)
 
     def _in_background(self, pending: PendingSave, faults) -> Callable[[], object]:

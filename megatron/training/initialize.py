@@ -80,6 +80,7 @@ class ParallelGroups:
     expert: dist.ProcessGroup | None = None
     tp_expert: dist.ProcessGroup | None = None
     expert_dp: dist.ProcessGroup | None = None
+    replica_alone: dist.ProcessGroup | None = None  # EP > 1: this replica's own TP x PP ranks
 
     @property
     def cp(self) -> dist.ProcessGroup:
@@ -92,6 +93,13 @@ class ParallelGroups:
         index): where a norm over its weights or gradients is summed, where a save's writers
         exchange their plans."""
         return self.model_parallel if self.model_parallel is not None else self.replica
+
+    @property
+    def save_positions(self) -> dist.ProcessGroup:
+        """Where a save's writers exchange their plans: the positions of this replica alone (with
+        expert parallelism `replica_positions` spans the unit, whose positions' plans the DP
+        group's exchange already holds)."""
+        return self.replica_alone if self.replica_alone is not None else self.replica_positions
 
     @property
     def optimizer_shards(self) -> int:
@@ -123,7 +131,7 @@ class ParallelGroups:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
         groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group,
                   self.context, self.model_parallel, self.expert, self.tp_expert, self.expert_dp,
-                  self.instance, self.position,
+                  self.replica_alone, self.instance, self.position,
                   *(c.group for c in self.channels.values())]
         return list({id(g): g for g in groups if g is not None}.values())  # shared channels: once
 
@@ -284,8 +292,9 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
         model_parallel = make_group(f"mp.replica{c.replica}{at}",
                                     [r for r in topology.replica_ranks(c.replica)
                                      if topology.coord(r).cp == c.cp])
-    expert = tp_expert = expert_dp = None
+    expert = tp_expert = expert_dp = alone = None
     if topology.ep > 1:
+        alone = make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
         expert = make_group(f"ep.unit{unit}.tp{c.tp}.stage{c.pp}",
                             topology.ep_ranks(c.tp, c.replica, c.pp))
         tp_expert = expert if topology.tp == 1 else make_group(
@@ -305,7 +314,7 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
                           size, position, p2p_channels(topology, c, make_group,
                                                        pp if channels == "shared" else None)
                           if channels and topology.pp > 1 else {}, resilient, context,
-                          model_parallel, expert, tp_expert, expert_dp)
+                          model_parallel, expert, tp_expert, expert_dp, alone)
 
 
 def env_rank_world() -> tuple[int, int]:

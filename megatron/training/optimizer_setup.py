@@ -28,7 +28,7 @@ def build_optimizer(model: torch.nn.Module, setup: OptimizerSetup, groups) -> Op
     Note: `_get_param_groups` agrees on group keys with an all_gather_object on the default group,
     so every rank must call this at start-up (bootstrap, before any failure can matter)."""
     adam = setup.adam
-    param_groups = _get_param_groups([model], adam, None)
+    param_groups = groups_at_any_expert_parallelism(_get_param_groups([model], adam, None))
     hyper = dict(lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps,
                  weight_decay=adam.weight_decay, scaler=build_loss_scaler(adam))
     layout = flat_layout_for(setup, groups, [p for g in param_groups for p in g["params"]])
@@ -36,6 +36,22 @@ def build_optimizer(model: torch.nn.Module, setup: OptimizerSetup, groups) -> Op
         return MainParamsAdamW(param_groups, layout=layout, **hyper)
     return ShardedAdamW(param_groups, layout=layout, shard=groups.optimizer_shard,
                         shards=groups.optimizer_shards, instance_group=groups.instance, **hyper)
+
+
+def groups_at_any_expert_parallelism(param_groups: list[dict]) -> list[dict]:
+    """megatron-core puts experts' weights in groups of their own at EP > 1
+    (`is_expert_parallel`, read by Megatron's DDP and clipping, by nothing here: the gradient
+    buffer tells experts by their own mark). Merged back, the groups are EP 1's, so a checkpoint's
+    groups match at any EP (a save at EP 2 resumes at EP 1)."""
+    merged: dict[tuple, dict] = {}
+    for group in param_groups:
+        key = tuple((k, repr(v)) for k, v in sorted(group.items())
+                    if k not in ("params", "is_expert_parallel"))
+        if key in merged:
+            merged[key]["params"] = [*merged[key]["params"], *group["params"]]
+        else:
+            merged[key] = {**group, "params": list(group["params"]), "is_expert_parallel": False}
+    return list(merged.values())
 
 
 def flat_layout_for(setup: OptimizerSetup, groups, params: Sequence[torch.Tensor]) -> FlatLayout:
