@@ -4,7 +4,8 @@ process (fp32, 1e-5); in DP 6 at EP 2 a rank killed in the token dispatcher's ex
 one killed in a backward each cost their unit, whose microbatches the other units compute in the
 same iteration -- an odd share split over a unit's two replicas, so one pads with a filler -- and
 the losses and gradient norms stay the failure-free ones. A torch_dist checkpoint saved at EP 2
-resumes at EP 2 and at EP 1."""
+resumes at EP 2 and at EP 1. A killed rank's unit grows back whole, each replica from a live one
+holding its experts."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ from tests._launch_util import launch
 from tests.test_moe import FLAGS
 
 EP2 = ["--expert-model-parallel-size", "2"]
+LONG = ["--train-iters", "8"]
 
 
 def close(mine: dict, ref: dict, what: str, tolerance: float = 1e-5) -> bool:
@@ -61,11 +63,10 @@ def test_a_unit_grows_back_whole_or_not_at_all():
 def reference(tmp_path_factory):
     """One process's losses at global batch 8 (the layouts) and 6 (the kills)."""
     runs = {}
-    for batch in (8, 6):
-        run = launch(1, [*FLAGS, "--global-batch-size", str(batch)],
-                     tmp_path_factory.mktemp(f"ep-ref{batch}") / "metrics.jsonl")
+    for name, flags in ((8, []), (6, ["--global-batch-size", "6"]), ("long", LONG)):
+        run = launch(1, [*FLAGS, *flags], tmp_path_factory.mktemp(f"ep-ref{name}") / "m.jsonl")
         assert run.returncode == 0, run.stderr[-3000:]
-        runs[batch] = [r for r in run.records if "lm_loss" in r]
+        runs[name] = [r for r in run.records if "lm_loss" in r]
     return runs
 
 
@@ -124,3 +125,23 @@ def test_an_expert_parallel_checkpoint_resumes_at_ep_2_and_at_ep_1(reference, tm
         mine = resumed.losses()
         assert len(mine) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mine, ref)), (
             world, mine, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_unit_grows_back_each_replica_from_a_holder_of_its_experts(reference, tmp_path):
+    """DP 4 at EP 2: rank 2 dies in iteration 3, its unit's other rank waits as a spare, a
+    replacement starts; after iteration 4 the unit re-forms, replica 2 taking replica 0's state
+    and replica 3 replica 1's (the experts it holds), and the losses stay the failure-free ones."""
+    run = launch(4, [*FLAGS, *EP2, *LONG, "--inject-fault", "kill:rank=2,iter=3,phase=forward",
+                     "--inject-fault", "slow:rank=1,seconds=0.15,iter=4,phase=forward"],
+                 tmp_path / "metrics.jsonl", timeout=240,
+                 launcher_args=["--max-replacements", "1"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    live = [r["live_replicas"] for r in records]
+    assert live[2] == [0, 1] and live[-1] == [0, 1, 2, 3], live
+    assert [r["join"]["joined"] for r in run.records if "join" in r] == [[2, 3]]
+    assert "rank 3: waiting as a spare" in run.stdout
+    for mine, ref in zip(records, reference["long"], strict=True):
+        assert close(mine, ref, "lm_loss"), (mine, ref)  # one donor for both: 1e-3 off

@@ -142,7 +142,7 @@ class Trainer:
         """Spares and replacement processes rejoin (recovery on, with the coordinator)."""
         assert self.agreement is not None
         self.grow = GrowBack(live=self.live, agreement=self.agreement, membership=membership,
-                             replica=self, hook=self.hook)
+                             replica=self, hook=self.hook, ep=self.groups.topology.ep)
 
     # -- what a join moves (GrowBack's ReplicaState) ------------------------------------------
     def abandon(self, phase: str) -> None:

@@ -97,6 +97,7 @@ class GrowBack:
     hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "join"
     max_attempts: int = 64
     failed: set[int] = field(default_factory=set)  # epochs whose join aborted: one try each
+    ep: int = 1  # expert parallelism: a joiner's donor holds the same experts (replica % ep)
 
     # --- live ranks ---------------------------------------------------------------------------
     def due(self, sync: bool) -> bool:
@@ -121,7 +122,8 @@ class GrowBack:
                 joining = [] if epoch in self.failed else m.joinable()
                 plan = self.agreement.announce_join(epoch, {
                     "iteration": iteration, "live": sorted(m.live_replicas + joining),
-                    "donor": min(m.live_replicas)})
+                    "donor": min(m.live_replicas),
+                    "donors": [[r, self._donor(r)] for r in joining]})
                 joined = [r for r in plan["live"] if r not in m.live_replicas]
                 transfer, sent = self._meet(plan, epoch, joined)
                 if sent is None:  # aborted on every member alike: go on without the joiners
@@ -153,8 +155,8 @@ class GrowBack:
             self.agreement.barrier(f"join/{epoch}", members, epoch)
             self.replica.rebuild(plan["live"], epoch, f"join/{epoch}")
             clock = time.perf_counter()
-            if self.live.replica == plan["donor"]:
-                for replica in joined:
+            for replica, donor in plan["donors"]:
+                if self.live.replica == donor:
                     self.hook("join")
                     sent += self.replica.send_state(replica)
             ok = True
@@ -164,6 +166,11 @@ class GrowBack:
         decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok,
                                               per_rank=True)
         return transfer, (sent if decision.committed else None)
+
+    def _donor(self, joiner: int) -> int:
+        """The lowest live replica holding what `joiner` holds: any one, or with expert
+        parallelism one with its experts (a unit is live whole, so one is)."""
+        return min(r for r in self.live.live_replicas if r % self.ep == joiner % self.ep)
 
     # --- spares -------------------------------------------------------------------------------
     def wait_as_spare(self) -> JoinRecord:
@@ -199,7 +206,7 @@ class GrowBack:
             try:
                 self.agreement.barrier(f"join/{epoch}", members, epoch)
                 self.replica.rebuild(plan["live"], epoch, f"join/{epoch}")
-                received = self.replica.receive_state(plan["donor"])
+                received = self.replica.receive_state(dict(plan["donors"])[m.replica])
             except PeerFailure:
                 ok = False
             decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok,
@@ -210,7 +217,7 @@ class GrowBack:
                 continue
             m.adopt_join(plan["live"], epoch, dead)
             return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],
-                              plan["donor"], 1, bytes_received=received,
+                              dict(plan["donors"])[m.replica], 1, bytes_received=received,
                               seconds={"pause": time.perf_counter() - start})
 
     def _after_abort(self, epoch: int, slots: list[int]) -> None:
