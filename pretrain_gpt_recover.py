@@ -230,7 +230,8 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
         trainer.grow_back_with(membership)
     groups.before_parallel_ops(lambda op: trainer.hook("tp_allreduce"),
                                lambda op: trainer.hook("cp_exchange"),
-                               lambda op: trainer.hook("ep_dispatch"))
+                               lambda op: trainer.hook("ep_alltoall" if op == "alltoall"
+                                                       else "ep_dispatch"))
     return trainer
 
 

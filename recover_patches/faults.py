@@ -46,9 +46,9 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt", "coordinator")
-PHASES = ("forward", "backward", "p2p", "tp_allreduce", "cp_exchange", "ep_dispatch", "dp_reduce",
-          "reduced", "ack", "exchange", "confirmed", "optimizer", "param_gather", "checkpoint",
-          "recovery", "join", "eval")
+PHASES = ("forward", "backward", "p2p", "tp_allreduce", "cp_exchange", "ep_dispatch",
+          "ep_alltoall", "dp_reduce", "reduced", "ack", "exchange", "confirmed", "optimizer",
+          "param_gather", "checkpoint", "recovery", "join", "eval")
 ENV_VAR = "RECOVER_INJECT_FAULT"
 ANY = -1  # iter=any: the first matching call, whatever the iteration
 FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K] (slow: seconds=S instead of iter) "

@@ -1,6 +1,7 @@
 """[P] Expert parallelism: EP consecutive replicas (a unit) split the experts, and the unit is
 the recovery unit (DESIGN §3). EP 2 of DP 2, EP 2 of DP 4 and EP 2 with TP 2 + SP follow one
-process (fp32, 1e-5); in DP 6 at EP 2 a rank killed in the token dispatcher's exchange and then
+process (fp32, 1e-5), with megatron-core's allgather and alltoall token dispatchers; in DP 6 at
+EP 2 a rank killed in the dispatcher's all-to-all and then
 one killed in a backward each cost their unit, whose microbatches the other units compute in the
 same iteration -- an odd share split over a unit's two replicas, so one pads with a filler -- and
 the losses and gradient norms stay the failure-free ones. A torch_dist checkpoint saved at EP 2
@@ -19,6 +20,7 @@ from tests.test_moe import FLAGS
 
 EP2 = ["--expert-model-parallel-size", "2"]
 LONG = ["--train-iters", "8"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # megatron-core's, on the host here
 
 
 def close(mine: dict, ref: dict, what: str, tolerance: float = 1e-5) -> bool:
@@ -73,7 +75,7 @@ def reference(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,layout", [
-    (2, []),  # EP 2 = DP 2: one unit, no expert-data-parallel sum
+    (2, ALLTOALL),  # EP 2 = DP 2: one unit, no expert-data-parallel sum
     (4, ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]),  # two units
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])])  # ETP 2
 def test_expert_parallel_layouts_follow_one_process(reference, tmp_path, world, layout):
@@ -88,15 +90,15 @@ def test_expert_parallel_layouts_follow_one_process(reference, tmp_path, world, 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_killed_expert_parallel_ranks_cost_their_units_not_the_trajectory(reference, tmp_path):
-    """DP 6, EP 2, global batch 6: rank 3 (unit 1) dies in the dispatcher's exchange of
-    iteration 2, rank 0 (unit 0) in a backward of iteration 3. Each time the lost unit's two
+    """DP 6, EP 2, global batch 6, the alltoall dispatcher: rank 3 (unit 1) dies in the
+    dispatcher's exchange of iteration 2, rank 0 (unit 0) in a backward of iteration 3. Each time the lost unit's two
     microbatches go one to each remaining unit, whose second replica computes a filler."""
-    faults = ["--inject-fault", "kill:rank=3,iter=2,phase=ep_dispatch",
+    faults = ["--inject-fault", "kill:rank=3,iter=2,phase=ep_alltoall",
               "--inject-fault", "kill:rank=0,iter=3,phase=backward"]
-    run = launch(6, [*FLAGS, *EP2, "--global-batch-size", "6", "--recover-spares", "off",
-                     *faults], tmp_path / "metrics.jsonl", launcher_args=[], timeout=240)
+    run = launch(6, [*FLAGS, *EP2, *ALLTOALL, "--global-batch-size", "6",
+                     "--recover-spares", "off", *faults], tmp_path / "metrics.jsonl", launcher_args=[], timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "ep.unit1.tp0.stage0.allgather failed" in run.stdout + run.stderr
+    assert "ep.unit1.tp0.stage0.alltoall failed" in run.stdout + run.stderr
     records = [r for r in run.records if "lm_loss" in r]
     assert [r["live_replicas"] for r in records] == [
         [0, 1, 2, 3, 4, 5], [0, 1, 4, 5], [4, 5], [4, 5]]

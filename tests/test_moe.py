@@ -117,8 +117,9 @@ def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
         "--expert-tensor-parallel-size: --expert-tensor-parallel-size 2 other than")
     assert "global_aux_loss sums expert loads over the data-parallel replicas" in refusal(
         *moe, "--moe-router-load-balancing-type", "global_aux_loss")
-    assert "alltoall makes a CUDA stream" in refusal(*moe, "--moe-token-dispatcher-type",
-                                                      "alltoall")
+    assert "gathers uneven token counts over TP" in refusal(
+        *moe, "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel")
     assert "needs --sequence-parallel" in refusal(*moe, "--tensor-model-parallel-size", "2")
     assert "--moe-layer-freq gives 3 layers" in refusal(*moe, "--moe-layer-freq", "[1,0,1]")
     assert "--moe-router-topk 5 must be between 1 and --num-experts 4" in refusal(

@@ -50,11 +50,14 @@ def _refuse_not_built(args: argparse.Namespace, device: str) -> None:
                             "so one replica's microbatches would change with the others': "
                             "not with ReCoVer's recovery", "pass aux_loss or seq_aux_loss")
     dispatcher = args.moe_token_dispatcher_type
-    if dispatcher == "flex" or (dispatcher == "alltoall" and device == "cpu"):
-        why = ("needs DeepEP" if dispatcher == "flex" else
-               "makes a CUDA stream when it is built: it needs a GPU")
-        raise ArgumentError("--moe-token-dispatcher-type", f"--moe-token-dispatcher-type "
-                            f"{dispatcher} {why}", "pass --moe-token-dispatcher-type allgather")
+    if dispatcher == "flex":
+        raise ArgumentError("--moe-token-dispatcher-type", "--moe-token-dispatcher-type flex "
+                            "needs DeepEP", "pass --moe-token-dispatcher-type alltoall")
+    if dispatcher == "alltoall" and tp > 1 and device == "cpu":
+        raise ArgumentError("--moe-token-dispatcher-type", "--moe-token-dispatcher-type "
+                            "alltoall with --tensor-model-parallel-size > 1 gathers uneven token "
+                            "counts over TP, which gloo's all-gather cannot (a GPU's NCCL can)",
+                            "pass --moe-token-dispatcher-type allgather on a CPU")
     if args.context_parallel_size > 1:
         raise ArgumentError("--num-experts", "--num-experts with --context-parallel-size "
                             f"{args.context_parallel_size} is not supported by ReCoVer yet",

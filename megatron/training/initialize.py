@@ -144,7 +144,7 @@ class ParallelGroups:
                             ep_hook: Callable[[str], None]) -> None:
         """Fault injection: `hook(op)` before each tensor-parallel operation, `cp_hook(op)`
         before each context-parallel one (the attention's K/V exchange), `ep_hook(op)` before
-        each of the token dispatcher's (expert parallelism)."""
+        each of the token dispatcher's (expert parallelism; op "alltoall": its exchange)."""
         resilient = {id(g): g for g in self.resilient_groups()}
         for group, before in ((self.tp, hook), (self.context, cp_hook), (self.tp_expert, ep_hook)):
             if group is not None and id(group) in resilient:

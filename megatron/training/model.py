@@ -39,6 +39,7 @@ from megatron.training.config import ModelConfig
 from megatron.training.context_parallel import (context_parallel_attention,
                                                 pos_emb_on_this_cp_rank)
 from megatron.training.context_parallel_comm import ring_attention, ulysses_attention
+from megatron.training.moe_cpu import use_host_alltoall
 from recover_patches.pipeline.rng import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,8 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
         # megatron-core 0.16.1's router reads this name when transformer-engine is absent too
         # (its import failed, so the name is undefined); None is the value its check expects
         moe_utils.te_general_gemm = None
+    if config.num_moe_experts and not torch.cuda.is_available():
+        use_host_alltoall()  # megatron-core's alltoall dispatcher asks for a CUDA stream
     vp = m.model_chunks
     first, last = pp_stage == 0, pp_stage == config.pipeline_model_parallel_size - 1
     chunks = [
