@@ -1,8 +1,8 @@
 """[P] Expert parallelism: EP consecutive replicas (a unit) split the experts, and the unit is
-the recovery unit (DESIGN §3). EP 2 of DP 2, EP 2 of DP 4 and EP 2 with TP 2 + SP follow one
-process (fp32, 1e-5), with megatron-core's allgather and alltoall token dispatchers; in DP 6 at
-EP 2 a rank killed in the dispatcher's all-to-all and then
-one killed in a backward each cost their unit, whose microbatches the other units compute in the
+the recovery unit (DESIGN §3). EP 2 of DP 2, EP 2 of DP 4, EP 2 with TP 2 + SP and EP 2 with an
+interleaved PP 2 follow one process (fp32, 1e-5), with megatron-core's allgather and alltoall
+token dispatchers. In DP 6 at EP 2 a rank killed in the dispatcher's all-to-all and then one
+killed in a backward each cost their unit, whose microbatches the other units compute in the
 same iteration -- an odd share split over a unit's two replicas, so one pads with a filler -- and
 the losses and gradient norms stay the failure-free ones. A torch_dist checkpoint saved at EP 2
 resumes at EP 2 and at EP 1. A killed rank's unit grows back whole, each replica from a live one
@@ -77,7 +77,9 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("world,layout", [
     (2, ALLTOALL),  # EP 2 = DP 2: one unit, no expert-data-parallel sum
     (4, ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]),  # two units
-    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])])  # ETP 2
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),  # ETP 2
+    (4, ["--pipeline-model-parallel-size", "2",  # the interleaved schedule, 2 chunks a rank
+         "--num-layers-per-virtual-pipeline-stage", "1"])])
 def test_expert_parallel_layouts_follow_one_process(reference, tmp_path, world, layout):
     run = launch(world, [*FLAGS, *EP2, *layout], tmp_path / "metrics.jsonl")
     assert run.returncode == 0, run.stderr[-3000:]
