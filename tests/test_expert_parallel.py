@@ -6,7 +6,7 @@ killed in a backward each cost their unit, whose microbatches the other units co
 same iteration -- an odd share split over a unit's two replicas, so one pads with a filler -- and
 the losses and gradient norms stay the failure-free ones. A torch_dist checkpoint saved at EP 2
 resumes at EP 2 and at EP 1. A killed rank's unit grows back whole, each replica from a live one
-holding its experts."""
+holding its experts, and the weights are checked among the replicas holding the same experts."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +20,7 @@ from tests.test_moe import FLAGS
 
 EP2 = ["--expert-model-parallel-size", "2"]
 LONG = ["--train-iters", "8"]
+CHECKED = ["--check-weight-hash-across-dp-replicas-interval", "1"]
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # megatron-core's, on the host here
 
 
@@ -137,7 +138,8 @@ def test_a_unit_grows_back_each_replica_from_a_holder_of_its_experts(reference, 
     """DP 4 at EP 2: rank 2 dies in iteration 3, its unit's other rank waits as a spare, a
     replacement starts; after iteration 4 the unit re-forms, replica 2 taking replica 0's state
     and replica 3 replica 1's (the experts it holds), and the losses stay the failure-free ones."""
-    run = launch(4, [*FLAGS, *EP2, *LONG, "--inject-fault", "kill:rank=2,iter=3,phase=forward",
+    run = launch(4, [*FLAGS, *EP2, *LONG, *CHECKED,
+                     "--inject-fault", "kill:rank=2,iter=3,phase=forward",
                      "--inject-fault", "slow:rank=1,seconds=0.15,iter=4,phase=forward"],
                  tmp_path / "metrics.jsonl", timeout=240,
                  launcher_args=["--max-replacements", "1"])
@@ -149,3 +151,18 @@ def test_a_unit_grows_back_each_replica_from_a_holder_of_its_experts(reference, 
     assert "rank 3: waiting as a spare" in run.stdout
     for mine, ref in zip(records, reference["long"], strict=True):
         assert close(mine, ref, "lm_loss"), (mine, ref)  # one donor for both: 1e-3 off
+    # the weights agreed after every iteration, among the replicas holding the same experts
+    assert [r.get("weights_checked_after") for r in records[1:]] == list(range(1, 8))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_corrupted_expert_rank_is_caught_by_its_expert_peer(tmp_path):
+    """DP 4 at EP 2: a weight of rank 3 changes before iteration 3's reduction; replica 1, which
+    holds the same experts, disagrees, and every rank stops."""
+    run = launch(4, [*FLAGS, *EP2, *CHECKED, "--inject-fault",
+                     "corrupt:rank=3,iter=3,phase=dp_reduce"], tmp_path / "m.jsonl",
+                 launcher_args=[])
+    assert run.returncode != 0
+    assert run.stdout.count("stopping: after iteration 2 the data-parallel replicas hold "
+                            "different weights") == 4, run.stdout[-3000:]

@@ -84,9 +84,6 @@ def _refuse_with_expert_parallelism(args: argparse.Namespace) -> None:
                "unit's experts"),
            "--non-persistent-ckpt-type": (args.non_persistent_ckpt_type == "local",
                                           "local checkpoints of each expert rank"),
-           "--check-weight-hash-across-dp-replicas-interval": (
-               args.check_weight_hash_across_dp_replicas_interval, "comparing the experts' "
-               "weights across units"),
            "--rerun-mode": (args.rerun_mode == "report_stats", "re-running one replica's "
                             "microbatches (its unit runs together)")}
     for flag, (given, what) in why.items():

@@ -239,9 +239,8 @@ class GPTReplicaStep:
         return self.live.replica_ranks(replica)
 
     def step(self, reduced: ReducedGradients) -> dict:
-        """Megatron's order (the reduced grads were finalised in `reduce`): unscale, norm (the
-        overflow check), clip, step -- or skip the step on an fp16 overflow.
-        The report's `skipped_step` says which (the Trainer counts them)."""
+        """Megatron's order (grads finalised in `reduce`): unscale, norm (the overflow check),
+        clip, step -- or skip it on an fp16 overflow (the report's `skipped_step`)."""
         checked = self.weight_check_due()
         if checked:
             self.check_weights_agree(reduced)
@@ -378,10 +377,12 @@ class GPTReplicaStep:
         return bool(interval) and done > 0 and done % interval == 0
 
     def check_weights_agree(self, reduced: ReducedGradients) -> None:
-        """Each DP group compares its shard; the replica group agrees on the verdict (one small
-        collective every N iterations), so every rank stops, not only the mismatched shard's."""
+        """Each DP group compares its shard among the replicas holding the same experts (EP);
+        the replica group agrees on the verdict, so every rank stops, not only the shard's."""
         hashes = {r: reduced.replica_weight_hashes[r] for r in self.live.live_replicas}
-        mismatch = torch.tensor([int(len(set(hashes.values())) > 1)], device=self.device)
+        ep = self.groups.topology.ep
+        mismatch = torch.tensor([int(any(len({h for r, h in hashes.items() if r % ep == e}) > 1
+                                         for e in range(ep)))], device=self.device)
         if self.groups.replica.size() > 1:
             dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.groups.replica)
         if mismatch.item():
