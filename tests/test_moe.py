@@ -50,6 +50,21 @@ def test_moe_layouts_follow_one_process(reference, tmp_path, layout):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_group_limited_routing_and_probabilities_on_the_input_follow_one_process(tmp_path):
+    """megatron-core's group-limited routing (4 experts in 2 groups, a token's from 1) and, at
+    top-1, the routing probability applied to the experts' input: DP 2 = one process."""
+    flags = [*FLAGS, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+             "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-apply-probs-on-input"]
+    runs = [launch(n, flags, tmp_path / f"m{n}.jsonl") for n in (1, 2)]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr[-3000:]
+    one, two = ([r for r in run.records if "lm_loss" in r] for run in runs)
+    assert len(one) == len(two) == ITERS
+    for mine, ref in zip(two, one):
+        assert close(mine, ref, "lm_loss", 1e-5) and close(mine, ref, "grad_norm", 1e-4), (mine, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_a_killed_moe_rank_keeps_the_failure_free_losses(reference, tmp_path):
     """DP 3: rank 1 dies in a backward pass of iteration 2; the survivors recompute its
     microbatches (their router and expert gradients included) in the same iteration."""
@@ -129,6 +144,8 @@ def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
     assert "Bias in Moe" in refusal("--num-experts", "4", "--tensor-model-parallel-size", "2",
                                     "--sequence-parallel")  # megatron-core's own check, one line
     assert refusal(*moe, "--moe-grouped-gemm").startswith("--moe-grouped-gemm")
+    assert "works only with --moe-router-topk 1, got 2" in refusal(*moe,
+                                                                  "--moe-apply-probs-on-input")
     assert refusal("--expert-model-parallel-size", "2").startswith("--expert-model-parallel-size")
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE]), 2)
     assert (args.num_experts, args.moe_layer_freq) == (4, [1, 0, 1, 0])

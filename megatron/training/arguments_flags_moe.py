@@ -65,7 +65,15 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="The router z-loss's coefficient.")
     g.add_argument("--moe-token-dispatcher-type", default="allgather",
                    choices=["allgather", "alltoall", "flex"],
-                   help="How tokens reach their experts; flex is refused, alltoall needs a GPU.")
+                   help="How tokens reach their experts; flex is refused (alltoall with TP > 1 "
+                        "needs a GPU).")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Group-limited routing: the experts in this many equal groups.")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Group-limited routing: a token's experts come from this many groups.")
+    g.add_argument("--moe-apply-probs-on-input", action="store_true",
+                   help="Multiply the routing probabilities into the experts' input instead of "
+                        "their output (top-1 routing only, megatron-core's check).")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="Expert capacity (tokens beyond it are dropped); None: no dropping.")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
@@ -73,7 +81,8 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
                    help="Which tokens an over-full expert drops.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="Expert parallelism: experts split over this many DP ranks (1 for now).")
+                   help="Expert parallelism: the experts split over this many consecutive "
+                        "data-parallel replicas (a unit, which fails and recovers as one).")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="Tensor parallelism inside an expert (default and only value for now: "
                         "--tensor-model-parallel-size).")

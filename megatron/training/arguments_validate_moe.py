@@ -22,6 +22,10 @@ def validate_moe(args: argparse.Namespace, device: str) -> None:
     if not 1 <= args.moe_router_topk <= experts:
         raise ArgumentError("--moe-router-topk", f"--moe-router-topk {args.moe_router_topk} must "
                             f"be between 1 and {flag} {experts}", "pass a smaller top-k")
+    if args.moe_apply_probs_on_input and args.moe_router_topk != 1:  # megatron-core's, at run
+        raise ArgumentError("--moe-apply-probs-on-input", "--moe-apply-probs-on-input works only "
+                            f"with --moe-router-topk 1, got {args.moe_router_topk}",
+                            "pass --moe-router-topk 1 or drop the flag")
     freq = args.moe_layer_freq
     if isinstance(freq, list) and len(freq) != args.num_layers:
         raise ArgumentError("--moe-layer-freq", f"--moe-layer-freq gives {len(freq)} layers, the "
