@@ -137,8 +137,9 @@ def test_an_expert_parallel_checkpoint_resumes_at_ep_2_and_at_ep_1(reference, tm
 def test_a_unit_grows_back_each_replica_from_a_holder_of_its_experts(reference, tmp_path):
     """DP 4 at EP 2: rank 2 dies in iteration 3, its unit's other rank waits as a spare, a
     replacement starts; after iteration 4 the unit re-forms, replica 2 taking replica 0's state
-    and replica 3 replica 1's (the experts it holds), and the losses stay the failure-free ones."""
-    run = launch(4, [*FLAGS, *EP2, *LONG, *CHECKED,
+    and replica 3 replica 1's (the experts it holds), and the losses stay the failure-free ones.
+    Evaluations every 2 iterations are voted on by unit."""
+    run = launch(4, [*FLAGS, *EP2, *LONG, *CHECKED, "--eval-interval", "2",
                      "--inject-fault", "kill:rank=2,iter=3,phase=forward",
                      "--inject-fault", "slow:rank=1,seconds=0.15,iter=4,phase=forward"],
                  tmp_path / "metrics.jsonl", timeout=240,
@@ -149,6 +150,8 @@ def test_a_unit_grows_back_each_replica_from_a_holder_of_its_experts(reference, 
     assert live[2] == [0, 1] and live[-1] == [0, 1, 2, 3], live
     assert [r["join"]["joined"] for r in run.records if "join" in r] == [[2, 3]]
     assert "rank 3: waiting as a spare" in run.stdout
+    # evaluations, voted on by unit: before, during and after the unit's absence
+    assert len([r for r in run.records if "valid_lm_loss" in r]) == 4, run.stdout[-3000:]
     for mine, ref in zip(records, reference["long"], strict=True):
         assert close(mine, ref, "lm_loss"), (mine, ref)  # one donor for both: 1e-3 off
     # the weights agreed after every iteration, among the replicas holding the same experts

@@ -87,10 +87,14 @@ def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, 
 
 
 def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
-    """The commit vote by replica: its ranks agree over the replica's group, its first rank votes."""
-    group = groups.replica
+    """The commit vote by replica: its ranks agree over the replica's group, its first rank votes
+    (with expert parallelism the group spans the unit, and the unit votes as one)."""
+    group, topo = groups.replica, groups.topology
+
+    def voter_of(rank: int) -> int:
+        return topo.replica_of(rank) // topo.ep
     if group.size() == 1:
-        return ReplicaLink(groups.topology.replica_of, True, lambda news: news, lambda code: code)
+        return ReplicaLink(voter_of, True, lambda news: news, lambda code: code)
 
     def exchange(news: bool) -> bool:
         flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
@@ -101,8 +105,7 @@ def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
         value = torch.tensor([code], dtype=torch.int32, device=device)
         dist.broadcast(value, group=group, group_src=0)
         return int(value.item())
-    return ReplicaLink(groups.topology.replica_of, group.rank() == 0, exchange, share)
-
+    return ReplicaLink(voter_of, group.rank() == 0, exchange, share)
 
 
 def pad_for_unit(ids: list[int], groups: ParallelGroups, device) -> list[int]:
