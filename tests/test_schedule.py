@@ -60,10 +60,10 @@ class ScaleStage:
         x = torch.tensor(float(g)) if x is None else x
         return self.w * x
 
-    def backward(self, x, y, dy):
+    def backward(self, g, x, y, dy):
         self.live -= 1
         torch.autograd.backward(y, grad_tensors=None if self.is_last else dy)
-        self.events.append(("B", -1))
+        self.events.append(("B", g))
         return None if x is None else x.grad
 
     def tokens(self, g):
@@ -100,6 +100,7 @@ def test_every_microbatch_once_in_order_with_bounded_activations(n, num_stages):
     stages, results = run_pipeline(ids, num_stages)
     for s, (stage, result) in enumerate(zip(stages, results)):
         assert [g for kind, g in stage.events if kind == "F"] == ids
+        assert [g for kind, g in stage.events if kind == "B"] == ids  # told which it is
         assert result.ids == ids and result.tokens == 10 * n
         assert stage.live == 0
         # 1F1B: stage s never holds more than (P - s) activations

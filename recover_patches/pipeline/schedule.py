@@ -25,8 +25,9 @@ def _no_hook(phase: str, microbatch: int | None) -> None:
 class Stage(Protocol):
     def forward(self, microbatch_id: int, input_tensor: torch.Tensor | None) -> torch.Tensor: ...
 
-    def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,
-                 output_grad: torch.Tensor | None) -> torch.Tensor | None: ...
+    def backward(self, microbatch_id: int, input_tensor: torch.Tensor | None,
+                 output: torch.Tensor, output_grad: torch.Tensor | None
+                 ) -> torch.Tensor | None: ...
 
     def tokens(self, microbatch_id: int) -> int: ...
 
@@ -47,6 +48,12 @@ class ScheduleResult:
             self.ids.append(microbatch)
         self.tokens += tokens
 
+    def add_loss(self, microbatch: int, loss: torch.Tensor) -> None:
+        """The last stage's loss of one microbatch (a filler's, zeroed, is left out whole: zero
+        times an overflowed loss would be a NaN)."""
+        if microbatch >= 0:
+            self.loss_sum = self.loss_sum + loss.detach().double()
+
 
 def _nothing() -> None:
     pass
@@ -62,7 +69,7 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
     steady = n - warmup
     in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
     result = ScheduleResult()
-    backwards = [0]  # done so far (fillers included)
+    backwards = 0  # done so far (fillers included)
 
     def forward(k: int, x: torch.Tensor | None) -> torch.Tensor:
         hook("forward", ids[k])
@@ -71,14 +78,15 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
         return y
 
     def backward(dy: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal backwards
         g, x, y = in_flight.pop(0)
         hook("backward", g)
-        if backwards[0] == n - 1:
+        if backwards == n - 1:
             before_last_backward()
-        dx = stage.backward(x, y, dy)
-        backwards[0] += 1
+        dx = stage.backward(g, x, y, dy)
+        backwards += 1
         if link.is_last:
-            result.loss_sum = result.loss_sum + y.detach().double()
+            result.add_loss(g, y)
         result.add(g, stage.tokens(g))
         return dx
 
@@ -120,7 +128,7 @@ def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
         y = stage.forward(g, link.recv_forward())
         link.send_forward(y)
         if link.is_last:
-            result.loss_sum = result.loss_sum + y.detach().double()
+            result.add_loss(g, y)
         result.add(g, stage.tokens(g))
     return result
 
@@ -189,9 +197,9 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
                 continue
             x, y = in_flight.pop((a.chunk, a.index))
             hook("backward", g)
-            dx = stage.backward(x, y, received)
+            dx = stage.backward(g, x, y, received)
             if a.chunk * stages + rank == last:
-                result.loss_sum = result.loss_sum + y.detach().double()
+                result.add_loss(g, y)
             tokens = stage.tokens(g)  # every chunk counted them in its forward
             if a.chunk == 0:
                 result.add(g, tokens)
@@ -219,7 +227,7 @@ def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], li
                 link.send(Kind.FORWARD, c, index, y)
                 tokens = stage.tokens(g)
                 if c * stages + rank == last:
-                    result.loss_sum = result.loss_sum + y.detach().double()
+                    result.add_loss(g, y)
                 if c == 0:
                     result.add(g, tokens)
     except BaseException:

@@ -10,7 +10,6 @@ an auxiliary-loss scale of zero: its experts answer the others' tokens, it adds 
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable
 
 import torch
@@ -43,7 +42,6 @@ class GPTStage:
         self.is_first = is_first
         self.is_last = is_last
         self._token_counts: dict[int, int] = {}
-        self._fillers: deque[bool] = deque()  # per forward not yet backward, in order
 
     def forward(self, microbatch_id: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
         filler = microbatch_id < 0
@@ -52,8 +50,6 @@ class GPTStage:
         batch = self.sampler(sample)
         # counted on the host copy: reading it back from the GPU would stall the pipeline
         self._token_counts[microbatch_id] = 0 if filler else int(batch["loss_mask"].sum().item())
-        if torch.is_grad_enabled():  # a backward follows (not in evaluation)
-            self._fillers.append(filler)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if not self.is_first:
             self.model.set_input_tensor(input_tensor)
@@ -68,12 +64,12 @@ class GPTStage:
         loss = masked_loss_sum(token_loss, batch["loss_mask"])
         return loss * 0.0 if filler else loss
 
-    def backward(self, input_tensor: torch.Tensor | None, output: torch.Tensor,
-                 output_grad: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, microbatch_id: int, input_tensor: torch.Tensor | None,
+                 output: torch.Tensor, output_grad: torch.Tensor | None
+                 ) -> torch.Tensor | None:
         scale = 1.0 if self.loss_scale is None else self.loss_scale()
-        filler = self._fillers.popleft()
-        if self.before_backward is not None:
-            self.before_backward(0.0 if filler else scale)
+        if self.before_backward is not None:  # a filler's auxiliary losses weigh nothing
+            self.before_backward(0.0 if microbatch_id < 0 else scale)
         if self.is_last:
             torch.autograd.backward(output * scale if scale != 1.0 else output)
         else:

@@ -201,12 +201,12 @@ class GrowBack:
                 self.membership.wait_as_spare(slots)
                 continue
             start = time.perf_counter()
-            members = m.members(plan["live"])
+            members, donor = m.members(plan["live"]), dict(plan["donors"])[m.replica]
             received, ok = 0, True
             try:
                 self.agreement.barrier(f"join/{epoch}", members, epoch)
                 self.replica.rebuild(plan["live"], epoch, f"join/{epoch}")
-                received = self.replica.receive_state(dict(plan["donors"])[m.replica])
+                received = self.replica.receive_state(donor)
             except PeerFailure:
                 ok = False
             decision = self.agreement.commit_vote(f"join/{epoch}", members, reduced_ok=ok,
@@ -217,7 +217,7 @@ class GrowBack:
                 continue
             m.adopt_join(plan["live"], epoch, dead)
             return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],
-                              dict(plan["donors"])[m.replica], 1, bytes_received=received,
+                              donor, 1, bytes_received=received,
                               seconds={"pause": time.perf_counter() - start})
 
     def _after_abort(self, epoch: int, slots: list[int]) -> None:
