@@ -25,12 +25,11 @@ from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.epoch_watch import EpochWatch
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
 from recover_patches.collectives.journal import Journal
-from recover_patches.collectives.timeouts import RECONNECT_WITHIN
+from recover_patches.collectives.timeouts import OPERATION_WAIT, RECONNECT_WITHIN
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0
-OPERATION_WAIT = 2.0  # seconds: [U] over a cut link an operation is given up after this
 
 
 class LauncherLink:

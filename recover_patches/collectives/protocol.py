@@ -40,6 +40,8 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from recover_patches.collectives.bounded_call import BoundedCaller
+
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, SlotTaken)
 
@@ -129,21 +131,30 @@ def current_address(address_file: Path | None, host: str, port: int) -> tuple[st
     return parse_address(read_address(address_file, f"{host}:{port}"), str(address_file))
 
 
+CONNECT_SLACK = 2.0  # seconds a connection may take past its timeout before it is abandoned
+
+
 def connect(host: str, port: int, timeout: float, source: str,
             quick: bool = False) -> dist.TCPStore:
     """A client connection to the coordinator's store, or a clear error naming `source`.
     `quick`: an address where nothing listens fails at once (torch's own connect retries it,
-    with backoff, for seconds past `timeout`), for a rank that looks for a successor."""
+    with backoff, for seconds past `timeout`), for a rank that looks for a successor.
+    Bounded: torch's client validates the connection with a blocking read, so a server that
+    accepts and never answers (a coordinator coming up or going down under load) would hold
+    the caller for good; it is abandoned `CONNECT_SLACK` past `timeout` instead."""
+    bounded = BoundedCaller(timeout + CONNECT_SLACK, "recover-connect")
     try:
         if quick:
             socket.create_connection((host, port), timeout=timeout).close()
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
-                             wait_for_workers=False)
-    except (RuntimeError, OSError) as e:  # (TimeoutError is an OSError)
+        return bounded(lambda: dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                             timeout=timedelta(seconds=timeout)))
+    except (RuntimeError, OSError) as e:  # (TimeoutError is an OSError; so is OperationTimedOut)
         raise CoordinatorUnreachable(
             f"no coordinator reachable at {host}:{port} within {timeout:g}s (from {source}); start it "
             "with `python -m recover_patches.collectives.coordinator` or let the launcher start it"
         ) from e
+    finally:
+        bounded.close()
 
 
 def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
@@ -154,21 +165,27 @@ def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: floa
     its --recover-timeout, `rejoin` = {epoch, record} when it registers again with a restarted
     coordinator, and `node`: the launcher whose node beat carries its heartbeat, if any); raise
     JobTokenRefused with the coordinator's reason if refused."""
-    n = store.add(HELLO_COUNT, 1)
-    store.set(hello_key(n), json.dumps({"digest": token_digest(token), "role": role, "rank": rank,
-                                        "incarnation": incarnation, "standby": standby,
-                                        "timeout": recover_timeout, "rejoin": rejoin,
-                                        "node": node}))
-    try:
-        store.wait([reply_key(n)], timedelta(seconds=timeout))
+    hello = {"digest": token_digest(token), "role": role, "rank": rank, "incarnation": incarnation,
+             "standby": standby, "timeout": recover_timeout, "rejoin": rejoin, "node": node}
+    bounded = BoundedCaller(timeout + CONNECT_SLACK, "recover-connect")
+    try:  # bounded as the connection is: a coordinator gone silent mid-handshake never answers
+        reply = bounded(lambda: _hello(store, hello, timeout))
     except RuntimeError as e:
         raise CoordinatorUnreachable(f"the coordinator did not answer the handshake of {role} "
                                      f"{rank} within {timeout:g}s") from e
-    reply = store.get(reply_key(n)).decode()
+    finally:
+        bounded.close()
     if reply.startswith(SLOT_TAKEN):
         raise SlotTaken(f"coordinator refused {role} {rank}: {reply}")
     if reply != OK:
         raise JobTokenRefused(f"coordinator refused {role} {rank}: {reply}")
+
+
+def _hello(store: dist.Store, hello: dict, timeout: float) -> str:
+    n = store.add(HELLO_COUNT, 1)
+    store.set(hello_key(n), json.dumps(hello))
+    store.wait([reply_key(n)], timedelta(seconds=timeout))
+    return store.get(reply_key(n)).decode()
 
 
 class Report(dict):

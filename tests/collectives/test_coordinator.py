@@ -269,3 +269,39 @@ def test_a_standby_gets_a_slot_over_the_store_and_a_late_replacement_finds_it_ta
                                         timeout=TIMEOUT.operation))  # the standby itself
         watcher.declare_complete()
         assert second.result(timeout=5) is JobEnded.COMPLETE  # never needed: sent home
+
+
+def test_a_standby_follows_the_address_file_past_a_coordinator_that_never_answers(
+        coordinator, monkeypatch, tmp_path):
+    """[U] A standby process may come up while the coordinator it was told of is going or gone:
+    its launcher's address file names the successor once etcd elected one. A server that
+    accepts and never answers held torch's client in its validation for good (a blocking recv)
+    and the standby with it, so the successor never heard of it: each attempt is bounded, and
+    between attempts the file is read again."""
+    import socket
+
+    from recover_patches.collectives.standby import SlotAssignment, wait_for_slot
+    port, clients = coordinator
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel completes connections; no answer
+    address_file = tmp_path / "coordinator"
+    address_file.write_text(f"127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.setenv("RECOVER_COORDINATOR", address_file.read_text())
+    monkeypatch.setenv("RECOVER_COORDINATOR_FILE", str(address_file))
+    monkeypatch.setenv("RECOVER_JOB_TOKEN", TOKEN)
+    client(port, clients, 0)
+    link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    clients.append(link)
+    outcome: list = []
+    standby = threading.Thread(target=lambda: outcome.append(wait_for_slot("9.0", 5.0)),
+                               daemon=True)  # (a hung one must not hold the test's exit)
+    standby.start()
+    time.sleep(3.0)  # more than one attempt on the silent server
+    address_file.write_text(f"127.0.0.1:{port}")  # the successor, as the launcher's agent writes
+    link.report_exit(2, -9, replacing=False)  # an orphaned slot for the standby
+    standby.join(10)
+    silent.close()  # ends the abandoned attempt's read
+    assert outcome == [SlotAssignment(2, 1)]
+    deadline = time.monotonic() + 5
+    while any(t.name == "recover-connect" for t in threading.enumerate()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
