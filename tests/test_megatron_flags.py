@@ -50,7 +50,7 @@ def test_the_check_sees_flags_nobody_registered(monkeypatch):
     from megatron.training import arguments
     monkeypatch.setattr(arguments, "add_megatron_refusals", lambda parser: None)
     unknown = unknown_flags(arguments.build_parser())
-    assert "--moe-router-fusion" in unknown and "--dist-ckpt-optim-fully-reshardable" not in unknown
+    assert "--moe-enable-deepep" in unknown and "--dist-ckpt-optim-fully-reshardable" not in unknown
 
 
 def test_every_refused_flag_has_a_reason_of_its_own():
@@ -100,7 +100,7 @@ def test_a_refused_flag_given_megatrons_default_is_accepted_and_said(given):
 
 @pytest.mark.parametrize("given", [["--softmax-type", "off-by-one"], ["--cp-comm-type", "ring"],
                                    ["--cp-comm-type", "p2p", "a2a"], ["--fim-rate", "0.4"],
-                                   ["--fim-rate", "half"], ["--moe-router-fusion"]])
+                                   ["--fim-rate", "half"], ["--moe-enable-deepep"]])
 def test_any_other_value_of_a_refused_flag_stops_the_run(given, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_and_validate([*TINY_GPT, "--train-iters", "2", *given], world_size=1)

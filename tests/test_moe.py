@@ -108,6 +108,27 @@ def test_the_auxiliary_losses_are_weighted_by_a_microbatchs_tokens():
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
 
 
+KERNELS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion")
+
+
+def test_transformer_engines_moe_kernels_are_taken_and_change_no_result():
+    """Real MoE jobs ask for transformer-engine's grouped GEMM and fusions: megatron-core's
+    unfused modules compute the same, so they are taken (not refused), with a start-up line
+    each, and the model megatron-core builds is the one built without them."""
+    from megatron.training.config import transformer_config
+    from megatron.training.config_rules import megatron_differences
+    plain = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE]), 2)
+    fused = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE, *KERNELS]), 2)
+    assert (fused.moe_grouped_gemm, fused.moe_permute_fusion, fused.moe_router_fusion) == (
+        True, True, True)
+    said = " | ".join(megatron_differences(fused, "cpu"))
+    assert all(f"{flag} changes no result" in said for flag in KERNELS), said
+    assert not any(flag in " ".join(megatron_differences(plain, "cpu")) for flag in KERNELS)
+    built = [{k: v for k, v in vars(transformer_config(a)).items()
+              if not k.endswith("init_method")} for a in (plain, fused)]  # (fresh partials)
+    assert built[0] == built[1] and not built[1]["moe_grouped_gemm"]
+
+
 def refusal(*flags: str, world: int = 2) -> str:
     with pytest.raises(ArgumentError) as refused:
         validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *flags]), world)
@@ -143,7 +164,6 @@ def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
                                                             "__import__('os')")
     assert "Bias in Moe" in refusal("--num-experts", "4", "--tensor-model-parallel-size", "2",
                                     "--sequence-parallel")  # megatron-core's own check, one line
-    assert refusal(*moe, "--moe-grouped-gemm").startswith("--moe-grouped-gemm")
     assert "works only with --moe-router-topk 1, got 2" in refusal(*moe,
                                                                   "--moe-apply-probs-on-input")
     assert refusal("--expert-model-parallel-size", "2").startswith("--expert-model-parallel-size")

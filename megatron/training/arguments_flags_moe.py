@@ -80,6 +80,16 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="Pad each expert's input to its capacity.")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
                    help="Which tokens an over-full expert drops.")
+    # kernel choices of transformer-engine's: megatron-core's unfused modules compute the same
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Megatron: one grouped GEMM for a layer's local experts. Here the same "
+                        "products, one GEMM per expert (SequentialMLP).")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Megatron: transformer-engine's fused token permutation. Here "
+                        "megatron-core's unfused one, which moves the same tokens.")
+    g.add_argument("--moe-router-fusion", action="store_true",
+                   help="Megatron: transformer-engine's fused top-k and aux loss. Here "
+                        "megatron-core's unfused router, the same routing.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Expert parallelism: the experts split over this many consecutive "
                         "data-parallel replicas (a unit, which fails and recovers as one).")

@@ -38,5 +38,5 @@ def moe_fields(args: argparse.Namespace) -> dict:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=(args.expert_tensor_parallel_size
                                      or args.tensor_model_parallel_size),
-        moe_grouped_gemm=False,  # transformer-engine's grouped GEMM: refused (SequentialMLP)
+        moe_grouped_gemm=False,  # --moe-grouped-gemm computes the same with SequentialMLP
     )

@@ -128,6 +128,7 @@ def _no_effect_lines(args: argparse.Namespace) -> list[str]:
         (args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute", "it schedules "
          "transformer-engine's fused weight-gradient GEMMs; the embedding's gradient is the same"))
     lines = [f"{flag} changes nothing: {why}" for on, flag, why in given if on]
+    lines += [f"{flag} changes no result: {why}" for on, flag, why in _moe_kernels(args) if on]
     if args.check_for_spiky_loss and args.rerun_mode != "validate_results":
         lines.append("--check-for-spiky-loss has no effect without --rerun-mode validate_results "
                      "(as in Megatron-LM)")
@@ -138,6 +139,20 @@ def _no_effect_lines(args: argparse.Namespace) -> list[str]:
         lines.append("--calc-ft-timeouts has no effect without --enable-ft-package (as in "
                      "Megatron-LM)")
     return lines
+
+
+def _moe_kernels(args: argparse.Namespace) -> tuple[tuple[bool, str, str], ...]:
+    """[P] transformer-engine's MoE kernels (Megatron-LM asks for a GPU of compute capability 8
+    for the grouped GEMM): megatron-core's unfused modules compute the same thing, slower."""
+    return (
+        (args.moe_grouped_gemm, "--moe-grouped-gemm", "the experts' products are computed one "
+         "GEMM per expert (megatron-core's SequentialMLP), not by a grouped kernel; weights are "
+         "stored as SequentialMLP's, which megatron-core's grouped modules load (their optimizer "
+         "state is laid out otherwise)"),
+        (args.moe_permute_fusion, "--moe-permute-fusion", "megatron-core's unfused token "
+         "permutation moves the same tokens"),
+        (args.moe_router_fusion, "--moe-router-fusion", "megatron-core's unfused router computes "
+         "the same top-k, probabilities and aux losses"))
 
 
 def _non_persistent_differences(args: argparse.Namespace) -> list[str]:

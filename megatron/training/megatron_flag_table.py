@@ -62,6 +62,10 @@ NO_EFFECT: dict[str, str] = {
     "--ddp-average-in-collective": "gradients are summed and divided by the global token count",
     "--overlap-param-gather-with-optimizer-step": "the all-gathers overlap the next forward",
     "--defer-embedding-wgrad-compute": "a GEMM schedule; the same gradient",
+    "--moe-grouped-gemm": "a kernel choice: the experts' products one GEMM per expert "
+                          "(SequentialMLP), not grouped; the same results, slower",
+    "--moe-permute-fusion": "a kernel choice: megatron-core's unfused permutation, the same tokens",
+    "--moe-router-fusion": "a kernel choice: megatron-core's unfused router, the same routing",
     "--async-strategy": "--async-save uses ReCoVer's own background writer",
     "--num-workers": "microbatches are read by id in the training process",
     "--no-overlap-p2p-communication": "without model chunks, as in Megatron-LM",
