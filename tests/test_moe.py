@@ -108,7 +108,8 @@ def test_the_auxiliary_losses_are_weighted_by_a_microbatchs_tokens():
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
 
 
-KERNELS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion")
+KERNELS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
+           "--moe-shared-expert-overlap")
 
 
 def test_transformer_engines_moe_kernels_are_taken_and_change_no_result():
@@ -119,14 +120,18 @@ def test_transformer_engines_moe_kernels_are_taken_and_change_no_result():
     from megatron.training.config_rules import megatron_differences
     plain = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE]), 2)
     fused = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE, *KERNELS]), 2)
-    assert (fused.moe_grouped_gemm, fused.moe_permute_fusion, fused.moe_router_fusion) == (
-        True, True, True)
+    assert all(getattr(fused, flag[2:].replace("-", "_")) for flag in KERNELS)
     said = " | ".join(megatron_differences(fused, "cpu"))
     assert all(f"{flag} changes no result" in said for flag in KERNELS), said
     assert not any(flag in " ".join(megatron_differences(plain, "cpu")) for flag in KERNELS)
     built = [{k: v for k, v in vars(transformer_config(a)).items()
               if not k.endswith("init_method")} for a in (plain, fused)]  # (fresh partials)
     assert built[0] == built[1] and not built[1]["moe_grouped_gemm"]
+    shared = [*MOE, "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"]
+    assert "moe_shared_expert_overlap only works with alltoall token dispatcher" in refusal(
+        *shared)  # megatron-core's own check still applies
+    validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *shared,
+                              "--moe-token-dispatcher-type", "alltoall"]), 2)
 
 
 def refusal(*flags: str, world: int = 2) -> str:

@@ -90,6 +90,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-fusion", action="store_true",
                    help="Megatron: transformer-engine's fused top-k and aux loss. Here "
                         "megatron-core's unfused router, the same routing.")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="Megatron: the shared experts overlap the dispatch on a CUDA stream. "
+                        "Here they run in turn (megatron-core's check of the dispatcher holds).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Expert parallelism: the experts split over this many consecutive "
                         "data-parallel replicas (a unit, which fails and recovers as one).")

@@ -114,7 +114,8 @@ def _megatron_core_checks(args: argparse.Namespace) -> None:
                           ffn_hidden_size=args.ffn_hidden_size,
                           tensor_model_parallel_size=args.tensor_model_parallel_size,
                           sequence_parallel=args.sequence_parallel,
-                          add_bias_linear=args.add_bias_linear, **moe_fields(args))
+                          add_bias_linear=args.add_bias_linear, **moe_fields(args),
+                          moe_shared_expert_overlap=args.moe_shared_expert_overlap)
     except (AssertionError, ValueError) as err:
         raise ArgumentError("--num-experts", f"megatron-core refuses this mixture of experts: "
                             f"{str(err).splitlines()[0][:200]}", "change the MoE flags it "

@@ -152,7 +152,10 @@ def _moe_kernels(args: argparse.Namespace) -> tuple[tuple[bool, str, str], ...]:
         (args.moe_permute_fusion, "--moe-permute-fusion", "megatron-core's unfused token "
          "permutation moves the same tokens"),
         (args.moe_router_fusion, "--moe-router-fusion", "megatron-core's unfused router computes "
-         "the same top-k, probabilities and aux losses"))
+         "the same top-k, probabilities and aux losses"),
+        (args.moe_shared_expert_overlap, "--moe-shared-expert-overlap", "the shared experts run "
+         "in turn instead of beside the token dispatch (megatron-core overlaps them on a CUDA "
+         "stream); the same outputs"))
 
 
 def _non_persistent_differences(args: argparse.Namespace) -> list[str]:

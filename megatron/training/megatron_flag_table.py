@@ -66,6 +66,8 @@ NO_EFFECT: dict[str, str] = {
                           "(SequentialMLP), not grouped; the same results, slower",
     "--moe-permute-fusion": "a kernel choice: megatron-core's unfused permutation, the same tokens",
     "--moe-router-fusion": "a kernel choice: megatron-core's unfused router, the same routing",
+    "--moe-shared-expert-overlap": "a schedule: the shared experts run in turn, not beside the "
+                                   "dispatch on a CUDA stream; the same outputs",
     "--async-strategy": "--async-save uses ReCoVer's own background writer",
     "--num-workers": "microbatches are read by id in the training process",
     "--no-overlap-p2p-communication": "without model chunks, as in Megatron-LM",
