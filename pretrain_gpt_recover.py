@@ -282,7 +282,7 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     model = build_model(model_config, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
     optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
-    grads = build_grad_buffer(groups, optimizer, args.overlap_grad_reduce)
+    grads = build_grad_buffer(groups, optimizer, args.overlap_grad_reduce, model)
     if rank == 0:
         _startup_notes(args, layout, model, grads, topology)
     return device, groups, tracker, model_config, model, optimizer, grads

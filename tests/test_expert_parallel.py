@@ -16,7 +16,7 @@ from recover_patches.recovery.iteration import LiveReplicas, ReplicaLost
 from recover_patches.topology import Topology
 from recover_patches.workload.policy import PlanInputError, even_plan, unit_plan, unit_timings
 from tests._launch_util import launch
-from tests.test_moe import FLAGS
+from tests.test_moe import FLAGS, same_moe_losses
 
 EP2 = ["--expert-model-parallel-size", "2"]
 LONG = ["--train-iters", "8"]
@@ -88,6 +88,7 @@ def test_expert_parallel_layouts_follow_one_process(reference, tmp_path, world, 
     assert len(records) == len(reference[8])
     for mine, ref in zip(records, reference[8]):
         assert close(mine, ref, "lm_loss") and close(mine, ref, "grad_norm"), (mine, ref)
+        assert same_moe_losses(mine, ref), (mine, ref)
 
 
 @pytest.mark.multiprocess
@@ -108,6 +109,7 @@ def test_killed_expert_parallel_ranks_cost_their_units_not_the_trajectory(refere
     for mine, ref in zip(records, reference[6], strict=True):
         assert mine["microbatches"] == 6 and close(mine, ref, "lm_loss"), (mine, ref)
         assert close(mine, ref, "grad_norm"), (mine, ref)  # a filler's aux loss would show here
+        assert same_moe_losses(mine, ref), (mine, ref)  # and in the log: fillers not counted
 
 
 @pytest.mark.multiprocess

@@ -166,6 +166,9 @@ class ToyStage:
     def tokens(self, g):
         return 1
 
+    def measured(self, g):
+        return None
+
 
 def reference(ids, last: int) -> tuple[list[torch.Tensor], float]:
     """The gradients and the loss sum of every id through all virtual stages in one process."""

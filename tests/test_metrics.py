@@ -73,6 +73,22 @@ def test_log_line_has_megatrons_fields():
     assert "params norm: 25.500" in line and "num zeros: 3.0" in line
 
 
+def test_moe_losses_follow_the_lm_loss_in_megatrons_format_and_tags(tmp_path):
+    """[P] Megatron-LM prints each tracked auxiliary loss right after the lm loss (' {}: {:.6E}
+    |') and writes it under its own name; per-layer values go to TensorBoard only."""
+    losses = {"load_balancing_loss": 1.0061, "z_loss": 1.9369, "moe/z_loss_layer_0": 0.5}
+    line = log_line({**record(3, 4.0), "moe_losses": losses}, 10)
+    assert "| lm loss: 4.000000E+00 | load_balancing_loss: 1.006100E+00 | z_loss: 1.936900E+00 " \
+           "| loss scale: 256.0 |" in line and "layer_0" not in line
+    config = TensorBoardConfig(str(tmp_path / "tb"))
+    writer = MetricsWriter(None, config)
+    writer.write({**record(1, 5.0), "moe_losses": losses})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"load_balancing_loss", "z_loss", "moe/z_loss_layer_0"} <= set(events.Tags()["scalars"])
+
+
 EVERY_STEP_TAGS = ["lm loss", "learning-rate", "batch-size", "grad-norm", "loss-scale",
                    "iteration-time", "throughput", "params-norm", "num-zeros",
                    "forward-backward-time", "grads-all-reduce-time", "recover-commit-time",

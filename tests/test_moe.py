@@ -34,6 +34,13 @@ def close(mine: dict, ref: dict, what: str, tolerance: float) -> bool:
     return abs(mine[what] - ref[what]) <= tolerance * abs(ref[what])
 
 
+def same_moe_losses(mine: dict, ref: dict, tolerance: float = 1e-5) -> bool:
+    """The log line's auxiliary losses (Megatron's names, means over the M microbatches)."""
+    return set(mine["moe_losses"]) == set(ref["moe_losses"]) == {"load_balancing_loss", "z_loss"} \
+        and all(close(mine["moe_losses"], ref["moe_losses"], name, tolerance)
+                for name in ref["moe_losses"])
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "1"],  # DP 2
@@ -46,6 +53,7 @@ def test_moe_layouts_follow_one_process(reference, tmp_path, layout):
     assert len(records) == ITERS
     for mine, ref in zip(records, reference):
         assert close(mine, ref, "lm_loss", 1e-5) and close(mine, ref, "grad_norm", 1e-4), (mine, ref)
+        assert same_moe_losses(mine, ref), (mine, ref)  # TP parts summed, stages combined
 
 
 @pytest.mark.multiprocess
@@ -76,6 +84,7 @@ def test_a_killed_moe_rank_keeps_the_failure_free_losses(reference, tmp_path):
     assert [r["live_replicas"] for r in records] == [[0, 1, 2]] + [[0, 2]] * (ITERS - 1)
     for mine, ref in zip(records, reference, strict=True):
         assert mine["microbatches"] == 8 and close(mine, ref, "lm_loss", 1e-5), (mine, ref)
+        assert same_moe_losses(mine, ref), (mine, ref)  # redone microbatches counted once
 
 
 @pytest.mark.multiprocess

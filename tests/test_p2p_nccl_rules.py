@@ -55,6 +55,9 @@ class Recorder:
     def tokens(self, g):
         return 1
 
+    def measured(self, g):
+        return None
+
 
 def interleaved_logs(n: int, stages: int, chunks: int, group: int,
                      warmup_flush: bool = True) -> list[list[tuple]]:

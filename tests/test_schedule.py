@@ -69,6 +69,9 @@ class ScaleStage:
     def tokens(self, g):
         return 10
 
+    def measured(self, g):
+        return None
+
 
 def run_pipeline(ids, num_stages, forward_only=False):
     fwd = [queue.Queue() for _ in range(num_stages)]

@@ -80,7 +80,18 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="Pad each expert's input to its capacity.")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
                    help="Which tokens an over-full expert drops.")
-    # kernel choices of transformer-engine's: megatron-core's unfused modules compute the same
+    _add_kernel_choices(g)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Expert parallelism: the experts split over this many consecutive "
+                        "data-parallel replicas (a unit, which fails and recovers as one).")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Tensor parallelism inside an expert (default and only value for now: "
+                        "--tensor-model-parallel-size).")
+
+
+def _add_kernel_choices(g) -> None:
+    """transformer-engine's kernels and overlaps, and per-layer logging: megatron-core's
+    unfused modules compute the same (`config_rules._moe_kernels`)."""
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Megatron: one grouped GEMM for a layer's local experts. Here the same "
                         "products, one GEMM per expert (SequentialMLP).")
@@ -93,9 +104,5 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="Megatron: the shared experts overlap the dispatch on a CUDA stream. "
                         "Here they run in turn (megatron-core's check of the dispatcher holds).")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="Expert parallelism: the experts split over this many consecutive "
-                        "data-parallel replicas (a unit, which fails and recovers as one).")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="Tensor parallelism inside an expert (default and only value for now: "
-                        "--tensor-model-parallel-size).")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="Each layer's auxiliary losses to TensorBoard as moe/<name>_layer_<i>.")

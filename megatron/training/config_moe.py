@@ -31,6 +31,7 @@ def moe_fields(args: argparse.Namespace) -> dict:
         moe_router_load_balancing_type=one_or_list(args.moe_router_load_balancing_type),
         moe_aux_loss_coeff=one_or_list(args.moe_aux_loss_coeff),
         moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_per_layer_logging=args.moe_per_layer_logging,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,

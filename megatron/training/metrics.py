@@ -25,6 +25,9 @@ def log_line(rec: dict, train_iters: int, skipped_since_last_line: int = 0) -> s
         f"learning rate: {rec['lr']:.6E}",
         f"global batch size: {rec['global_batch_size']:5d}",
         f"lm loss: {rec['lm_loss']:.6E}",
+        # [P] MoE's auxiliary losses, by Megatron's names and format (per-layer ones: TensorBoard)
+        *(f"{name}: {value:.6E}" for name, value in rec.get("moe_losses", {}).items()
+          if not name.startswith("moe/")),
         f"loss scale: {rec.get('loss_scale', 1.0):.1f}",
         f"grad norm: {rec['grad_norm']:.3f}",
         f"number of skipped iterations: {skipped_since_last_line:3d}",
@@ -98,6 +101,7 @@ def scalars(record: dict, config: TensorBoardConfig) -> dict[str, float]:
     if "recoveries" in record:
         out["recovery-seconds"] = sum(sum(r["seconds"].values()) for r in record["recoveries"])
         out["microbatches-recomputed"] = sum(len(r["lost_ids"]) for r in record["recoveries"])
+    out.update(record.get("moe_losses", {}))  # Megatron's tags: the names themselves
     for replica, quota in record.get("quotas", {}).items():
         out[f"quota/replica-{replica}"] = quota
     if config.timers:

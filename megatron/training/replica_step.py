@@ -18,12 +18,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.config import StepConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
+from megatron.training.moe_metrics import AuxLossReport, aux_loss_report
 from megatron.training.replica_parts import pad_for_unit
 from megatron.training.rerun import (ALARM_LARGE_GRADS, ALARM_NOT_FINITE, ALARM_SPIKY,
                                      SPIKE_INJECTED, Position, SpikeDetector, injected, resolve,
                                      resolve_large_grads, resolve_spike)
 from megatron.training.rerun_stats import DeterminismStats, compare_once, report
-from megatron.training.weight_check import WeightMismatch, weight_fingerprint
+from megatron.training.weight_check import agreed_mismatch, weight_fingerprint
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -64,6 +65,7 @@ class GPTReplicaStep:
     _injected_at: int = 0  # --error-injection-rate: the iteration last injected into
     spikes: SpikeDetector | None = field(init=False)  # --check-for-spiky-loss, last stage
     grad_spikes: SpikeDetector | None = field(init=False)  # --check-for-large-grads, every rank
+    aux_report: AuxLossReport | None = field(init=False)
     determinism: DeterminismStats = field(default_factory=DeterminismStats)  # report_stats
 
     def __post_init__(self):
@@ -78,6 +80,7 @@ class GPTReplicaStep:
         self.spikes = (SpikeDetector() if self.config.rerun.checks_spikes
                        and self.groups.is_last_stage else None)
         self.grad_spikes = SpikeDetector() if self.config.rerun.checks_grads else None
+        self.aux_report = aux_loss_report(self.stages[0].model.config)  # [P] MoE's log values
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
@@ -137,7 +140,7 @@ class GPTReplicaStep:
         time_wire, alarm = self._measured_time(), self._alarm(local)
         if self.groups.coord.cp:  # ([O]) the reduction spans DP x CP: a replica's CP ranks add
             # their tokens and losses, its first CP rank alone its ids and its replica's slots
-            local = Totals(0, local.tokens, 0, 0, local.loss_sum)
+            local = Totals(0, local.tokens, 0, 0, local.loss_sum, local.measures)
             time_wire, fingerprint, alarm = 0.0, 0, 0.0
         reduced = self.grads.reduce(local, self.groups.coord.replica, time_wire, fingerprint,
                                     alarm)
@@ -265,8 +268,9 @@ class GPTReplicaStep:
                                                     self.groups.replica_positions,
                                                     self.groups.coord.tp)
         self.grads.zero()
-        loss = self._share_loss_and_times(reduced)
-        return {"lm_loss": loss / tokens, "grad_norm": grad_norm,
+        loss, aux = self._share_loss_and_times(reduced)
+        return {"lm_loss": loss / tokens, **({"moe_losses": aux} if aux else {}),
+                "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": scale,
                 "skipped_step": skipped, **extra,
                 **({"weights_checked_after": self.iteration()} if checked else {}),
@@ -299,18 +303,22 @@ class GPTReplicaStep:
             self.weights_stale = True
         self.scheduler.step(increment=microbatches * self.config.micro_batch_size)
 
-    def _share_loss_and_times(self, reduced: ReducedGradients) -> float:
+    def _share_loss_and_times(self, reduced: ReducedGradients) -> tuple[float, dict]:
         """The loss lives on the last stage, the times are the slowest stage's: the replica's
-        ranks take the largest of each. Returns the loss sum; keeps the timings."""
-        loss_and_times = torch.tensor([reduced.totals.loss_sum, float(self.weights_stale),
-                                       *reduced.replica_times], dtype=torch.float64,
-                                      device=self.device)
+        ranks take the largest of each (and MoE's auxiliary losses, `moe_metrics.py`). Returns
+        the loss sum and the auxiliary losses' values; keeps the timings."""
+        report, tp, tp_rank = self.aux_report, self.groups.topology.tp, self.groups.coord.tp
+        rows = report.rows(reduced.totals.measures, tp, tp_rank) if report else []
+        shared = torch.tensor([reduced.totals.loss_sum, float(self.weights_stale), *rows,
+                               *reduced.replica_times], dtype=torch.float64, device=self.device)
         if self.groups.replica.size() > 1:
-            dist.all_reduce(loss_and_times, op=dist.ReduceOp.MAX, group=self.groups.replica)
-        values = loss_and_times.tolist()
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.groups.replica)
+        values = shared.tolist()
         self.weights_stale = bool(values[1])  # all of the replica's ranks recover together
-        self.timings = timings_from_wire(dict(enumerate(values[2:])))
-        return values[0]
+        self.timings = timings_from_wire(dict(enumerate(values[2 + len(rows):])))
+        aux = report.scalars(values[2:2 + len(rows)], tp, reduced.totals.microbatches) \
+            if report else {}
+        return values[0], aux
 
     # -- recovery ------------------------------------------------------------------------------
     def abandon(self, phase: str = "execute") -> None:
@@ -380,17 +388,8 @@ class GPTReplicaStep:
         """Each DP group compares its shard among the replicas holding the same experts (EP);
         the replica group agrees on the verdict, so every rank stops, not only the shard's."""
         hashes = {r: reduced.replica_weight_hashes[r] for r in self.live.live_replicas}
-        ep = self.groups.topology.ep
-        mismatch = torch.tensor([int(any(len({h for r, h in hashes.items() if r % ep == e}) > 1
-                                         for e in range(ep)))], device=self.device)
-        if self.groups.replica.size() > 1:
-            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.groups.replica)
-        if mismatch.item():
-            raise WeightMismatch(
-                f"after iteration {self.iteration()} the data-parallel replicas hold "
-                f"different weights (fingerprints by replica: "
-                + ", ".join(f"{r}: {h:016x}" for r, h in hashes.items()) + " on this rank's "
-                "shard): a bug or silent data corruption; stopping")
+        agreed_mismatch(hashes, self.groups.topology.ep, self.groups.replica, self.device,
+                        self.iteration())
 
     def _measured_time(self) -> float:
         seconds, executed = self.clock.take()

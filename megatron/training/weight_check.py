@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 
 
 class WeightMismatch(RuntimeError):
@@ -18,3 +19,18 @@ def weight_fingerprint(params: list[torch.Tensor]) -> int:
     for p in params:
         digest.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return int.from_bytes(digest.digest(), "little") | 1
+
+
+def agreed_mismatch(hashes: dict[int, int], ep: int, replica_group, device, iteration: int
+                    ) -> None:
+    """WeightMismatch on every rank of the replica if any of its DP groups saw two fingerprints
+    among the replicas holding the same experts (`hashes`: by live replica)."""
+    mismatch = torch.tensor([int(any(len({h for r, h in hashes.items() if r % ep == e}) > 1
+                                     for e in range(ep)))], device=device)
+    if replica_group.size() > 1:
+        dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=replica_group)
+    if mismatch.item():
+        raise WeightMismatch(
+            f"after iteration {iteration} the data-parallel replicas hold different weights "
+            "(fingerprints by replica: " + ", ".join(f"{r}: {h:016x}" for r, h in hashes.items())
+            + " on this rank's shard): a bug or silent data corruption; stopping")

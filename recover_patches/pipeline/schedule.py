@@ -31,6 +31,9 @@ class Stage(Protocol):
 
     def tokens(self, microbatch_id: int) -> int: ...
 
+    def measured(self, microbatch_id: int) -> torch.Tensor | None:
+        """What the stage's meter took in this microbatch's forward (`stage.py`), if any."""
+
 
 @dataclass
 class ScheduleResult:
@@ -40,6 +43,7 @@ class ScheduleResult:
     ids: list[int] = field(default_factory=list)
     loss_sum: float | torch.Tensor = 0.0
     tokens: int = 0
+    measures: torch.Tensor | None = None  # summed over the microbatches (MoE's aux losses)
 
     def add(self, microbatch: int, tokens: int) -> None:
         """One microbatch done; a filler (id < 0: expert parallelism's padding, `stage.py`)
@@ -47,6 +51,10 @@ class ScheduleResult:
         if microbatch >= 0:
             self.ids.append(microbatch)
         self.tokens += tokens
+
+    def add_measured(self, measured: torch.Tensor | None) -> None:
+        if measured is not None:
+            self.measures = measured if self.measures is None else self.measures + measured
 
     def add_loss(self, microbatch: int, loss: torch.Tensor) -> None:
         """The last stage's loss of one microbatch (a filler's, zeroed, is left out whole: zero
@@ -88,6 +96,7 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
         if link.is_last:
             result.add_loss(g, y)
         result.add(g, stage.tokens(g))
+        result.add_measured(stage.measured(g))
         return dx
 
     for k in range(warmup):
@@ -130,6 +139,7 @@ def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
         if link.is_last:
             result.add_loss(g, y)
         result.add(g, stage.tokens(g))
+        result.add_measured(stage.measured(g))
     return result
 
 
@@ -201,6 +211,7 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
             if a.chunk * stages + rank == last:
                 result.add_loss(g, y)
             tokens = stage.tokens(g)  # every chunk counted them in its forward
+            result.add_measured(stage.measured(g))  # each chunk its own layers
             if a.chunk == 0:
                 result.add(g, tokens)
             link.send(a.kind, a.chunk, a.index, dx)
@@ -226,6 +237,7 @@ def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], li
                 y = stage.forward(g, link.recv(Kind.FORWARD, c, index))
                 link.send(Kind.FORWARD, c, index, y)
                 tokens = stage.tokens(g)
+                result.add_measured(stage.measured(g))
                 if c * stages + rank == last:
                     result.add_loss(g, y)
                 if c == 0:

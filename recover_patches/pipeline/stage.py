@@ -10,7 +10,7 @@ an auxiliary-loss scale of zero: its experts answer the others' tokens, it adds 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -18,17 +18,30 @@ from recover_patches.pipeline.loss import masked_loss_sum, vocab_parallel_cross_
 from recover_patches.pipeline.rng import DeviceRNGStatesTracker, seed_microbatch
 
 
+class ForwardMeter(Protocol):
+    """Values the model records while it runs forward (MoE's auxiliary losses per layer, [P]):
+    `start` before a microbatch's forward, `take` after it: that microbatch's values."""
+
+    def start(self) -> None: ...
+
+    def take(self) -> torch.Tensor: ...
+
+
 class GPTStage:
     def __init__(self, model, sampler: Callable[[int], dict], *, tp_group, tracker: DeviceRNGStatesTracker,
                  seed: int, pp_stage: int, tp_rank: int, is_first: bool, is_last: bool,
                  device: torch.device | str = "cpu", loss_scale: Callable[[], float] | None = None,
                  cross_entropy: Callable = vocab_parallel_cross_entropy,
-                 before_backward: Callable[[float], None] | None = None):
+                 before_backward: Callable[[float], None] | None = None,
+                 meter: ForwardMeter | None = None):
         """`loss_scale`: fp16's current loss scale, multiplied into the loss before backward;
         `cross_entropy(logits, labels, tp_group)`: the per-token loss over vocabulary shards;
         `before_backward(scale)`: before each backward, with that loss scale (MoE's auxiliary
-        losses take their gradient scale from it)."""
+        losses take their gradient scale from it); `meter`: what a forward records, kept per
+        microbatch id (none for a filler) until the schedule takes it."""
         self.before_backward = before_backward
+        self.meter = meter
+        self._measures: dict[int, torch.Tensor] = {}
         self.model = model
         self.device = torch.device(device)
         self.loss_scale = loss_scale
@@ -53,11 +66,15 @@ class GPTStage:
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if not self.is_first:
             self.model.set_input_tensor(input_tensor)
+        if self.meter is not None:
+            self.meter.start()
         output = self.model(
             batch["tokens"] if self.is_first else None,
             batch["position_ids"] if self.is_first else None,
             batch.get("attention_mask"),  # None: plain causal (SDPA's is_causal)
         )
+        if self.meter is not None and not filler:
+            self._measures[microbatch_id] = self.meter.take()
         if not self.is_last:
             return output
         token_loss = self.cross_entropy(output, batch["labels"], self.tp_group)
@@ -78,3 +95,6 @@ class GPTStage:
 
     def tokens(self, microbatch_id: int) -> int:
         return self._token_counts.pop(microbatch_id)
+
+    def measured(self, microbatch_id: int) -> torch.Tensor | None:
+        return self._measures.pop(microbatch_id, None)

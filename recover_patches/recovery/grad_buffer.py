@@ -124,7 +124,10 @@ def flat_layout(params: Sequence[torch.Tensor], bucket_numel: int | None = None,
 class GradBuffer:
     def __init__(self, params: Sequence[torch.Tensor], *, replicas: int, dp_group,
                  device: torch.device | str = "cpu", bucket_numel: int | None = None,
-                 overlap: bool = False, layout: FlatLayout | None = None, expert_dp_group=None):
+                 overlap: bool = False, layout: FlatLayout | None = None, expert_dp_group=None,
+                 measure_slots: int = 0):
+        """`measure_slots`: the length of `Totals.measures` (summed in the tail, after the
+        alarms; 0: none)."""
         self.params = list(params)
         self.dp_group = dp_group
         self.replicas = replicas
@@ -132,7 +135,8 @@ class GradBuffer:
         self.device = torch.device(device)
         self.layout = layout or flat_layout(self.params, bucket_numel)
         self.numel = self.layout.numel
-        self.meta_numel = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas * (2 + HASH_LIMBS)
+        self._measures_at = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas * (2 + HASH_LIMBS)
+        self.meta_numel = self._measures_at + measure_slots
         self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
                                  device=self.device)
         self.reduced = torch.zeros_like(self.local)
@@ -276,6 +280,8 @@ class GradBuffer:
         hi = loss.float()
         tail[_INT_FIELDS * LIMBS] = hi
         tail[_INT_FIELDS * LIMBS + 1] = (loss - hi.double()).float()
+        if totals.measures is not None:  # (a device tensor: written there)
+            tail[self._measures_at:].copy_(totals.measures.reshape(-1))
 
     def _read_tail(self) -> ReducedGradients:
         tail = self.reduced[self.numel:].double().tolist()  # the one host read the commit needs
@@ -286,9 +292,11 @@ class GradBuffer:
         limbs = tail[times_at + self.replicas:]
         hashes = [sum(int(round(limbs[r * HASH_LIMBS + k])) << (HASH_LIMB_BITS * k)
                       for k in range(HASH_LIMBS)) for r in range(self.replicas)]
-        alarms = limbs[self.replicas * HASH_LIMBS:]
-        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss), times, hashes,
-                                alarms)
+        alarms = limbs[self.replicas * HASH_LIMBS:self.replicas * (HASH_LIMBS + 1)]
+        measures = torch.tensor(tail[self._measures_at:], dtype=torch.float64) \
+            if self.meta_numel > self._measures_at else None
+        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss, measures), times,
+                                hashes, alarms)
 
     # -- views for the step, and recovery's undo ----------------------------------------------
     @property

@@ -57,7 +57,7 @@ class Executed(Protocol):
     ids: list[int]
     tokens: int
     loss_sum: Any  # a float, or a device tensor read once by the reduction
-
+    measures: Any  # None, or a device tensor summed over the ids (MoE's aux losses, [P])
 
 class ReplicaStep(Protocol):
     """This rank's part of one replica, phase by phase, as the transaction drives it. Each
@@ -250,7 +250,7 @@ class IterationTransaction:
                 self.replica.refresh()
                 phase = "execute"
                 done = self.replica.execute(todo)  # 2: accumulates on top of `kept`
-                local = kept + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
+                local = kept + Totals.of_ids(done.ids, done.tokens, done.loss_sum, done.measures)
                 it.seconds["execute"] += time.perf_counter() - clock
                 if it.recoveries:
                     it.recoveries[-1].seconds["recompute"] = time.perf_counter() - clock

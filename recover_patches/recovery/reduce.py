@@ -25,11 +25,15 @@ class Totals:
     # only stages holding the loss contribute (last stage); a device tensor while accumulating on
     # a GPU (read on the host once, after the reduction), a float after it
     loss_sum: float | torch.Tensor
+    # what the stage's meter measured, summed over the microbatches ([P]: MoE's auxiliary
+    # losses per layer; `moe_metrics.py`); None without a meter
+    measures: torch.Tensor | None = None
 
     @classmethod
-    def of_ids(cls, ids: Iterable[int], tokens: int = 0, loss_sum: float | torch.Tensor = 0.0) -> "Totals":
+    def of_ids(cls, ids: Iterable[int], tokens: int = 0, loss_sum: float | torch.Tensor = 0.0,
+               measures: torch.Tensor | None = None) -> "Totals":
         ids = list(ids)
-        return cls(len(ids), tokens, sum(ids), sum(id_hash(g) for g in ids), loss_sum)
+        return cls(len(ids), tokens, sum(ids), sum(id_hash(g) for g in ids), loss_sum, measures)
 
     def as_tensor(self) -> torch.Tensor:
         # float64 is exact for integers below 2**53: ids < 2**31 times M < 2**22 fits.
@@ -42,9 +46,11 @@ class Totals:
         return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]), float(v[4]))
 
     def __add__(self, other: "Totals") -> "Totals":
+        measures = other.measures if self.measures is None else \
+            self.measures if other.measures is None else self.measures + other.measures
         return Totals(self.microbatches + other.microbatches, self.tokens + other.tokens,
                       self.id_sum + other.id_sum, self.id_hash_sum + other.id_hash_sum,
-                      self.loss_sum + other.loss_sum)
+                      self.loss_sum + other.loss_sum, measures)
 
 
 class CommitError(RuntimeError):
