@@ -89,6 +89,37 @@ def test_a_killed_moe_rank_keeps_the_failure_free_losses(reference, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_the_routers_expert_bias_moves_as_in_one_process_through_tp_and_a_kill(tmp_path):
+    """--moe-router-enable-expert-bias (sigmoid scores): each iteration's token counts per
+    expert, summed over the committed microbatches, the TP ranks' sequence parts and the
+    replicas, move every bias alike. DP 2 x TP 2 + SP, replica 1 killed in a backward of
+    iteration 2 (its microbatches redone by replica 0), follows one process; the bias moves the
+    one-process losses (so the comparison is not of two runs that never updated it), and a
+    checkpoint of iteration 2 resumes on them (the biases are model state)."""
+    sigmoid = [*FLAGS, "--moe-router-score-function", "sigmoid", "--train-iters", "5"]
+    bias = [*sigmoid, "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+    ckpt = tmp_path / "ckpt"
+    runs = [launch(1, sigmoid, tmp_path / "plain.jsonl"),
+            launch(1, [*bias, "--save", str(ckpt), "--save-interval", "2"], tmp_path / "one.jsonl"),
+            launch(4, [*bias, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--recover-spares", "off", "--inject-fault",
+                       "kill:rank=2,iter=2,phase=backward"], tmp_path / "four.jsonl",
+                   launcher_args=[], timeout=240)]
+    assert all(r.returncode == 0 for r in runs), runs[2].stdout[-3000:] + runs[2].stderr[-3000:]
+    plain, one, four = ([r for r in run.records if "lm_loss" in r] for run in runs)
+    assert abs(plain[2]["lm_loss"] - one[2]["lm_loss"]) > 1e-4  # the bias changed the routing
+    assert [r["live_replicas"] for r in four] == [[0, 1]] + [[0]] * 4
+    for mine, ref in zip(four, one, strict=True):
+        assert close(mine, ref, "lm_loss", 1e-5) and close(mine, ref, "grad_norm", 1e-4), (mine, ref)
+    (ckpt / LATEST_FILE).write_text("2")  # the biases, moved twice, are in the checkpoint
+    resumed = launch(1, [*bias, "--load", str(ckpt)], tmp_path / "resumed.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert all(abs(a - b["lm_loss"]) <= 1e-5 * b["lm_loss"]
+               for a, b in zip(resumed.losses(), one[2:], strict=True)), resumed.losses()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_a_moe_checkpoint_of_two_writers_resumes_in_one_process(reference, tmp_path):
     """DP 2 saves (the two replicas share the writing, the experts' items too); one process
     loads iteration 2 and follows the uninterrupted losses."""
@@ -183,3 +214,37 @@ def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
     assert refusal("--expert-model-parallel-size", "2").startswith("--expert-model-parallel-size")
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE]), 2)
     assert (args.num_experts, args.moe_layer_freq) == (4, [1, 0, 1, 0])
+
+
+def test_the_router_meter_takes_one_microbatchs_counts_and_the_bias_moves_by_their_sum():
+    """In process, a stand-in for megatron-core's router: each forward's counts alone (the
+    meter zeroes them before it), carried split at 256 (exact in the float32 tail), summed over
+    TP rows, and each layer's bias moves by the rate towards the layer's mean count, as
+    megatron-core's get_updated_expert_bias moves it."""
+    from megatron.training.moe_metrics import RouterMeter, RouterReport
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer_number = 2
+            self.register_buffer("expert_bias", torch.zeros(3))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(3, dtype=torch.bfloat16))
+
+    model = torch.nn.Sequential(Router())
+    report = RouterReport(("z_loss",), num_layers=2, moe_layers=1, per_layer=False, experts=3,
+                          bias_rate=0.5)
+    meter, router = RouterMeter(report, model, torch.device("cpu")), model[0]
+    taken = []
+    for counts in ([700.0, 10.0, 3.0], [1.0, 2.0, 300.0]):
+        meter.start()
+        router.local_tokens_per_expert += torch.tensor(counts)  # what a forward's routing adds
+        taken.append(meter.take())
+    assert router.local_tokens_per_expert.dtype == torch.float32  # exact past 256
+    total = taken[0] + taken[1]  # the replica's sum; a second TP rank adds the same again
+    assert len(total) == report.slots == 2 + 2 * 2 * 3
+    hi, lo = total[2:].reshape(2, 2, 3)
+    assert (hi[1] * 256 + lo[1]).tolist() == [701.0, 12.0, 303.0] and not hi[0].any()
+    shared = [max(a, b) for a, b in zip(report.rows(total, 2, 0), report.rows(total, 2, 1))]
+    report.conclude(shared, 2, 8, model)  # the replica's MAX over its two TP ranks' rows
+    counts = torch.tensor([1402.0, 24.0, 606.0])  # both TP rows
+    assert router.expert_bias.tolist() == (torch.sign(counts.mean() - counts) * 0.5).tolist()

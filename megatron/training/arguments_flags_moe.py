@@ -74,6 +74,11 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-apply-probs-on-input", action="store_true",
                    help="Multiply the routing probabilities into the experts' input instead of "
                         "their output (top-1 routing only, megatron-core's check).")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free balancing: a per-expert bias on the routing scores, moved "
+                        "each iteration towards the layer's mean count (sigmoid scores only).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="How far an expert's bias moves per iteration.")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="Expert capacity (tokens beyond it are dropped); None: no dropping.")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",

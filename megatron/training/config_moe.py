@@ -32,6 +32,8 @@ def moe_fields(args: argparse.Namespace) -> dict:
         moe_aux_loss_coeff=one_or_list(args.moe_aux_loss_coeff),
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_per_layer_logging=args.moe_per_layer_logging,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,

@@ -14,7 +14,7 @@ from megatron.training.config_io import DataConfig
 from megatron.training.context_parallel import batch_for_cp_rank
 from megatron.training.initialize import ParallelGroups
 from megatron.training.model import model_chunks
-from megatron.training.moe_metrics import AuxLossMeter, aux_loss_report
+from megatron.training.moe_metrics import RouterMeter, router_report
 from megatron.training.optimizer import LossScaler, Optimizer
 from recover_patches.pipeline.loss import vocab_parallel_cross_entropy
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
@@ -38,7 +38,7 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
     stages = []
     # --cross-entropy-loss-fusion: megatron-core's fused kernel (it takes the TP group as given)
     fused = chunks[0].config.cross_entropy_loss_fusion
-    report = aux_loss_report(chunks[0].config)  # [P] each microbatch's auxiliary losses
+    report = router_report(chunks[0].config)  # [P] each microbatch's router records
     for c, chunk in enumerate(chunks):
         device = next(chunk.parameters()).device
         virtual = c * pp + groups.coord.pp
@@ -51,7 +51,7 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
                                before_backward=aux_loss_scaling(
                                    chunk.config, micro_batch_size * data.seq_length),
                                meter=None if report is None else
-                               AuxLossMeter(report.names, report.num_layers, device)))
+                               RouterMeter(report, chunk, device)))
     return stages
 
 
@@ -71,7 +71,7 @@ def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: boo
     """The buffer takes the layout `build_optimizer` made (the distributed optimizer shards the
     same one); `overlap`: --overlap-grad-reduce."""
     assert optimizer.layout is not None, "an optimizer from optimizer_setup.build_optimizer"
-    report = aux_loss_report(model_chunks(model)[0].config)
+    report = router_report(model_chunks(model)[0].config)
     return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
                       device=optimizer.model_params[0].device, layout=optimizer.layout,
                       overlap=overlap, expert_dp_group=groups.expert_dp,

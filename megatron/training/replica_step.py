@@ -18,7 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.config import StepConfig
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
-from megatron.training.moe_metrics import AuxLossReport, aux_loss_report
+from megatron.training.moe_metrics import RouterReport, router_report
 from megatron.training.replica_parts import pad_for_unit
 from megatron.training.rerun import (ALARM_LARGE_GRADS, ALARM_NOT_FINITE, ALARM_SPIKY,
                                      SPIKE_INJECTED, Position, SpikeDetector, injected, resolve,
@@ -65,7 +65,7 @@ class GPTReplicaStep:
     _injected_at: int = 0  # --error-injection-rate: the iteration last injected into
     spikes: SpikeDetector | None = field(init=False)  # --check-for-spiky-loss, last stage
     grad_spikes: SpikeDetector | None = field(init=False)  # --check-for-large-grads, every rank
-    aux_report: AuxLossReport | None = field(init=False)
+    aux_report: RouterReport | None = field(init=False)
     determinism: DeterminismStats = field(default_factory=DeterminismStats)  # report_stats
 
     def __post_init__(self):
@@ -80,7 +80,7 @@ class GPTReplicaStep:
         self.spikes = (SpikeDetector() if self.config.rerun.checks_spikes
                        and self.groups.is_last_stage else None)
         self.grad_spikes = SpikeDetector() if self.config.rerun.checks_grads else None
-        self.aux_report = aux_loss_report(self.stages[0].model.config)  # [P] MoE's log values
+        self.aux_report = router_report(self.stages[0].model.config)  # [P] MoE's records
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
@@ -305,7 +305,7 @@ class GPTReplicaStep:
 
     def _share_loss_and_times(self, reduced: ReducedGradients) -> tuple[float, dict]:
         """The loss lives on the last stage, the times are the slowest stage's: the replica's
-        ranks take the largest of each (and MoE's auxiliary losses, `moe_metrics.py`). Returns
+        ranks take the largest of each (and MoE's router records, `moe_metrics.py`). Returns
         the loss sum and the auxiliary losses' values; keeps the timings."""
         report, tp, tp_rank = self.aux_report, self.groups.topology.tp, self.groups.coord.tp
         rows = report.rows(reduced.totals.measures, tp, tp_rank) if report else []
@@ -316,8 +316,8 @@ class GPTReplicaStep:
         values = shared.tolist()
         self.weights_stale = bool(values[1])  # all of the replica's ranks recover together
         self.timings = timings_from_wire(dict(enumerate(values[2 + len(rows):])))
-        aux = report.scalars(values[2:2 + len(rows)], tp, reduced.totals.microbatches) \
-            if report else {}
+        aux = report.conclude(values[2:2 + len(rows)], tp, reduced.totals.microbatches,
+                              self.model) if report else {}  # (and the experts' biases move)
         return values[0], aux
 
     # -- recovery ------------------------------------------------------------------------------
