@@ -41,7 +41,6 @@ from typing import Protocol
 import torch.distributed as dist
 
 from recover_patches.collectives.bounded_call import BoundedCaller
-
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, SlotTaken)
 
