@@ -149,7 +149,7 @@ def build_arms(bench: argparse.Namespace):
         step_config=StepConfig.from_args(args, recovering=False), model_config=model_config,
         groups=groups, model=model_a, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
-        grads=build_grad_buffer(groups, optimizer, args.overlap_grad_reduce),
+        grads=build_grad_buffer(groups, optimizer, args.overlap_grad_reduce, model_a),
         train_stages=build_stages(data, args.micro_batch_size, groups, model_a, train_ds, tracker),
         valid_stages=None, link=link_for(model_config, args.micro_batch_size, groups, "cpu"),
         faults=FaultInjector([], 0), metrics=MetricsWriter(None))
