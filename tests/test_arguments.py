@@ -350,6 +350,8 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
     ({"--recompute-method": "uniform"}, 1, "cpu", "--recompute-method", "full only"),
     ({"--recompute-granularity": "full", "--recompute-method": "block",
       "--recompute-num-layers": "3"}, 1, "cpu", "--recompute-num-layers", "1..2"),
+    ({"--recompute-granularity": "selective", "--recompute-modules": "mla_up_proj"}, 1, "cpu",
+     "--recompute-modules", "multi-latent attention"),
     ({"--apply-layernorm-1p": ""}, 1, "cpu", "--apply-layernorm-1p", "transformer_engine"),
     ({"--reset-attention-mask": "", "--no-create-attention-mask-in-dataloader": ""}, 1, "cpu",
      "--reset-attention-mask", "--no-create-attention-mask-in-dataloader"),

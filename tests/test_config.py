@@ -9,7 +9,8 @@ import torch
 
 from megatron.training.arguments import parse_and_validate
 from megatron.training.config import (BatchSchedule, ModelConfig, OptimizerSetup, RunLayout,
-                                      ScheduleConfig, StepConfig, TrainingConfig)
+                                      ScheduleConfig, StepConfig, TrainingConfig,
+                                      transformer_config)
 from megatron.training.config_io import CheckpointConfig, DataConfig
 from megatron.training.config_rules import megatron_differences
 from tests._launch_util import TINY_GPT
@@ -107,6 +108,11 @@ def test_where_megatron_would_differ_is_said_once_per_flag():
         assert flag in said, flag
     assert "--calculate-per-token-loss" not in " ".join(megatron_differences(flags(
         "--eod-mask-loss", "--calculate-per-token-loss"), "cpu"))
+    kept = flags("--recompute-granularity", "selective", "--recompute-modules", "moe_act", "mlp",
+                 "layernorm")  # what megatron-core recomputes only in TE's or grouped modules
+    assert "--recompute-modules moe_act layernorm: kept in memory" in " ".join(
+        megatron_differences(kept, "cpu"))
+    assert transformer_config(kept).recompute_modules == ["mlp"]
 
 
 def test_the_rerun_and_profiling_configs_check_themselves():

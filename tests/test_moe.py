@@ -45,7 +45,10 @@ def same_moe_losses(mine: dict, ref: dict, tolerance: float = 1e-5) -> bool:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "1"],  # DP 2
                                     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                    ["--pipeline-model-parallel-size", "2"]])
+                                    ["--pipeline-model-parallel-size", "2"],
+                                    # megatron-core's module recompute: dense MLP, MoE layer
+                                    ["--recompute-granularity", "selective", "--recompute-modules",
+                                     "core_attn", "mlp", "moe"]])
 def test_moe_layouts_follow_one_process(reference, tmp_path, layout):
     run = launch(2, [*FLAGS, *layout], tmp_path / "metrics.jsonl")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -92,8 +95,9 @@ def test_a_killed_moe_rank_keeps_the_failure_free_losses(reference, tmp_path):
 def test_the_routers_expert_bias_moves_as_in_one_process_through_tp_and_a_kill(tmp_path):
     """--moe-router-enable-expert-bias (sigmoid scores): each iteration's token counts per
     expert, summed over the committed microbatches, the TP ranks' sequence parts and the
-    replicas, move every bias alike. DP 2 x TP 2 + SP, replica 1 killed in a backward of
-    iteration 2 (its microbatches redone by replica 0), follows one process; the bias moves the
+    replicas, move every bias alike. DP 2 x TP 2 + SP, the MoE layers recomputed (their routers
+    count in the backward then), replica 1 killed in a backward of iteration 2 (its
+    microbatches redone by replica 0), follows one process; the bias moves the
     one-process losses (so the comparison is not of two runs that never updated it), and a
     checkpoint of iteration 2 resumes on them (the biases are model state)."""
     sigmoid = [*FLAGS, "--moe-router-score-function", "sigmoid", "--train-iters", "5"]
@@ -102,6 +106,7 @@ def test_the_routers_expert_bias_moves_as_in_one_process_through_tp_and_a_kill(t
     runs = [launch(1, sigmoid, tmp_path / "plain.jsonl"),
             launch(1, [*bias, "--save", str(ckpt), "--save-interval", "2"], tmp_path / "one.jsonl"),
             launch(4, [*bias, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--recompute-granularity", "selective", "--recompute-modules", "moe",
                        "--recover-spares", "off", "--inject-fault",
                        "kill:rank=2,iter=2,phase=backward"], tmp_path / "four.jsonl",
                    launcher_args=[], timeout=240)]

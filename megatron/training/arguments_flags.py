@@ -89,6 +89,10 @@ def _add_kernel_and_recompute_args(g) -> None:
                         "--recompute-num-layers layers of each pipeline stage.")
     g.add_argument("--recompute-num-layers", type=int, default=1,
                    help="Layers per recompute group (uniform) or recomputed per stage (block).")
+    g.add_argument("--recompute-modules", nargs="+", default=None,
+                   help="With selective granularity, the submodules recomputed (megatron-core's "
+                        "names: core_attn, the default; mlp, moe, shared_experts). moe_act and "
+                        "layernorm are kept in memory instead (see the start-up line).")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:

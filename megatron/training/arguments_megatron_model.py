@@ -52,8 +52,6 @@ MODEL_FLAGS: dict[str, Refusal] = {
     "--te-rng-tracker": not_yet("uses transformer-engine's RNG tracker, not supported yet"),
     "--distribute-saved-activations": not_yet("splits recomputed activations over TP ranks, not "
                                               "supported yet"),
-    "--recompute-modules": not_yet("recomputes chosen modules, not supported yet",
-                                   "use --recompute-granularity selective|full"),
     "--no-clone-scatter-output-in-embedding": not_yet(_KERNEL),
     "--disable-clone-scatter-output-in-embedding": not_yet(_KERNEL),
     "--config-logger-dir": not_yet("dumps module configurations, not supported yet"),

@@ -7,7 +7,8 @@ import importlib.util
 
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_validate_pipeline import validate_pipeline_split
-from megatron.training.config_rules import position_embedding_type_of, recompute_granularity_of
+from megatron.training.config_rules import (KEPT_IN_MEMORY, RECOMPUTABLE,
+                                            position_embedding_type_of, recompute_granularity_of)
 
 DEVICES = ("cpu", "cuda")
 
@@ -101,6 +102,12 @@ def _validate_recompute(args: argparse.Namespace) -> None:
                             "--recompute-granularity full only",
                             "add --recompute-granularity full or drop --recompute-method")
     per_stage = args.num_layers // args.pipeline_model_parallel_size
+    unknown = set(args.recompute_modules or ()) - set(RECOMPUTABLE + KEPT_IN_MEMORY)
+    if unknown:
+        raise ArgumentError("--recompute-modules", f"--recompute-modules {' '.join(sorted(unknown))}"
+                            ": not a module megatron-core recomputes for a GPT here (mla_up_proj"
+                            " needs multi-latent attention, not supported)",
+                            f"choose from {' '.join(RECOMPUTABLE + KEPT_IN_MEMORY)}")
     if args.recompute_method is not None and not 1 <= args.recompute_num_layers <= per_stage:
         raise ArgumentError("--recompute-num-layers", f"--recompute-num-layers "
                             f"{args.recompute_num_layers} must be in 1..{per_stage} (the layers "

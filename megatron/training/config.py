@@ -27,7 +27,7 @@ from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
 from megatron.training.straggler import StragglerConfig
 from megatron.training.config_rules import (model_chunks_of, position_embedding_type_of,
-                                            recompute_granularity_of)
+                                            recompute_granularity_of, recomputed_modules)
 
 IMPLEMENTATIONS = ("local", "transformer_engine")
 DEVICES = ("cpu", "cuda")
@@ -163,6 +163,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # a recomputed forward draws the same dropout masks
         recompute_granularity=recompute_granularity_of(args),
         recompute_method=args.recompute_method,
+        recompute_modules=recomputed_modules(args),
         recompute_num_layers=args.recompute_num_layers if args.recompute_method else None,
         # Initialised on the CPU (Megatron's --use-cpu-initialization) on every device, then moved:
         # `init_parameters_by_name` draws every tensor on the CPU anyway, which keeps a GPU run's

@@ -13,6 +13,18 @@ def recompute_granularity_of(args: argparse.Namespace) -> str | None:
     return "selective" if args.recompute_activations else args.recompute_granularity
 
 
+RECOMPUTABLE = ("core_attn", "mlp", "moe", "shared_experts")  # megatron-core's, on any device
+KEPT_IN_MEMORY = ("moe_act", "layernorm")  # recomputed only in TE's and grouped-GEMM modules
+
+
+def recomputed_modules(args: argparse.Namespace) -> list[str] | None:
+    """--recompute-modules as megatron-core takes it: those it recomputes in the modules run
+    here (None: its default, core_attn)."""
+    if args.recompute_modules is None:
+        return None
+    return [m for m in args.recompute_modules if m not in KEPT_IN_MEMORY]
+
+
 def layers_to_split(args: argparse.Namespace) -> int:
     """The layers the pipeline split divides: the embedding and the loss count when asked."""
     return args.num_layers + int(args.account_for_embedding_in_pipeline_split) \
@@ -128,6 +140,11 @@ def _no_effect_lines(args: argparse.Namespace) -> list[str]:
         (args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute", "it schedules "
          "transformer-engine's fused weight-gradient GEMMs; the embedding's gradient is the same"))
     lines = [f"{flag} changes nothing: {why}" for on, flag, why in given if on]
+    kept = [m for m in args.recompute_modules or () if m in KEPT_IN_MEMORY]
+    if kept:
+        lines.append(f"--recompute-modules {' '.join(kept)}: kept in memory, not recomputed "
+                     "(megatron-core recomputes them only in transformer-engine's and the grouped "
+                     "GEMM's modules); the same results, more activation memory")
     lines += [f"{flag} changes no result: {why}" for on, flag, why in _moe_kernels(args) if on]
     if args.check_for_spiky_loss and args.rerun_mode != "validate_results":
         lines.append("--check-for-spiky-loss has no effect without --rerun-mode validate_results "

@@ -21,6 +21,9 @@ DIFFERENCES: dict[str, str] = {
     "--no-rope-fusion": "dest rope_fusion (Megatron: apply_rope_fusion)",
     "--use-mcore-models": "dest use_mcore_models: accepted, changes nothing (said at start-up)",
     "--recompute-num-layers": "default 1 (Megatron: None, then 1 where a method needs it)",
+    "--recompute-modules": "moe_act and layernorm are kept in memory, not recomputed "
+                           "(megatron-core recomputes them only in transformer-engine's and "
+                           "grouped-GEMM modules); the same results",
     "--transformer-impl": "default: transformer_engine where it is importable on a GPU, else "
                           "local (Megatron: transformer_engine)",
     "--exit-on-missing-checkpoint": "exits with status 2 (a user error, one line); Megatron-LM "
@@ -37,6 +40,7 @@ DIFFERENCES: dict[str, str] = {
 REFUSED_BY_THE_CHECKS: dict[str, str] = {}
 # flag -> the values ReCoVer refuses (each refused in one line naming the flag)
 SOME_VALUES: dict[str, str] = {
+    "--recompute-modules": "mla_up_proj (multi-latent attention is not supported)",
     "--context-parallel-size": "any; not yet with --use-distributed-optimizer, "
                                "--overlap-grad-reduce, --sequence-parallel, a virtual pipeline, "
                                "checkpoints, --reset-attention-mask, transformer-engine",

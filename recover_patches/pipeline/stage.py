@@ -37,8 +37,9 @@ class GPTStage:
         """`loss_scale`: fp16's current loss scale, multiplied into the loss before backward;
         `cross_entropy(logits, labels, tp_group)`: the per-token loss over vocabulary shards;
         `before_backward(scale)`: before each backward, with that loss scale (MoE's auxiliary
-        losses take their gradient scale from it); `meter`: what a forward records, kept per
-        microbatch id (none for a filler) until the schedule takes it."""
+        losses take their gradient scale from it); `meter`: what the model records in a
+        microbatch's forward and backward, kept per id (none for a filler) until the schedule
+        takes it."""
         self.before_backward = before_backward
         self.meter = meter
         self._measures: dict[int, torch.Tensor] = {}
@@ -87,10 +88,14 @@ class GPTStage:
         scale = 1.0 if self.loss_scale is None else self.loss_scale()
         if self.before_backward is not None:  # a filler's auxiliary losses weigh nothing
             self.before_backward(0.0 if microbatch_id < 0 else scale)
+        if self.meter is not None:  # a recomputed forward (--recompute-modules moe) records
+            self.meter.start()     # in the backward: it belongs to this microbatch too
         if self.is_last:
             torch.autograd.backward(output * scale if scale != 1.0 else output)
         else:
             torch.autograd.backward(output, grad_tensors=output_grad)
+        if self.meter is not None and microbatch_id >= 0:
+            self._measures[microbatch_id] = self._measures[microbatch_id] + self.meter.take()
         return None if input_tensor is None else input_tensor.grad
 
     def tokens(self, microbatch_id: int) -> int:
