@@ -32,7 +32,7 @@ class Stage(Protocol):
     def tokens(self, microbatch_id: int) -> int: ...
 
     def measured(self, microbatch_id: int) -> torch.Tensor | None:
-        """What the stage's meter took in this microbatch's forward (`stage.py`), if any."""
+        """What the stage's meter took in this microbatch's forward and backward, if any."""
 
 
 @dataclass
@@ -139,7 +139,7 @@ def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
         if link.is_last:
             result.add_loss(g, y)
         result.add(g, stage.tokens(g))
-        result.add_measured(stage.measured(g))
+        stage.measured(g)  # taken and dropped: an evaluation commits nothing
     return result
 
 
@@ -237,7 +237,7 @@ def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], li
                 y = stage.forward(g, link.recv(Kind.FORWARD, c, index))
                 link.send(Kind.FORWARD, c, index, y)
                 tokens = stage.tokens(g)
-                result.add_measured(stage.measured(g))
+                stage.measured(g)  # taken and dropped: an evaluation commits nothing
                 if c * stages + rank == last:
                     result.add_loss(g, y)
                 if c == 0:

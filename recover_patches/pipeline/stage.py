@@ -19,8 +19,9 @@ from recover_patches.pipeline.rng import DeviceRNGStatesTracker, seed_microbatch
 
 
 class ForwardMeter(Protocol):
-    """Values the model records while it runs forward (MoE's auxiliary losses per layer, [P]):
-    `start` before a microbatch's forward, `take` after it: that microbatch's values."""
+    """Values the model records while it runs (MoE's auxiliary losses and token counts, [P]):
+    `start` before a microbatch's forward or backward, `take` after it; a recomputed module
+    records in the backward, so the microbatch's values are the two takes' sum."""
 
     def start(self) -> None: ...
 
