@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron.training.distributed_optimizer import ShardedAdamW
 from megatron.training.optimizer import MainParamsAdamW
-from megatron.training.optimizer_shards import bucket_ranges
+from megatron.training.optimizer_shards import ShardDomain, bucket_ranges
 from recover_patches.recovery.grad_buffer import GradBuffer, Scatter, flat_layout
 from recover_patches.recovery.reduce import Totals
 from tests.gloo_ranks import run_ranks
@@ -119,12 +119,12 @@ def _reshard_rank(rank: int, dtype: torch.dtype) -> None:
         plain.step(grads_for(3))
     else:
         mine.instance_group = alone if rank == 0 else second
-        mine.reshard([0, 2, 3], 2, survivors)
+        mine.reshard(ShardDomain((0, 2, 3), 2, survivors))
         if rank == 0:
             assert mine.ranges == mine.layout.buckets
         assert step_both(plain, mine, range(2, 4))
     mine.instance_group = first if rank < 2 else second
-    mine.reshard([0, 1, 2, 3], 2, dist.group.WORLD)
+    mine.reshard(ShardDomain((0, 1, 2, 3), 2, dist.group.WORLD))
     assert step_both(plain, mine, range(4, 6))
     assert_same_state(mine.state_dict(), plain.state_dict())
 

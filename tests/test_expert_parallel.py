@@ -6,8 +6,13 @@ killed in a backward each cost their unit, whose microbatches the other units co
 same iteration -- an odd share split over a unit's two replicas, so one pads with a filler -- and
 the losses and gradient norms stay the failure-free ones. A torch_dist checkpoint saved at EP 2
 resumes at EP 2 and at EP 1. A killed rank's unit grows back whole, each replica from a live one
-holding its experts, and the weights are checked among the replicas holding the same experts."""
+holding its experts, and the weights are checked among the replicas holding the same experts.
+With the distributed optimizer each expert's state is sharded over the replicas holding it: DP 4
+at EP 2 follows one process and its checkpoint resumes at EP 1; at DP 8, EP 2, K 2 a killed unit's
+ranges come from the other instance and go back to the unit when it grows back."""
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -134,6 +139,73 @@ def test_an_expert_parallel_checkpoint_resumes_at_ep_2_and_at_ep_1(reference, tm
             world, mine, ref)
 
 
+def unit_1_grown_back(run, during: list[int], replicas: int) -> list[dict]:
+    """A run's iteration records, checked: unit 1 (replicas 2 and 3) was lost in iteration 3
+    (`during`: the live replicas then) and re-formed; all `replicas` live at the end."""
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    live = [r["live_replicas"] for r in records]
+    assert live[2] == during and live[-1] == list(range(replicas)), live
+    assert [r["join"]["joined"] for r in run.records if "join" in r] == [[2, 3]]
+    return records
+
+
+DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+           "--ddp-bucket-size", "20000"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_distributed_optimizer_shards_experts_among_their_holders(reference, tmp_path):
+    """DP 4 at EP 2 with the distributed optimizer (one instance): the dense state in four
+    shards, each expert's in two (the replicas holding it), reduce-scattered and all-gathered
+    over those, overlapped; the run follows one process. Its torch_dist checkpoint of iteration
+    2 (the experts' optimizer state gathered from their shards) resumes in one process."""
+    ckpt = tmp_path / "ckpt"
+    run = launch(4, [*FLAGS, *EP2, *DISTOPT, "--save", str(ckpt), "--save-interval", "2"],
+                 tmp_path / "a.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert len(records) == len(reference[8])
+    for mine, ref in zip(records, reference[8]):
+        assert mine.get("reduce_scattered"), mine
+        assert close(mine, ref, "lm_loss") and close(mine, ref, "grad_norm"), (mine, ref)
+    (ckpt / LATEST_FILE).write_text("2")
+    resumed = launch(1, [*FLAGS, "--load", str(ckpt)], tmp_path / "b.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref = [r["lm_loss"] for r in reference[8]][2:]
+    mine = resumed.losses()
+    assert len(mine) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mine, ref)), (
+        mine, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_sharded_experts_survive_their_unit_and_come_back_to_it(reference, tmp_path):
+    """DP 8 at EP 2 with the distributed optimizer in two instances of two units: each expert's
+    state in two shards per instance. Rank 2 dies in a backward of iteration 3 and takes unit 1:
+    its instance's survivors, replicas 0 and 1, take the dead ranges of the dense and of their
+    experts' state from the other instance. A replacement starts, unit 1 re-forms and its
+    replicas take their ranges back (the experts' from holders of the same experts); then the
+    gradients are reduce-scattered again. The losses and norms stay the failure-free ones."""
+    run = launch(8, [*FLAGS, *EP2, *LONG, *DISTOPT, "--num-distributed-optimizer-instances", "2",
+                     "--inject-fault", "kill:rank=2,iter=3,phase=backward"],
+                 tmp_path / "metrics.jsonl", timeout=240,
+                 launcher_args=["--max-replacements", "1"])
+    records = unit_1_grown_back(run, [0, 1, 4, 5, 6, 7], 8)
+    log = run.stdout + run.stderr
+
+    def received(holders: str, units: str) -> list[str]:
+        return re.findall(r"rank (\d+): distributed optimizer: \d+ parameters' state held for "
+                          rf"live holders \[{holders}\] \(experts: units \[{units}\]\), "
+                          r"[\d.]+ MiB received", log)
+    assert sorted(received("0, 1, 4, 5, 6, 7", "0, 2, 3")) == ["0", "1"], log[-3000:]
+    assert {"2", "3"} <= set(received("0, 1, 2, 3, 4, 5, 6, 7", "0, 1, 2, 3")), log[-3000:]
+    assert records[-1].get("reduce_scattered") and not records[2].get("reduce_scattered")
+    for mine, ref in zip(records, reference["long"], strict=True):
+        assert close(mine, ref, "lm_loss") and close(mine, ref, "grad_norm"), (mine, ref)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_unit_grows_back_each_replica_from_a_holder_of_its_experts(reference, tmp_path):
@@ -146,11 +218,7 @@ def test_a_unit_grows_back_each_replica_from_a_holder_of_its_experts(reference, 
                      "--inject-fault", "slow:rank=1,seconds=0.15,iter=4,phase=forward"],
                  tmp_path / "metrics.jsonl", timeout=240,
                  launcher_args=["--max-replacements", "1"])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    records = [r for r in run.records if "lm_loss" in r]
-    live = [r["live_replicas"] for r in records]
-    assert live[2] == [0, 1] and live[-1] == [0, 1, 2, 3], live
-    assert [r["join"]["joined"] for r in run.records if "join" in r] == [[2, 3]]
+    records = unit_1_grown_back(run, [0, 1], 4)
     assert "rank 3: waiting as a spare" in run.stdout
     # evaluations, voted on by unit: before, during and after the unit's absence
     assert len([r for r in run.records if "valid_lm_loss" in r]) == 4, run.stdout[-3000:]

@@ -191,9 +191,11 @@ def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
     assert "must divide --num-experts 4" in refusal(*moe, "--expert-model-parallel-size", "3",
                                                    world=3)
     assert "must divide the data-parallel size 3" in refusal(*ep, world=3)
-    assert refusal(*ep, "--use-distributed-optimizer").startswith(
-        "--use-distributed-optimizer: --use-distributed-optimizer with "
-        "--expert-model-parallel-size 2: sharding the experts' optimizer state is not built")
+    sharded = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+    assert refusal(*ep, *sharded, world=6).startswith(
+        "--num-distributed-optimizer-instances: --num-distributed-optimizer-instances 2 with "
+        "--expert-model-parallel-size 2: each instance's 3 replicas must hold whole units of 2")
+    validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *ep, *sharded]), 4)  # taken
     assert refusal(*ep, "--rerun-mode", "report_stats").startswith("--rerun-mode")
     assert refusal(*ep, "--save", "/tmp/x", "--save-interval", "1",
                    "--no-ckpt-fully-parallel-save").startswith("--no-ckpt-fully-parallel-save")

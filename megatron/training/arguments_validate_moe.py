@@ -79,9 +79,7 @@ def _refuse_not_built(args: argparse.Namespace, device: str) -> None:
 
 def _refuse_with_expert_parallelism(args: argparse.Namespace) -> None:
     """What is not built for EP > 1 yet, each by its flag."""
-    why = {"--use-distributed-optimizer": (args.use_distributed_optimizer, "sharding the "
-                                           "experts' optimizer state"),
-           "--ckpt-format": ((args.save or args.load) and args.ckpt_format == "torch",
+    why = {"--ckpt-format": ((args.save or args.load) and args.ckpt_format == "torch",
                              "per-position files of each expert rank"),
            "--no-ckpt-fully-parallel-save": (
                args.save and not args.ckpt_fully_parallel_save, "one replica writing its "
@@ -104,6 +102,14 @@ def validate_expert_layout(args: argparse.Namespace, dp: int) -> None:
         raise ArgumentError("--expert-model-parallel-size", f"--expert-model-parallel-size {ep} "
                             f"must divide the data-parallel size {dp}",
                             "launch a multiple of EP replicas or change the flag")
+    k = args.num_distributed_optimizer_instances
+    if args.num_experts is not None and args.use_distributed_optimizer and (dp // k) % ep:
+        # a unit within one instance: its replicas' experts are sharded over that instance's
+        # units (Megatron: the expert-data-parallel size must divide by K)
+        raise ArgumentError("--num-distributed-optimizer-instances", "--num-distributed-optimizer"
+                            f"-instances {k} with --expert-model-parallel-size {ep}: each "
+                            f"instance's {dp // k} replicas must hold whole units of {ep}",
+                            f"pass an instance count K with {dp} / K a multiple of {ep}")
 
 
 def _megatron_core_checks(args: argparse.Namespace) -> None:

@@ -24,6 +24,11 @@ for its parameters' buckets (`weight_gather.py`), and anything else that reads t
 calls `finish_gather`. A failed wait is a PeerFailure where it happens: mid-forward, the
 transaction has the replica compute its round again after the recovery re-shards.
 
+With expert parallelism ([P]) the experts' buckets are sharded over the instance's replicas that
+hold the same experts, one per unit (`optimizer_shards.py`): their reduce-scatters, gathers and
+norm shares go over that group, and a re-shard moves their pieces over the expert-data-parallel
+group, from a live holder of the same experts.
+
 Checkpoints keep the unsharded format: `state_dict()` gathers the instance's shards (every member
 of the instance must call it), `load_state_dict()` takes its ranges, so any K loads any checkpoint.
 """
@@ -38,11 +43,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.optimizer import LossScaler, is_counted
-from megatron.training.optimizer_moves import held_ranges, keep_own, move_pieces
-from megatron.training.optimizer_shards import (ShardLost, bucket_ranges, instance_positions,
-                                                plan_transfers)
+from megatron.training.optimizer_moves import keep_own, move_pieces, plan_domain
+from megatron.training.optimizer_shards import ShardDomain, Sharding, ShardLost, bucket_ranges
+from megatron.training.shard_sums import instance_sum, squares, zeros
 from megatron.training.weight_gather import WeightGather
-from recover_patches.recovery.grad_buffer import FlatLayout
+from recover_patches.recovery.grad_buffer import FlatLayout, is_expert
 from recover_patches.recovery.iteration import TooFewReplicas
 
 logger = logging.getLogger(__name__)
@@ -55,7 +60,10 @@ class ShardedAdamW:
 
     def __init__(self, groups: list[dict], *, layout: FlatLayout, shard: int, shards: int,
                  instance_group, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, scaler: LossScaler | None = None):
+                 weight_decay: float, scaler: LossScaler | None = None,
+                 experts: Sharding | None = None):
+        """`shard` of `shards` in `instance_group`: the dense buckets' sharding; `experts`: the
+        expert buckets' (expert parallelism), over the instance's holders of the same experts."""
         self.scaler, self.instance_group = scaler, instance_group
         self.model_params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
         self.main_params = self.model_params  # what --log-params-norm and faults read: whole
@@ -66,8 +74,16 @@ class ShardedAdamW:
         self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
         self._gather = WeightGather(self.model_params, layout)
         self._bucket = self._gather.bucket_of  # the bucket of each parameter
-        self.shards = shards
-        ranges = bucket_ranges(layout.buckets, shard, shards)
+        experts_in = {self._bucket[i] for i, p in enumerate(self.model_params) if is_expert(p)}
+        self._is_expert = [b in experts_in for b in range(len(layout.buckets))]
+        assert experts is not None or not experts_in, "expert buckets are sharded apart"
+        self._experts_instance = None if experts is None else experts.instance
+        # dense weights: the unit's other replicas hold copies, the first counts their norm
+        self._counts_dense = not any(getattr(p, "unit_duplicate", False) for p in self.model_params)
+        both = (Sharding(shard, shards, instance_group), experts or Sharding(0, 1, None))
+        self._bucket_shards = [both[e].shards for e in self._is_expert]
+        ranges = [bucket_ranges([bucket], both[e].shard, both[e].shards)[0]
+                  for bucket, e in zip(layout.buckets, self._is_expert)]
         self._place(ranges, self._from_weights(ranges), None, 0)
 
     @property
@@ -160,12 +176,12 @@ class ShardedAdamW:
         for fragment in self.fragments:
             fragment.grad = None
         self._gather.after_step(self._chunks(lambda f: f, self.model_params[0].dtype),
-                                self.instance_group)
+                                self._bucket_groups())
 
     def gather_weights(self) -> None:
         """Every range's updated weights to every member of the instance, bucket by bucket."""
         self._gather.start(self._chunks(lambda f: f, self.model_params[0].dtype),
-                           self.instance_group)
+                           self._bucket_groups())
         self._gather.finish()
 
     def finish_gather(self) -> None:
@@ -179,12 +195,17 @@ class ShardedAdamW:
                       ) -> None:
         self._gather.watch(before, overlap_with)
 
+    def _bucket_groups(self) -> list:
+        """Where each bucket's ranges gather: the instance, or the experts' holders in it."""
+        return [self._experts_instance if e else self.instance_group for e in self._is_expert]
+
     def _chunks(self, of_fragment, dtype: torch.dtype):
         """Per bucket: this rank's chunk of a per-fragment tensor, padded to the instance's
         chunk size (a generator: one bucket's buffer at a time)."""
         local = self._flat(of_fragment, dtype)
         for b, ((s, e), (lo, hi)) in enumerate(zip(self.layout.buckets, self.ranges)):
-            mine = torch.zeros(-(-(e - s) // self.shards), dtype=dtype, device=self._device)
+            mine = torch.zeros(-(-(e - s) // self._bucket_shards[b]), dtype=dtype,
+                               device=self._device)
             mine[:hi - lo].copy_(local[self._base[b]:self._base[b] + hi - lo])
             yield mine
 
@@ -198,7 +219,7 @@ class ShardedAdamW:
 
     def _whole(self, of_fragment) -> list[torch.Tensor]:
         """A per-fragment fp32 tensor gathered over the instance into whole per-param ones."""
-        return self._gather.whole(self._chunks(of_fragment, torch.float32), self.instance_group)
+        return self._gather.whole(self._chunks(of_fragment, torch.float32), self._bucket_groups())
 
     def reload_model_params(self) -> None:
         with torch.no_grad():
@@ -272,11 +293,7 @@ class ShardedAdamW:
         """The global gradient norm from this rank's ranges only: the instance's shares are
         gathered and summed in shard order, so every instance computes the same bits (their
         replicas must take the same step), then summed over the replica's TP x PP ranks."""
-        pieces = self._counted(grads, tp_rank)
-        local = torch.zeros(1, dtype=torch.float64, device=self._device)
-        if pieces:
-            local += torch.stack(torch._foreach_norm(pieces, 2.0)).double().pow(2).sum()
-        total = self._instance_sum(local)
+        total = self._sharded_sum(grads, tp_rank, squares)
         if replica_group is not None and replica_group.size() > 1:
             dist.all_reduce(total, group=replica_group)
         value = float(total)
@@ -284,70 +301,78 @@ class ShardedAdamW:
 
     def count_zeros(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
         """--log-num-zeros-in-grad from this rank's ranges (integers: any order sums exactly)."""
-        zeros = torch.tensor([float(sum(int((g == 0).sum()) for g in self._counted(grads, tp_rank)))],
-                             dtype=torch.float64, device=self._device)
-        total = self._instance_sum(zeros)
+        total = self._sharded_sum(grads, tp_rank, zeros)
         if replica_group is not None and replica_group.size() > 1:
             dist.all_reduce(total, group=replica_group)
         return float(total)
 
-    def _counted(self, tensors: Sequence[torch.Tensor], tp_rank: int) -> list[torch.Tensor]:
-        """This rank's pieces of the per-parameter `tensors`, for parameters it counts."""
-        return [tensors[i].reshape(-1)[start:end] for i, start, end, _ in self.pieces
-                if is_counted(self.model_params[i], tp_rank)]
-
-    def _instance_sum(self, value: torch.Tensor) -> torch.Tensor:
-        size = 1 if self.instance_group is None else self.instance_group.size()
-        if size == 1:
-            return value
-        every = torch.empty(size, dtype=value.dtype, device=value.device)
-        dist.all_gather_single(every, value, group=self.instance_group)
-        total = every[0].clone()
-        for k in range(1, size):  # a fixed order, not the collective's
-            total += every[k]
-        return total.reshape(1)
+    def _sharded_sum(self, tensors: Sequence[torch.Tensor], tp_rank: int,
+                     measure: Callable[[list[torch.Tensor], torch.device], torch.Tensor]
+                     ) -> torch.Tensor:
+        """`measure` of this rank's pieces of the per-parameter `tensors` it counts, summed over
+        the instance. With expert parallelism the replica group spans the unit: the dense sum is
+        counted by the unit's first replica, the experts' (summed over their holders) by each."""
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
+        for i, start, end, _ in self.pieces:
+            p = self.model_params[i]
+            if is_counted(p, tp_rank, once_per_unit=False):
+                (experts if is_expert(p) else dense).append(tensors[i].reshape(-1)[start:end])
+        total = instance_sum(measure(dense, self._device), self.instance_group)
+        if not self._counts_dense:
+            total.zero_()
+        if self._experts_instance is not None:
+            total += instance_sum(measure(experts, self._device), self._experts_instance)
+        return total
 
     # -- the replicas changed -------------------------------------------------------------------
-    def reshard(self, holders: Sequence[int], per_instance: int, dp_group) -> int:
-        """Take this rank's ranges for the live `holders` (one per live replica and CP rank:
-        `ParallelGroups.optimizer_holders`; instances of `per_instance` consecutive holders), then
-        gather the instance's weights. A collective over `dp_group`: its ranks in holder order,
-        each taking part. Pieces move point to point from the lowest rank holding them; a rank's
-        old ranges stay until the whole new ones arrived. TooFewReplicas if some piece died with
-        every rank that held it. Returns the bytes this rank received."""
+    def reshard(self, dense: ShardDomain, experts: ShardDomain | None = None) -> int:
+        """Take this rank's ranges for the live holders of the dense and (EP > 1) the expert
+        buckets (`ParallelGroups.optimizer_domains`), then gather the instance's weights. A
+        collective over each domain's group: its ranks in holder order, each taking part. Pieces
+        move point to point from the lowest rank holding them; a rank's old ranges stay until
+        the whole new ones arrived. TooFewReplicas if some piece died with every rank that held
+        it. Returns the bytes this rank received."""
         start = time.perf_counter()
         self._gather.reset()  # the weights are gathered afresh at the end
-        live = sorted(holders)
-        me, size = (0, 1) if dp_group is None else (dp_group.rank(), dp_group.size())
-        positions = instance_positions(live, per_instance)
-        wanted = [bucket_ranges(self.layout.buckets, j, n) for j, n in positions]
-        held, step = held_ranges(self.ranges, max((int(s["step"]) for s in self.inner.state.values()),
-                                                  default=0), self._device, dp_group, size)
-        try:
-            plans = [plan_transfers([h[b] for h in held], [w[b] for w in wanted])
-                     for b in range(len(self.layout.buckets))]
-        except ShardLost as lost:
-            raise TooFewReplicas(
-                f"the distributed optimizer's state {lost} of this stage's flat parameters was "
-                f"held only by lost replicas (live holders: {live}); "
-                "--num-distributed-optimizer-instances K keeps K copies") from None
-        ranges, bases, old = wanted[me], self._bases(wanted[me]), self.ranges
-        started = step > 0
+        assert experts is not None or not any(self._is_expert), "the experts' holders"
+        here = max((int(s["step"]) for s in self.inner.state.values()), default=0)
+        ranges, shards, old = list(self.ranges), list(self._bucket_shards), self.ranges
+        moves, step, holds = [], 0, False
+        for domain, kind in ((dense, False), (experts, True)):
+            if domain is None:
+                continue
+            buckets = [b for b, e in enumerate(self._is_expert) if e == kind]
+            try:
+                plans, newest, valid = plan_domain(domain, self.layout.buckets, buckets,
+                                                   self.ranges, here, self._device, ranges, shards)
+            except ShardLost as lost:
+                raise TooFewReplicas(
+                    f"the distributed optimizer's state {lost} of this stage's "
+                    f"{'experts' if kind else 'dense weights'} was held only by lost replicas "
+                    f"(live holders: {sorted(domain.holders)}); "
+                    "--num-distributed-optimizer-instances K keeps K copies") from None
+            moves.append((plans, domain.group))
+            step, holds = max(step, newest), holds or valid
+        bases, started = self._bases(ranges), step > 0
         fresh = [torch.zeros(sum(hi - lo for lo, hi in ranges), dtype=torch.float32,
                              device=self._device) for _ in range(1 + 2 * started)]
         inner, mine = self.inner, []
-        if any(lo < hi for lo, hi in held[me]):  # valid: main params, then moments
+        if holds:  # valid: main params, then moments
             mine = [self._flat(lambda f: f)] + [
                 self._flat(lambda f, n=n: inner.state[f][n]) for n in _MOMENTS if started]
             keep_own(fresh, mine, ranges, bases, old, self._base)
-        received = 4 * len(fresh) * move_pieces(plans, me, mine, fresh, ranges, bases, old,
-                                                self._base, dp_group)
-        self.shards = positions[me][1]
+        received = 4 * len(fresh) * sum(
+            move_pieces(plans, 0 if group is None else group.rank(), mine, fresh, ranges, bases,
+                        old, self._base, group) for plans, group in moves)
+        self._bucket_shards = shards
         self._place(ranges, fresh[0], (fresh[1], fresh[2]) if started else None, step)
         self.gather_weights()
         if received:
             logger.info(f"distributed optimizer: {self.held_numel} parameters' state held for "
-                        f"live holders {live}, {received / 2**20:.2f} MiB received, "
+                        f"live holders {list(dense.holders)}"
+                        f"{'' if experts is None else f' (experts: units {list(experts.holders)})'}"
+                        f", {received / 2**20:.2f} MiB received, "
                         f"{(time.perf_counter() - start) * 1000:.0f} ms")
         return received
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron.training.optimizer_shards import ShardDomain, Sharding
 from recover_patches.collectives import Regrouped, ResilientGroup
 from recover_patches.pipeline.interleaved import Kind
 from recover_patches.pipeline.p2p import Channel
@@ -81,6 +82,10 @@ class ParallelGroups:
     tp_expert: dist.ProcessGroup | None = None
     expert_dp: dist.ProcessGroup | None = None
     replica_alone: dist.ProcessGroup | None = None  # EP > 1: this replica's own TP x PP ranks
+    # --use-distributed-optimizer with EP > 1: the replicas of this rank's instance holding its
+    # experts (the experts' shards; their sum across instances is over `position`, whose members
+    # hold the same experts since units lie within instances)
+    expert_instance: dist.ProcessGroup | None = None
 
     @property
     def cp(self) -> dist.ProcessGroup:
@@ -111,6 +116,29 @@ class ParallelGroups:
         """This rank's shard: its holder index (`optimizer_holders`) within its instance."""
         return self.coord.replica % self.per_instance * self.topology.cp + self.coord.cp
 
+    def optimizer_sharding(self) -> tuple[Sharding, Sharding | None]:
+        """The distributed optimizer's dense and (EP > 1) expert shards while every replica is
+        live: the experts' are the instance's units."""
+        dense = Sharding(self.optimizer_shard, self.optimizer_shards, self.instance)
+        if self.expert_instance is None:
+            return dense, None
+        ep = self.topology.ep
+        return dense, Sharding(self.coord.replica % self.per_instance // ep,
+                               self.per_instance // ep, self.expert_instance)
+
+    def optimizer_domains(self, live_replicas: Sequence[int]
+                          ) -> tuple[ShardDomain, ShardDomain | None]:
+        """Who holds the dense and (EP > 1) the expert shards among the live replicas: the
+        experts' holders are the live units (one replica each, holding this rank's experts),
+        moving pieces over the expert-data-parallel group."""
+        dense = ShardDomain(tuple(self.optimizer_holders(live_replicas)), self.optimizer_shards,
+                            self.dp)
+        if self.expert_instance is None:
+            return dense, None
+        ep = self.topology.ep
+        units = tuple(r // ep for r in sorted(live_replicas) if r % ep == self.coord.replica % ep)
+        return dense, ShardDomain(units, self.per_instance // ep, self.expert_dp)
+
     def optimizer_holders(self, live_replicas: Sequence[int]) -> list[int]:
         """Who holds the distributed optimizer's shards: holder r x CP + c is replica r's CP
         rank c, so instances are `optimizer_shards` consecutive holders and the DP group's ranks
@@ -131,7 +159,7 @@ class ParallelGroups:
         """This rank's groups in creation order (the order every member rebuilds them in)."""
         groups = [self.tp, self.pp, self.replica, self.embedding, self.dp, self.self_group,
                   self.context, self.model_parallel, self.expert, self.tp_expert, self.expert_dp,
-                  self.replica_alone, self.instance, self.position,
+                  self.replica_alone, self.instance, self.position, self.expert_instance,
                   *(c.group for c in self.channels.values())]
         return list({id(g): g for g in groups if g is not None}.values())  # shared channels: once
 
@@ -176,7 +204,7 @@ class ParallelGroups:
         those phases use, so the others can be kept (`regroup`)."""
         narrow = phase in ("reduce", "commit", "recovery")
         reduction = (self.replica, self.embedding, self.dp, self.instance, self.position,
-                     self.model_parallel, self.expert_dp)
+                     self.model_parallel, self.expert_dp, self.expert_instance)
         for g in self.resilient_groups():
             if narrow and not any(g is h for h in reduction):
                 continue
@@ -201,6 +229,9 @@ class ParallelGroups:
                                                         if r // size == c.replica // size])
             elif g is self.expert_dp:
                 members = topo.expert_dp_ranks(c.tp, c.replica, c.pp, live_replicas)
+            elif g is self.expert_instance:
+                members = topo.expert_dp_ranks(c.tp, c.replica, c.pp, [
+                    r for r in live_replicas if r // size == c.replica // size])
             elif g is self.position:
                 members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
                                                      if r % size == c.replica % size], c.cp)
@@ -301,7 +332,7 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
             f"tpep.unit{unit}.stage{c.pp}", topology.tp_ep_ranks(c.replica, c.pp))
         expert_dp = make_group(f"edp.tp{c.tp}.stage{c.pp}.ep{c.replica % topology.ep}",
                                topology.expert_dp_ranks(c.tp, c.replica, c.pp))
-    instance, position, size = None, None, 0
+    instance, position, expert_instance, size = None, None, None, 0
     if optimizer_instances is not None:
         size = topology.dp // optimizer_instances
         first = c.replica // size * size
@@ -310,11 +341,15 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
         place = c.replica % size
         position = make_group(f"distopt.tp{c.tp}.stage{c.pp}.place{place}{at}",
                               topology.dp_ranks(c.tp, c.pp, range(place, topology.dp, size), c.cp))
+        if expert_dp is not None:  # [P] units lie within instances (EP divides DP / K)
+            expert_instance = make_group(
+                f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}.ep{c.replica % topology.ep}",
+                topology.expert_dp_ranks(c.tp, c.replica, c.pp, range(first, first + size)))
     return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
                           size, position, p2p_channels(topology, c, make_group,
                                                        pp if channels == "shared" else None)
                           if channels and topology.pp > 1 else {}, resilient, context,
-                          model_parallel, expert, tp_expert, expert_dp, alone)
+                          model_parallel, expert, tp_expert, expert_dp, alone, expert_instance)
 
 
 def env_rank_world() -> tuple[int, int]:

@@ -13,6 +13,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.training.optimizer_shards import ShardDomain
 from recover_patches.recovery.grad_buffer import FlatLayout
 
 
@@ -50,9 +51,10 @@ class Optimizer(Protocol):
         """The weights in place before anything but a forward reads them (PeerFailure if a
         gather failed)."""
 
-    def reshard(self, holders: Sequence[int], per_instance: int, dp_group) -> int:
-        """Take this rank's part for the live holders (`ParallelGroups.optimizer_holders`:
-        one per live replica and CP rank, `per_instance` to an instance); the bytes received."""
+    def reshard(self, dense: ShardDomain, experts: ShardDomain | None = None) -> int:
+        """Take this rank's part for the live holders (`ParallelGroups.optimizer_domains`: of
+        the dense weights' shards and, with expert parallelism, the experts'); the bytes
+        received."""
 
     def forget(self) -> None:
         """This rank's replica broke: what it holds of sharded state is out of date."""
@@ -126,7 +128,7 @@ class MainParamsAdamW:
     def finish_gather(self) -> None:
         pass
 
-    def reshard(self, holders: Sequence[int], per_instance: int, dp_group) -> int:
+    def reshard(self, dense: ShardDomain, experts: ShardDomain | None = None) -> int:
         return 0
 
     def forget(self) -> None:
@@ -229,12 +231,13 @@ def sync_sequence_parallel_grads(params: Sequence[torch.Tensor],
         g.copy_(part.view_as(g))
 
 
-def is_counted(p: torch.Tensor, tp_rank: int) -> bool:
+def is_counted(p: torch.Tensor, tp_rank: int, once_per_unit: bool = True) -> bool:
     """Whether this rank counts `p` in norms, so that the replica counts each parameter once:
     TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all, and
-    with expert parallelism ([P]: norms over the unit) dense ones only on its first replica."""
+    with expert parallelism ([P]: norms over the unit) dense ones only on its first replica
+    (unless not `once_per_unit`: the distributed optimizer's shards, which split them)."""
     return not getattr(p, "tied_embedding_is_duplicate", False) \
-        and not getattr(p, "unit_duplicate", False) \
+        and not (once_per_unit and getattr(p, "unit_duplicate", False)) \
         and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
 
 

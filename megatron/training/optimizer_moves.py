@@ -8,7 +8,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.training.optimizer_shards import Transfer
+from megatron.training.optimizer_shards import (ShardDomain, Transfer, bucket_ranges,
+                                                instance_positions, plan_transfers)
 
 Ranges = Sequence[tuple[int, int]]  # one [lo, hi) per bucket
 # Elements per point-to-point message (64 MiB of fp32): each must finish within --recover-timeout.
@@ -62,3 +63,24 @@ def move_pieces(plans: Sequence[Sequence[Transfer]], me: int, mine: list[torch.T
                         dist.recv(piece, group=dp_group, group_src=t.src)
                 received += t.hi - t.lo
     return received
+
+
+def plan_domain(domain: ShardDomain, buckets: Ranges, mine: Sequence[int], held_now: Ranges,
+                step: int, device: torch.device, ranges: list[tuple[int, int]], shards: list[int]
+                ) -> tuple[list[list[Transfer]], int, bool]:
+    """The re-shard of one kind of bucket (`mine`: the dense ones, or the experts') over its
+    `domain`: this rank's new ranges and shard counts written into `ranges` and `shards`; returns
+    the transfers per bucket (none for the other kind), the newest Adam step among the domain's
+    ranks and whether this rank's state (`held_now`, at `step`) is valid. A collective over the
+    domain's group; ShardLost if some piece died with every rank that held it."""
+    group, live = domain.group, sorted(domain.holders)
+    me, size = (0, 1) if group is None else (group.rank(), group.size())
+    positions = instance_positions(live, domain.per_instance)
+    wanted = [bucket_ranges(buckets, j, n) for j, n in positions]
+    held, newest = held_ranges(held_now, step, device, group, size)
+    plans: list[list[Transfer]] = [[] for _ in buckets]
+    for b in mine:
+        plans[b] = plan_transfers([h[b] for h in held], [w[b] for w in wanted])
+    for b in mine:
+        ranges[b], shards[b] = wanted[me][b], positions[me][1]
+    return plans, newest, any(held[me][b][0] < held[me][b][1] for b in mine)

@@ -34,8 +34,9 @@ def build_optimizer(model: torch.nn.Module, setup: OptimizerSetup, groups) -> Op
     layout = flat_layout_for(setup, groups, [p for g in param_groups for p in g["params"]])
     if not adam.use_distributed_optimizer:
         return MainParamsAdamW(param_groups, layout=layout, **hyper)
-    return ShardedAdamW(param_groups, layout=layout, shard=groups.optimizer_shard,
-                        shards=groups.optimizer_shards, instance_group=groups.instance, **hyper)
+    dense, experts = groups.optimizer_sharding()
+    return ShardedAdamW(param_groups, layout=layout, shard=dense.shard, shards=dense.shards,
+                        instance_group=dense.instance, experts=experts, **hyper)
 
 
 def groups_at_any_expert_parallelism(param_groups: list[dict]) -> list[dict]:

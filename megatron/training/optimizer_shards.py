@@ -7,12 +7,17 @@ of a bucket [s, s + L), clipped to it. Every
 instance with a live replica thus holds a whole copy, which is what lets survivors fetch the
 shards of a dead replica from another instance. All functions here are pure: every rank computes
 the same answer from the same agreed inputs.
+
+With expert parallelism ([P]) the experts' buckets are sharded apart: among the replicas of an
+instance that hold the same experts (one per unit; Megatron's intra-instance expert-data-parallel
+group), each holding their range of every expert bucket. So the instance still holds one whole
+copy of everything, and the holders of an expert bucket are the units.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,25 @@ class Transfer:
     dst: int
     lo: int
     hi: int
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """One kind of bucket (the dense weights', or the experts') while every replica is live: this
+    rank is `shard` of `shards` in `instance` (the process group its ranges gather over)."""
+    shard: int
+    shards: int
+    instance: Any
+
+
+@dataclass(frozen=True)
+class ShardDomain:
+    """Who holds one kind of bucket now: the live `holders` in order (instances of `per_instance`
+    consecutive ones), and `group`, whose ranks are the holders in that order (pieces move over
+    it point to point)."""
+    holders: tuple[int, ...]
+    per_instance: int
+    group: Any
 
 
 class ShardLost(Exception):

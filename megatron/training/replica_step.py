@@ -329,8 +329,7 @@ class GPTReplicaStep:
         optimizer's shards follow."""
         regrouped = self.groups.regroup(live_replicas, epoch, key)
         self.grads.scatter_into(self.scatter_while(live_replicas))
-        g = self.groups
-        self.optimizer.reshard(g.optimizer_holders(live_replicas), g.optimizer_shards, g.dp)
+        self.optimizer.reshard(*self.groups.optimizer_domains(live_replicas))
         self.weights_stale = False  # the reshard gathered every slice afresh
         return regrouped
 
@@ -359,8 +358,9 @@ class GPTReplicaStep:
         g = self.groups
         if not self.optimizer.shards_gradients() or len(live_replicas) < g.topology.dp:
             return None
-        assert g.instance is not None
-        return Scatter(g.instance, g.position, g.optimizer_shard, g.optimizer_shards)
+        dense, experts = g.optimizer_sharding()  # [P]: the experts' over their own holders
+        return Scatter(dense.instance, g.position, dense.shard, dense.shards, None if experts is None
+                       else Scatter(experts.instance, g.position, experts.shard, experts.shards))
 
     def weights_ready(self) -> None:
         """Before reading the weights outside a forward (save, evaluate, a join, a check): the

@@ -16,8 +16,9 @@ from recover_patches.recovery.grad_buffer import FlatLayout
 
 
 class WeightGather:
-    """Each gather is over the instance group its caller names (the optimizer's, which changes
-    when replicas die or join)."""
+    """Each bucket gathers over the group its caller names (the optimizer's instance, or with
+    expert parallelism the instance's holders of the same experts; they change when replicas die
+    or join)."""
 
     def __init__(self, model_params: list[torch.Tensor], layout: FlatLayout):
         self.model_params, self.layout = model_params, layout
@@ -38,17 +39,17 @@ class WeightGather:
             self._overlap = True
             self._wait_in_forward(overlap_with)
 
-    def after_step(self, chunks: Iterable[torch.Tensor], group) -> None:
-        """Gather the step's weights (`chunks`: this rank's chunk of each bucket); with overlap,
-        only start."""
+    def after_step(self, chunks: Iterable[torch.Tensor], groups: Sequence) -> None:
+        """Gather the step's weights (`chunks`: this rank's chunk of each bucket, gathered over
+        `groups[b]`); with overlap, only start."""
         self._before()
-        self.start(chunks, group)
+        self.start(chunks, groups)
         if not self._overlap:
             self.finish()
 
-    def start(self, chunks: Iterable[torch.Tensor], group) -> None:
+    def start(self, chunks: Iterable[torch.Tensor], groups: Sequence) -> None:
         for b, mine in enumerate(chunks):
-            self._pending[b] = self.all_gather(mine, group, async_op=True)
+            self._pending[b] = self.all_gather(mine, groups[b], async_op=True)
 
     def finish_bucket(self, b: int) -> None:
         """Wait for bucket b's all-gather, if one is under way, and take its weights."""
@@ -90,11 +91,11 @@ class WeightGather:
         whole = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
         return dist.all_gather_single(whole, mine, group=group, async_op=async_op), whole
 
-    def whole(self, chunks: Iterable[torch.Tensor], group) -> list[torch.Tensor]:
-        """Per-parameter tensors from each bucket's chunks gathered over `group`."""
+    def whole(self, chunks: Iterable[torch.Tensor], groups: Sequence) -> list[torch.Tensor]:
+        """Per-parameter tensors from each bucket's chunks gathered over `groups[b]`."""
         result: list[torch.Tensor] = [torch.empty(0)] * len(self.model_params)
         for b, mine in enumerate(chunks):
-            _, whole = self.all_gather(mine, group)
+            _, whole = self.all_gather(mine, groups[b])
             s = self.layout.buckets[b][0]
             for i in self._bucket_params[b]:
                 p, o = self.model_params[i], self.layout.offsets[self.model_params[i]]

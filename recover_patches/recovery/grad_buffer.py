@@ -25,7 +25,8 @@ With the distributed optimizer and every replica live (`Scatter`), each bucket i
 reduce-scattered over the optimizer instance into the rank's range (the layout pads buckets to a
 multiple of the instance size) and all-reduced across instances over the rank's position group, as
 Megatron's HSDP does; only the rank's ranges of `reduced` then hold reduced gradients. The tail
-goes alone in one all-reduce over the DP group.
+goes alone in one all-reduce over the DP group. With expert parallelism the expert buckets are
+reduce-scattered over their own holders (`Scatter.experts`).
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class Scatter:
     across: dist.ProcessGroup | None
     shard: int
     shards: int
+    experts: Scatter | None = None  # EP > 1: the expert buckets', over their own holders
 
 
 @dataclass
@@ -150,6 +152,7 @@ class GradBuffer:
         # [start, end) in the buffers, reduced as one operation over its group; the last one
         # holds the tail, on the DP group: alone if the last gradients are experts'
         experts = {b for p, b in self._bucket_of.items() if is_expert(p)}
+        self._expert_buckets = experts
         self.groups = [expert_dp_group if b in experts else dp_group
                        for b in range(len(self.layout.buckets))]
         last = len(self.layout.buckets) - 1
@@ -198,8 +201,9 @@ class GradBuffer:
         grads_end = min(end, self.numel)
         self.reduced[start:grads_end].copy_(self.local[start:grads_end])
         try:  # called from an autograd hook: keep the failure for reduce() to raise
-            if self.scatter is not None:
-                self._works[b] = self._scatter_bucket(b, start, grads_end, self.scatter)
+            if self.scatter is not None:  # (the tail alone: reduced in reduce())
+                self._works[b] = self._scatter_bucket(b, start, grads_end, self._scatter_of(b)) \
+                    if grads_end > start else None
             else:
                 group = self.groups[b]
                 self._works[b] = (dist.all_reduce(self.reduced[start:end], group=group,
@@ -207,6 +211,14 @@ class GradBuffer:
                                   if group is not None and group.size() > 1 else None)
         except PeerFailure as err:
             self._works[b], self._failure = None, err
+
+    def _scatter_of(self, b: int) -> Scatter:
+        """Bucket b's reduce-scatter: the experts' buckets go over their own holders."""
+        assert self.scatter is not None
+        if b not in self._expert_buckets:
+            return self.scatter
+        assert self.scatter.experts is not None, "expert buckets are sharded apart (EP > 1)"
+        return self.scatter.experts
 
     def _scatter_bucket(self, b: int, start: int, end: int, scatter: Scatter) -> dist.Work | None:
         """Start the reduce-scatter of bucket b's gradients into this rank's range."""
@@ -241,7 +253,7 @@ class GradBuffer:
                 if work is not None:
                     work.wait()
             if scatter is not None:
-                self._reduce_across(scatter)
+                self._reduce_across()
             if tail is not None:
                 tail.wait()
         except PeerFailure:
@@ -254,15 +266,16 @@ class GradBuffer:
         reduced.scattered = scatter is not None
         return reduced
 
-    def _reduce_across(self, scatter: Scatter) -> None:
+    def _reduce_across(self) -> None:
         """Sum each bucket's range over the instances, then put it in place in `reduced`."""
-        if scatter.across is not None and scatter.across.size() > 1:
-            works = [dist.all_reduce(out, group=scatter.across, async_op=True)
-                     for out in self._scattered.values()]
-            for work in works:
-                work.wait()
+        works = [dist.all_reduce(out, group=across, async_op=True)
+                 for b, out in self._scattered.items()
+                 for across in [self._scatter_of(b).across]
+                 if across is not None and across.size() > 1]
+        for work in works:
+            work.wait()
         for b, out in self._scattered.items():
-            at = self.buckets[b][0] + scatter.shard * out.numel()
+            at = self.buckets[b][0] + self._scatter_of(b).shard * out.numel()
             self.reduced[at:at + out.numel()].copy_(out)
 
     def _write_tail(self, totals: Totals, replica: int, time_wire: float, weight_hash: int) -> None:
@@ -319,7 +332,7 @@ class GradBuffer:
 
     def scatter_into(self, scatter: Scatter | None) -> None:
         """From the next reduction on: reduce-scatter into `scatter`'s ranges (None: all-reduce
-        every gradient whole)."""
+        every gradient whole; with expert parallelism `scatter.experts` holds the experts')."""
         self.scatter = scatter
 
     def zero(self) -> None:
