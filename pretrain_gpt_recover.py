@@ -209,7 +209,8 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
     step = StepConfig.from_args(args, recovering=recovering)
 
     def stages(dataset, scaler=None):
-        return build_stages(data, step.micro_batch_size, groups, model, dataset, tracker, scaler)
+        return build_stages(data, step.micro_batch_size, groups, model, dataset, tracker, scaler,
+                            step.exact_reduction)
     trainer = Trainer(
         config=TrainingConfig.from_args(args), step_config=step, model_config=model_config,
         groups=groups, model=model, optimizer=optimizer,
@@ -282,7 +283,8 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     model = build_model(model_config, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
     optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
-    grads = build_grad_buffer(groups, optimizer, args.overlap_grad_reduce, model)
+    grads = build_grad_buffer(groups, optimizer, args.overlap_grad_reduce, model,
+                              args.recover_exact_reduction)
     if rank == 0:
         _startup_notes(args, layout, model, grads, topology)
     return device, groups, tracker, model_config, model, optimizer, grads

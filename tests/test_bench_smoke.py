@@ -127,3 +127,21 @@ def test_cp_attention_benchmark_measures_every_size_and_plots(tmp_path):
     assert plot.stat().st_size > 0
     refused = run_script(["--seq", "64", "--cp", "1", "3"], timeout=50, script=CP_ATTENTION)
     assert refused.returncode == 2 and "--seq must be a multiple" in refused.stderr
+
+
+EXACT_REDUCTION = SCRIPT.parent / "exact_reduction.py"
+
+
+@pytest.mark.timeout(120)
+def test_exact_reduction_benchmark_times_both_modes_and_counts_the_wire(tmp_path):
+    plot = tmp_path / "exact.png"
+    run = run_script(["--hidden", "64", "--seq", "32", "--iters", "4", "--rounds", "1",
+                      "--plot", str(plot)], timeout=110, script=EXACT_REDUCTION)
+    assert run.returncode == 0, run.stderr[-2000:]
+    phases = re.findall(r"(\w+) +default +([\d.]+) ms +exact +([\d.]+) ms +ratio ([\d.]+)",
+                        run.stdout)
+    assert [p[0] for p in phases] == ["iteration", "execute", "reduce", "step"], run.stdout
+    assert all(float(p[1]) > 0 and float(p[2]) > 0 for p in phases), phases
+    wire = re.search(r"default ([\d.]+) MiB, exact ([\d.]+) MiB, ratio 2.00", run.stdout)
+    assert wire and float(wire.group(2)) == pytest.approx(2 * float(wire.group(1)), rel=1e-2)
+    assert plot.stat().st_size > 0

@@ -21,6 +21,14 @@ def add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="throughput: give slower replicas fewer microbatches when the measured "
                         "imbalance makes that >= 10%% faster. even: always split evenly (bitwise "
                         "reproducible reduction order, e.g. for exact resume comparisons).")
+    g.add_argument("--recover-exact-reduction", action="store_true",
+                   help="Sum each microbatch's gradient as fixed-point integers (float64, an "
+                        "exponent per bucket agreed from the last iteration), and the loss on a "
+                        "fixed grid: the reduction then depends on neither the order nor the "
+                        "grouping of microbatches, so a run is bitwise the same at any DP size "
+                        "and --recover-balance, and through any failure. Costs twice the "
+                        "gradient bytes on the wire and 12 more bytes per parameter; an overflow "
+                        "skips the step and lowers the exponent, as fp16's loss scale does.")
     g.add_argument("--recover-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="How long a rank may keep the others waiting: an operation that makes no "
                         "progress for this long fails, and the rank it waits for is declared dead "

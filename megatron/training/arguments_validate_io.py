@@ -10,6 +10,7 @@ from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_flags import LEGACY_DEFAULT_SPLIT
 from megatron.training.data_sources import data_sources
 from megatron.training.replication import foreign_copy
+from recover_patches.recovery.fixed_point import MAX_REPLICAS
 from recover_patches.topology import Topology
 
 # megatron-core's mock dataset always uses this even split; say so in args rather than hide it.
@@ -208,12 +209,29 @@ def validate_recover(args: argparse.Namespace, dp: int) -> None:
                             "data-parallel replicas of this job", f"pass a value in 1..{dp}")
     if args.coordinator_addr is not None:
         _check_host_port(args.coordinator_addr)
+    if args.recover_exact_reduction:
+        _check_exact_reduction(args, dp)
     if args.enable_ft_package and not args.save:
         raise ArgumentError("--enable-ft-package", "--enable-ft-package keeps its timeout in "
                             "--save (as Megatron-LM's ft_state.json)", "pass --save DIR")
     if args.ft_num_warmup_iters < 0:
         raise ArgumentError("--ft-num-warmup-iters", "--ft-num-warmup-iters must be >= 0",
                             "pass --ft-num-warmup-iters 5 (the default)")
+
+
+def _check_exact_reduction(args: argparse.Namespace, dp: int) -> None:
+    flag = "--recover-exact-reduction"
+    if dp > MAX_REPLICAS:
+        raise ArgumentError(flag, f"{flag} agrees its exponents among at most {MAX_REPLICAS} "
+                            f"replicas; this job has {dp}", "drop the flag")
+    if args.fp16:
+        raise ArgumentError(flag, f"{flag} with --fp16: fixed-point gradients take the place of "
+                            "fp16's loss scale (their exponent is theirs)", "use --bf16")
+    microbatches = args.global_batch_size // args.micro_batch_size
+    if microbatches > 1 << 16:
+        raise ArgumentError(flag, f"{flag} sums at most 65536 microbatches exactly; this batch "
+                            f"has {microbatches}", "raise --micro-batch-size or lower "
+                            "--global-batch-size")
 
 
 def _check_host_port(addr: str) -> None:

@@ -16,6 +16,7 @@ from megatron.training.config_io import CheckpointConfig
 from megatron.training.initialize import ParallelGroups
 from megatron.training.model import checkpoint_keys, model_chunks
 from megatron.training.optimizer import Optimizer
+from recover_patches.recovery.fixed_point import FixedPointScales
 
 
 @dataclass
@@ -36,6 +37,7 @@ class TrainingState:
     progress: TrainState
     groups: ParallelGroups
     device: torch.device
+    grad_scales: FixedPointScales | None = None  # --recover-exact-reduction's exponents
 
 
 class Faults(Protocol):

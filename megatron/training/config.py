@@ -372,6 +372,7 @@ class StepConfig:
     overlap_param_gather: bool
     recovering: bool  # recovery on: a failed weight all-gather after the step is recovered
     empty_cache_level: int = 0  # --empty-unused-memory-level (a GPU's cached memory)
+    exact_reduction: bool = False  # --recover-exact-reduction: fixed-point gradients, exact norm
     rerun: RerunConfig = RerunConfig("disabled", 0, "transient_error", None)  # --rerun-mode
 
     @classmethod
@@ -387,6 +388,7 @@ class StepConfig:
                    micro_batch_size=args.micro_batch_size,
                    overlap_param_gather=bool(args.overlap_param_gather), recovering=recovering,
                    empty_cache_level=args.empty_unused_memory_level,
+                   exact_reduction=bool(args.recover_exact_reduction),
                    rerun=RerunConfig(args.rerun_mode, args.error_injection_rate,
                                      args.error_injection_type,
                                      args.result_rejected_tracker_filename,

@@ -19,15 +19,9 @@ its own instance's survivors, or from another instance for the ranges that died.
 old ranges until it has the whole new ones, so a failure during the move leaves every rank holding
 valid ranges and the next attempt plans from there.
 
-With --overlap-param-gather the step only starts the all-gathers; each module's forward waits
-for its parameters' buckets (`weight_gather.py`), and anything else that reads the weights first
-calls `finish_gather`. A failed wait is a PeerFailure where it happens: mid-forward, the
-transaction has the replica compute its round again after the recovery re-shards.
-
-With expert parallelism ([P]) the experts' buckets are sharded over the instance's replicas that
-hold the same experts, one per unit (`optimizer_shards.py`): their reduce-scatters, gathers and
-norm shares go over that group, and a re-shard moves their pieces over the expert-data-parallel
-group, from a live holder of the same experts.
+With --overlap-param-gather the step only starts the all-gathers (`weight_gather.py`: a failed
+wait is a PeerFailure where it happens). With expert parallelism ([P]) each expert bucket is
+sharded apart, over the instance's holders of those experts (`optimizer_shards.py`).
 
 Checkpoints keep the unsharded format: `state_dict()` gathers the instance's shards (every member
 of the instance must call it), `load_state_dict()` takes its ranges, so any K loads any checkpoint.
@@ -45,7 +39,7 @@ import torch.distributed as dist
 from megatron.training.optimizer import LossScaler, is_counted
 from megatron.training.optimizer_moves import keep_own, move_pieces, plan_domain
 from megatron.training.optimizer_shards import ShardDomain, Sharding, ShardLost, bucket_ranges
-from megatron.training.shard_sums import instance_sum, squares, zeros
+from megatron.training.shard_sums import fixed_point_norm, instance_sum, squares, zeros
 from megatron.training.weight_gather import WeightGather
 from recover_patches.recovery.grad_buffer import FlatLayout, is_expert
 from recover_patches.recovery.iteration import TooFewReplicas
@@ -94,6 +88,17 @@ class ShardedAdamW:
     @property
     def held_numel(self) -> int:
         return sum(hi - lo for lo, hi in self.ranges)
+
+    def _pieces(self, tensors: Sequence[torch.Tensor], tp_rank: int
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's pieces of the per-parameter `tensors` it counts: dense, experts."""
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
+        for i, start, end, _ in self.pieces:
+            p = self.model_params[i]
+            if is_counted(p, tp_rank, once_per_unit=False):
+                (experts if is_expert(p) else dense).append(tensors[i].reshape(-1)[start:end])
+        return dense, experts
 
     @staticmethod
     def _bases(ranges: Sequence[tuple[int, int]]) -> list[int]:
@@ -230,8 +235,8 @@ class ShardedAdamW:
         """MainParamsAdamW's (unsharded) state dict; a collective over the instance."""
         inner = self.inner.state_dict()
         state: dict = {}
-        if self._any_started():  # every member calls every collective below, or none
-            step = self._step_count()
+        step = self._step_count()
+        if step > 0:  # every member calls every collective below, or none
             moments = {name: self._whole(lambda f, n=name: self.inner.state[f][n])
                        for name in _MOMENTS}
             for i in range(len(self.model_params)):
@@ -248,14 +253,9 @@ class ShardedAdamW:
             result["grad_scaler"] = self.scaler.state_dict()
         return result
 
-    def _any_started(self) -> bool:
-        flag = torch.tensor([float(bool(self.inner.state))], device=self._device)
-        if self.instance_group is not None and self.instance_group.size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.instance_group)
-        return bool(flag.item())
-
     def _step_count(self) -> float:
-        """Adam's step, the same on every fragment; a rank with no fragment learns it."""
+        """Adam's step, the same on every fragment (0: not started); a rank with no fragment
+        learns it."""
         mine = max((float(s["step"]) for s in self.inner.state.values()), default=0.0)
         step = torch.tensor([mine], device=self._device)
         if self.instance_group is not None and self.instance_group.size() > 1:
@@ -289,10 +289,17 @@ class ShardedAdamW:
             self.gather_weights()
 
     # -- gradients reduce-scattered into the ranges (every replica live) ------------------------
-    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
+    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int,
+                  exact: bool = False) -> float:
         """The global gradient norm from this rank's ranges only: the instance's shares are
         gathered and summed in shard order, so every instance computes the same bits (their
-        replicas must take the same step), then summed over the replica's TP x PP ranks."""
+        replicas must take the same step), then summed over the replica's TP x PP ranks.
+        `exact`: in fixed point, the same bits for any instance size (`fixed_point_norm`)."""
+        if exact:
+            dense, experts = self._pieces(grads, tp_rank)
+            return fixed_point_norm([(dense, self.instance_group, self._counts_dense),
+                                     (experts, self._experts_instance, True)], replica_group,
+                                    self._device)
         total = self._sharded_sum(grads, tp_rank, squares)
         if replica_group is not None and replica_group.size() > 1:
             dist.all_reduce(total, group=replica_group)
@@ -312,12 +319,7 @@ class ShardedAdamW:
         """`measure` of this rank's pieces of the per-parameter `tensors` it counts, summed over
         the instance. With expert parallelism the replica group spans the unit: the dense sum is
         counted by the unit's first replica, the experts' (summed over their holders) by each."""
-        dense: list[torch.Tensor] = []
-        experts: list[torch.Tensor] = []
-        for i, start, end, _ in self.pieces:
-            p = self.model_params[i]
-            if is_counted(p, tp_rank, once_per_unit=False):
-                (experts if is_expert(p) else dense).append(tensors[i].reshape(-1)[start:end])
+        dense, experts = self._pieces(tensors, tp_rank)
         total = instance_sum(measure(dense, self._device), self.instance_group)
         if not self._counts_dense:
             total.zero_()

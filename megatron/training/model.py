@@ -293,7 +293,7 @@ def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_sha
     adam = 8 / optimizer_shards
     sharded = f", main weights and Adam over {optimizer_shards} shards" if optimizer_shards > 1 else ""
     logger.info(f"{n} parameters on this rank: {weight} (weights) + {main:g} (fp32 main weights)"
-                f" + {adam:g} (Adam) + {grad_bytes_per_param} (fp32 gradient buffers: local + "
+                f" + {adam:g} (Adam) + {grad_bytes_per_param} (gradient buffers: local + "
                 f"out-of-place reduced; Megatron's DDP keeps one, 4) = "
                 f"{weight + main + adam + grad_bytes_per_param:g} bytes per parameter{sharded}")
 

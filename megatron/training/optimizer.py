@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.optimizer_shards import ShardDomain
+from megatron.training.shard_sums import fixed_point_norm
 from recover_patches.recovery.grad_buffer import FlatLayout
 
 
@@ -37,8 +38,10 @@ class Optimizer(Protocol):
     def shards_gradients(self) -> bool:
         """Takes the gradients reduce-scattered into its ranges while every replica is live."""
 
-    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
-        """The global norm of `grads` (with sharded gradients: of this rank's ranges, summed)."""
+    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int,
+                  exact: bool = False) -> float:
+        """The global norm of `grads` (with sharded gradients: of this rank's ranges, summed);
+        `exact`: in fixed point, the same bits however the elements are split over ranks."""
 
     def count_zeros(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float: ...
 
@@ -115,7 +118,11 @@ class MainParamsAdamW:
     def shards_gradients(self) -> bool:
         return False
 
-    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:
+    def grad_norm(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int,
+                  exact: bool = False) -> float:
+        if exact:
+            return fixed_point_norm([(counted_once(self.model_params, grads, tp_rank), None, True)],
+                                    replica_group, grads[0].device)
         return global_grad_norm(self.model_params, grads, replica_group, tp_rank)
 
     def count_zeros(self, grads: Sequence[torch.Tensor], replica_group, tp_rank: int) -> float:

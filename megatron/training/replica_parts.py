@@ -21,13 +21,16 @@ from recover_patches.pipeline.p2p import ChunkP2P, StageLink
 from recover_patches.pipeline.sampler import MicrobatchSampler
 from recover_patches.pipeline.stage import GPTStage
 from recover_patches.recovery.agreement import ReplicaLink
+from recover_patches.recovery.fixed_point import FixedPointScales, loss_quantum
 from recover_patches.recovery.grad_buffer import GradBuffer
 
 
 def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups, model,
-                 dataset, tracker, scaler: LossScaler | None = None) -> list[GPTStage]:
+                 dataset, tracker, scaler: LossScaler | None = None, exact: bool = False
+                 ) -> list[GPTStage]:
     """One GPTStage per model chunk; chunk c of pipeline rank r is virtual stage c * PP + r (its
-    dropout seeds: with one chunk, the pipeline stage)."""
+    dropout seeds: with one chunk, the pipeline stage). `exact`: --recover-exact-reduction (the
+    loss sums on a grid)."""
     whole = MicrobatchSampler(dataset, micro_batch_size, with_mask=data.reset_attention_mask)
     sampler: Callable[[int], dict] = whole
     if groups.topology.cp > 1:  # [O] each CP rank computes its chunks of every sequence
@@ -51,7 +54,9 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
                                before_backward=aux_loss_scaling(
                                    chunk.config, micro_batch_size * data.seq_length),
                                meter=None if report is None else
-                               RouterMeter(report, chunk, device)))
+                               RouterMeter(report, chunk, device),
+                               loss_grid=loss_quantum(micro_batch_size * data.seq_length)
+                               if exact else None))
     return stages
 
 
@@ -66,16 +71,17 @@ def aux_loss_scaling(config, tokens: int) -> Callable[[float], None] | None:
     return lambda scale: MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(tokens * scale)))
 
 
-def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: bool, model
-                      ) -> GradBuffer:
+def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: bool, model,
+                      exact: bool = False) -> GradBuffer:
     """The buffer takes the layout `build_optimizer` made (the distributed optimizer shards the
-    same one); `overlap`: --overlap-grad-reduce."""
+    same one); `overlap`: --overlap-grad-reduce; `exact`: --recover-exact-reduction."""
     assert optimizer.layout is not None, "an optimizer from optimizer_setup.build_optimizer"
     report = router_report(model_chunks(model)[0].config)
     return GradBuffer(optimizer.model_params, replicas=groups.topology.dp, dp_group=groups.dp,
                       device=optimizer.model_params[0].device, layout=optimizer.layout,
                       overlap=overlap, expert_dp_group=groups.expert_dp,
-                      measure_slots=report.slots if report else 0)
+                      measure_slots=report.slots if report else 0,
+                      scales=FixedPointScales(len(optimizer.model_params)) if exact else None)
 
 
 def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.config import StepConfig
+from megatron.training.exact_reduction import calibrate_once, fixed_point_overflow
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
 from megatron.training.moe_metrics import RouterReport, router_report
@@ -56,6 +57,7 @@ class GPTReplicaStep:
     live: LiveReplicas  # read here; changed only by the transaction and the join
     iteration: Callable[[], int]  # iterations completed so far
     hook: Hook
+    first_id: Callable[[], int] = lambda: 0  # the next iteration's first microbatch id
     timer: MicrobatchTimer = field(init=False)
     # layer 3's per-replica seconds per microbatch, as published in the last commit
     timings: dict[int, float | None] = field(default_factory=dict)
@@ -103,14 +105,10 @@ class GPTReplicaStep:
     def execute(self, ids: list[int]) -> ScheduleResult:
         ids = pad_for_unit(ids, self.groups, self.device)  # [P]: the unit runs in step
         self.model.train()
+        calibrate_once(self.grads, lambda first: self._schedule(first, lambda *_: None),
+                       self.first_id())  # ([X]: the first exponents, before anything counts)
         self.clock.start()
-        if isinstance(self.link, ChunkP2P):
-            done = run_interleaved(ids, self.stages, self.link, rank=self.groups.coord.pp,
-                                   stages=self.groups.topology.pp, group=self.config.vp_group,
-                                   hook=self.hook, before_backwards=self.grads.arm,
-                                   overlap_warmup_flush=self.config.overlap_warmup_flush)
-        else:
-            done = run_1f1b(ids, self.stages[0], self.link, self.hook, self.grads.arm)
+        done = self._schedule(ids, self.grads.arm)
         self.clock.stop(len(ids))
         self._empty_cache(1)
         iteration = self.iteration() + 1
@@ -123,6 +121,14 @@ class GPTReplicaStep:
             if self.config.rerun.checks_grads:
                 self.grads.amplify_local(SPIKE_INJECTED)
         return done
+
+    def _schedule(self, ids: list[int], arm: Callable[..., None]) -> ScheduleResult:
+        if isinstance(self.link, ChunkP2P):
+            return run_interleaved(ids, self.stages, self.link, rank=self.groups.coord.pp,
+                                   stages=self.groups.topology.pp, group=self.config.vp_group,
+                                   hook=self.hook, before_backwards=arm,
+                                   overlap_warmup_flush=self.config.overlap_warmup_flush)
+        return run_1f1b(ids, self.stages[0], self.link, self.hook, arm)
 
     def _empty_cache(self, level: int) -> None:
         """--empty-unused-memory-level: 1 after the passes, 2 also after the step (Megatron's)."""
@@ -244,9 +250,7 @@ class GPTReplicaStep:
     def step(self, reduced: ReducedGradients) -> dict:
         """Megatron's order (grads finalised in `reduce`): unscale, norm (the overflow check),
         clip, step -- or skip it on an fp16 overflow (the report's `skipped_step`)."""
-        checked = self.weight_check_due()
-        if checked:
-            self.check_weights_agree(reduced)
+        checked = self.check_weights_agree(reduced) if self.weight_check_due() else {}
         grads = [self.grads.reduced_grad(p) for p in self.params]
         tokens = max(reduced.totals.tokens, 1)
         scaler = self.optimizer.scaler
@@ -257,6 +261,7 @@ class GPTReplicaStep:
         if scaler is not None:
             scaler.update(overflow)
         skipped = overflow and scaler is not None  # same norm on every rank: same decision
+        skipped = fixed_point_overflow(self.grads, reduced) or skipped  # ([X]: then the same)
         if not skipped:
             factor = clip_factor(grad_norm, self.config.clip_grad)
             if factor != 1.0:
@@ -273,13 +278,14 @@ class GPTReplicaStep:
                 "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": scale,
                 "skipped_step": skipped, **extra,
-                **({"weights_checked_after": self.iteration()} if checked else {}),
+                **checked,
                 **({"reduce_scattered": True} if reduced.scattered else {})}
 
     def _norm_and_zeros(self, reduced: ReducedGradients, grads: list) -> tuple[float, dict]:
         tp_rank, extra, group = self.groups.coord.tp, {}, self.groups.replica_positions
-        if reduced.scattered:  # only this rank's ranges hold reduced gradients: the optimizer's
-            grad_norm = self.optimizer.grad_norm(grads, group, tp_rank)
+        exact = self.config.exact_reduction  # (whole or sharded alike: the optimizer's)
+        if reduced.scattered or exact:  # only this rank's ranges hold reduced gradients
+            grad_norm = self.optimizer.grad_norm(grads, group, tp_rank, exact)
             if self.config.log_num_zeros:  # before clipping, as Megatron counts them
                 extra["num_zeros"] = self.optimizer.count_zeros(grads, group, tp_rank)
         else:
@@ -334,12 +340,10 @@ class GPTReplicaStep:
         return regrouped
 
     def replica_any(self, flag: bool) -> bool:
-        """True on every rank of this replica if any of them passes True."""
-        group = self.groups.replica
-        if group.size() == 1:
-            return flag
+        """True on every rank of this replica if any of them passes True (recovery only)."""
         value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        if self.groups.replica.size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.groups.replica)
         return bool(value.item())
 
     def reset(self) -> None:
@@ -371,25 +375,21 @@ class GPTReplicaStep:
         """A joining replica takes the donor's published timings (its plans must match)."""
         self.timings = dict(timings)
 
-    def corrupt_a_weight(self) -> None:
-        """Fault injection (`corrupt`): one weight of this rank changes, as a bit flip would."""
-        with torch.no_grad():
-            model, main = self.optimizer.model_params[0], self.optimizer.main_params[0]
-            for weight in [model] if main is model else [model, main]:
-                weight.view(-1)[0] += 1.0
-
     def weight_check_due(self) -> bool:
         """--check-weight-hash-across-dp-replicas-interval N: the weights after iteration k (a
         multiple of N) are compared in iteration k + 1's reduction."""
         interval, done = self.config.weight_check_interval, self.iteration()
         return bool(interval) and done > 0 and done % interval == 0
 
-    def check_weights_agree(self, reduced: ReducedGradients) -> None:
+    def check_weights_agree(self, reduced: ReducedGradients) -> dict:
         """Each DP group compares its shard among the replicas holding the same experts (EP);
-        the replica group agrees on the verdict, so every rank stops, not only the shard's."""
+        the replica group agrees on the verdict, so every rank stops, not only the shard's.
+        Returns the record's entries: when, and this rank's shard's fingerprint."""
         hashes = {r: reduced.replica_weight_hashes[r] for r in self.live.live_replicas}
-        agreed_mismatch(hashes, self.groups.topology.ep, self.groups.replica, self.device,
-                        self.iteration())
+        done = self.iteration()
+        agreed_mismatch(hashes, self.groups.topology.ep, self.groups.replica, self.device, done)
+        return {"weights_checked_after": done,
+                "weights_fingerprint": f"{hashes[self.groups.coord.replica]:016x}"}
 
     def _measured_time(self) -> float:
         seconds, executed = self.clock.take()

@@ -32,6 +32,7 @@ def live_state(training: TrainingState, timings: Mapping[int, float | None]) -> 
         "consumed_samples": training.progress.consumed_samples,
         "skipped_iterations": training.progress.skipped_iterations,
         "timings": {int(r): t for r, t in timings.items()},
+        "grad_scales": None if training.grad_scales is None else training.grad_scales.state_dict(),
         "rng_state": {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()},
     }
 
@@ -47,6 +48,8 @@ def apply_live_state(training: TrainingState, state: dict) -> dict[int, float | 
     training.progress.iteration = state["iteration"]
     training.progress.consumed_samples = state["consumed_samples"]
     training.progress.skipped_iterations = state["skipped_iterations"]
+    if training.grad_scales is not None:  # the exponents the next iteration agrees on
+        training.grad_scales.load_state_dict(state["grad_scales"])
     torch.set_rng_state(state["rng_state"]["torch_cpu"])
     cpu_tracker().set_states(state["rng_state"]["tracker"])
     return state["timings"]

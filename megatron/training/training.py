@@ -27,6 +27,7 @@ from megatron.training.replica_parts import pad_for_unit
 from megatron.training.replica_step import GPTReplicaStep
 from megatron.training.straggler import straggler_line
 from megatron.training.state_transfer import receive_state, send_state
+from megatron.training.weight_check import corrupt_a_weight
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.faults import FaultInjector
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
@@ -83,11 +84,13 @@ class Trainer:
         self.replica = GPTReplicaStep(
             self.step_config, self.groups,
             self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.link,
-            self.live, iteration=lambda: self.state.iteration, hook=self.hook)
+            self.live, iteration=lambda: self.state.iteration, hook=self.hook,
+            first_id=lambda: self.microbatch_ids()[0])
         self._was_logging = False
         self._rank_ops_seen = 0  # store_ops() at the last record
         self._skipped_at_last_line = 0
-        self.faults.set_actions(inf=self.grads.poison, corrupt=self.replica.corrupt_a_weight)
+        self.faults.set_actions(inf=self.grads.poison,
+                                corrupt=lambda: corrupt_a_weight(self.optimizer))
 
     @property
     def one_optimizer_copy(self) -> bool:
@@ -125,7 +128,7 @@ class Trainer:
     @property
     def training(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
-                             self.device)
+                             self.device, self.grads.scales)
 
     @property
     def live_replicas(self) -> list[int]:

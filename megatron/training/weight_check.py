@@ -21,6 +21,14 @@ def weight_fingerprint(params: list[torch.Tensor]) -> int:
     return int.from_bytes(digest.digest(), "little") | 1
 
 
+def corrupt_a_weight(optimizer) -> None:
+    """Fault injection (`corrupt`): one weight of this rank changes, as a bit flip would."""
+    with torch.no_grad():
+        model, main = optimizer.model_params[0], optimizer.main_params[0]
+        for weight in [model] if main is model else [model, main]:
+            weight.view(-1)[0] += 1.0
+
+
 def agreed_mismatch(hashes: dict[int, int], ep: int, replica_group, device, iteration: int
                     ) -> None:
     """WeightMismatch on every rank of the replica if any of its DP groups saw two fingerprints

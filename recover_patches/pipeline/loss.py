@@ -57,3 +57,11 @@ def masked_loss_sum(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.
     host copy of the mask: reading it here would make the host wait for the GPU). Normalisation
     by the *global* token count happens after the DP reduction (DESIGN §7)."""
     return (token_loss * loss_mask.to(token_loss.dtype)).sum()
+
+
+def on_grid(loss: torch.Tensor, quantum: float) -> torch.Tensor:
+    """--recover-exact-reduction: the loss as float64 whose value is rounded to a multiple of
+    `quantum` (a power of two), so sums of such values are exact in any order; its gradient is
+    the loss's own (the correction onto the grid is exact and outside the graph)."""
+    wide = loss.double()
+    return wide + (torch.round(wide / quantum) * quantum - wide).detach()

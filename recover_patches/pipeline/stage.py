@@ -14,7 +14,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from recover_patches.pipeline.loss import masked_loss_sum, vocab_parallel_cross_entropy
+from recover_patches.pipeline.loss import (masked_loss_sum, on_grid,
+                                           vocab_parallel_cross_entropy)
 from recover_patches.pipeline.rng import DeviceRNGStatesTracker, seed_microbatch
 
 
@@ -34,13 +35,15 @@ class GPTStage:
                  device: torch.device | str = "cpu", loss_scale: Callable[[], float] | None = None,
                  cross_entropy: Callable = vocab_parallel_cross_entropy,
                  before_backward: Callable[[float], None] | None = None,
-                 meter: ForwardMeter | None = None):
+                 meter: ForwardMeter | None = None, loss_grid: float | None = None):
         """`loss_scale`: fp16's current loss scale, multiplied into the loss before backward;
         `cross_entropy(logits, labels, tp_group)`: the per-token loss over vocabulary shards;
         `before_backward(scale)`: before each backward, with that loss scale (MoE's auxiliary
         losses take their gradient scale from it); `meter`: what the model records in a
         microbatch's forward and backward, kept per id (none for a filler) until the schedule
-        takes it."""
+        takes it; `loss_grid`: the loss sum's value is rounded to a multiple of it (float64: sums
+        of such values are exact in any order), its gradient unchanged."""
+        self.loss_grid = loss_grid
         self.before_backward = before_backward
         self.meter = meter
         self._measures: dict[int, torch.Tensor] = {}
@@ -81,6 +84,8 @@ class GPTStage:
             return output
         token_loss = self.cross_entropy(output, batch["labels"], self.tp_group)
         loss = masked_loss_sum(token_loss, batch["loss_mask"])
+        if self.loss_grid is not None:
+            loss = on_grid(loss, self.loss_grid)
         return loss * 0.0 if filler else loss
 
     def backward(self, microbatch_id: int, input_tensor: torch.Tensor | None,

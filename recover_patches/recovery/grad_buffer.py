@@ -11,15 +11,11 @@ The commit bookkeeping (microbatch count, tokens, the two id checksums, the loss
 replica's time per microbatch) rides in a tail of the last bucket: a failure-free iteration issues
 exactly one collective per bucket on the DP group and nothing else.
 
-The tail is fp32 like the gradients, which is exact for integers only below 2**24, so integers
-travel as base-256 limbs: a sum of DP limbs stays exact for DP < 65793 replicas, and 7 limbs carry
-56 bits. The loss (float64) travels as two fp32 parts (hi + lo). Per-replica values (the time per
-microbatch, a fingerprint of the weights when asked for) have one slot per replica, written only
-by that replica, so the sum delivers each one exactly. So does each replica's alarm (1: its own
-loss sum is not finite; --rerun-mode validate_results re-runs its microbatches elsewhere).
+The tail's layout and encoding: `reduction_tail.py`.
 
-Tail layout: [4 integers x 7 limbs | loss hi, lo | time per replica | weight hash per replica x 4
-| alarm per replica].
+With --recover-exact-reduction (`FixedPointScales`) both buffers are float64 holding integers: each
+microbatch's gradient enters as round(g x 2^e) with its bucket's exponent (`fixed_point.py`), every
+sum is exact, and after the reduction the integers become fp32 gradients (`grads`) once.
 
 With the distributed optimizer and every replica live (`Scatter`), each bucket is instead
 reduce-scattered over the optimizer instance into the rank's range (the layout pads buckets to a
@@ -30,45 +26,23 @@ reduce-scattered over their own holders (`Scatter.experts`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from recover_patches.collectives import PeerFailure
+from recover_patches.recovery.fixed_point import FixedPointScales
 from recover_patches.recovery.reduce import Totals
+from recover_patches.recovery.reduction_tail import ReducedGradients, TailLayout
 
-LIMB_BITS, LIMBS = 8, 7
-_INT_FIELDS = 4  # microbatches, tokens, id_sum, id_hash_sum
-_LOSS_SLOTS = 2  # hi, lo
-HASH_LIMBS, HASH_LIMB_BITS = 4, 16  # a 64-bit weight fingerprint per replica
-
+__all__ = ["FlatLayout", "GradBuffer", "ReducedGradients", "Scatter", "flat_layout", "is_expert"]
 
 def is_expert(param: torch.Tensor) -> bool:
     """An expert's weight under expert parallelism: megatron-core marks it `allreduce=False`
     (it is summed over the expert-data-parallel group, not the data-parallel one)."""
     return getattr(param, "allreduce", True) is False
-
-
-def _limbs(value: int) -> list[float]:
-    if not 0 <= value < 1 << (LIMB_BITS * LIMBS):
-        raise ValueError(f"{value} does not fit {LIMBS} limbs of {LIMB_BITS} bits")
-    return [float((value >> (LIMB_BITS * i)) & 0xFF) for i in range(LIMBS)]
-
-
-def _from_limbs(values: Sequence[float]) -> int:
-    return sum(int(round(v)) << (LIMB_BITS * i) for i, v in enumerate(values))
-
-
-@dataclass
-class ReducedGradients:
-    """What the reduction returns besides the gradients (which stay in the buffer's `reduced`)."""
-    totals: Totals
-    replica_times: list[float]  # wire values of each replica's time per microbatch
-    replica_weight_hashes: list[int] = field(default_factory=list)  # 0: not sent
-    replica_alarms: list[float] = field(default_factory=list)  # > 0: that replica raised one
-    scattered: bool = False  # only this rank's ranges of each bucket are reduced (`Scatter`)
 
 
 @dataclass
@@ -127,9 +101,9 @@ class GradBuffer:
     def __init__(self, params: Sequence[torch.Tensor], *, replicas: int, dp_group,
                  device: torch.device | str = "cpu", bucket_numel: int | None = None,
                  overlap: bool = False, layout: FlatLayout | None = None, expert_dp_group=None,
-                 measure_slots: int = 0):
+                 measure_slots: int = 0, scales: FixedPointScales | None = None):
         """`measure_slots`: the length of `Totals.measures` (summed in the tail, after the
-        alarms; 0: none)."""
+        alarms; 0: none); `scales`: sum fixed-point integers (--recover-exact-reduction)."""
         self.params = list(params)
         self.dp_group = dp_group
         self.replicas = replicas
@@ -137,11 +111,19 @@ class GradBuffer:
         self.device = torch.device(device)
         self.layout = layout or flat_layout(self.params, bucket_numel)
         self.numel = self.layout.numel
-        self._measures_at = _INT_FIELDS * LIMBS + _LOSS_SLOTS + replicas * (2 + HASH_LIMBS)
-        self.meta_numel = self._measures_at + measure_slots
-        self.local = torch.zeros(self.numel + self.meta_numel, dtype=torch.float32,
-                                 device=self.device)
+        self.scales = scales
+        self.tail = TailLayout(replicas, measure_slots, 0 if scales is None else scales.slots)
+        self.meta_numel = self.tail.size
+        self.local = torch.zeros(self.numel + self.meta_numel, device=self.device,
+                                 dtype=torch.float32 if scales is None else torch.float64)
         self.reduced = torch.zeros_like(self.local)
+        # exact: the fp32 gradients converted from `reduced`, and per parameter the largest
+        # |g| x 2^e of this rank's microbatches since the last zero()
+        self._converted = torch.zeros(0 if scales is None else self.numel, dtype=torch.float32,
+                                      device=self.device)
+        self._index = {p: i for i, p in enumerate(self.params)}  # (the exponents' order)
+        self._peaks = torch.zeros(len(self.params), dtype=torch.float64,
+                                  device=self.device)
         self._offsets = self.layout.offsets
         self._bucket_of: dict[torch.Tensor, int] = {}
         for p in self.params:
@@ -172,7 +154,10 @@ class GradBuffer:
 
     # -- accumulation and the overlapped start of bucket reductions ---------------------------
     def _accumulate(self, param: torch.Tensor) -> None:
-        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in __init__
+        if self.scales is None:
+            param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in __init__
+        else:
+            self._add_fixed_point(param)
         param.grad = None
         if self._pending:
             self._pending[self._bucket_of[param]] -= 1
@@ -182,6 +167,14 @@ class GradBuffer:
             # waits for the totals, in reduce().
             while len(self._works) < len(self.buckets) - 1 and self._pending[len(self._works)] == 0:
                 self._launch(len(self._works))
+
+    def _add_fixed_point(self, param: torch.Tensor) -> None:
+        """One microbatch's gradient of `param` as integers at its exponent."""
+        i = self._index[param]
+        assert param.grad is not None and self.scales is not None
+        scaled = param.grad.double() * self.scales.multiplier(i)
+        self._peaks[i] = torch.maximum(self._peaks[i], scaled.abs().max())
+        param.main_grad.add_(scaled.round_())  # type: ignore[attr-defined]
 
     def arm(self, backwards: int = 1) -> None:
         """Every parameter has `backwards` backwards left this round on this rank (1F1B arms
@@ -222,7 +215,8 @@ class GradBuffer:
 
     def _scatter_bucket(self, b: int, start: int, end: int, scatter: Scatter) -> dist.Work | None:
         """Start the reduce-scatter of bucket b's gradients into this rank's range."""
-        out = torch.empty((end - start) // scatter.shards, dtype=torch.float32, device=self.device)
+        out = torch.empty((end - start) // scatter.shards, dtype=self.reduced.dtype,
+                          device=self.device)
         self._scattered[b] = out
         if scatter.shards == 1:
             out.copy_(self.reduced[start:end])
@@ -238,9 +232,9 @@ class GradBuffer:
         replica's slots."""
         scatter = self.scatter
         try:
-            self._write_tail(totals, replica, time_wire, weight_hash)
-            alarms = _INT_FIELDS * LIMBS + _LOSS_SLOTS + self.replicas * (1 + HASH_LIMBS)
-            self.reduced[self.numel + alarms + replica] = alarm
+            self.tail.write(self.reduced[self.numel:], totals, replica, time_wire, weight_hash,
+                            alarm, None if self.scales is None
+                            else self.scales.encode(self._peaks))
             for b in range(len(self.buckets)):
                 self._launch(b)
             if self._failure is not None:
@@ -262,9 +256,21 @@ class GradBuffer:
             raise
         finally:
             self._works, self._pending, self._failure, self._scattered = {}, [], None, {}
-        reduced = self._read_tail()
+        reduced = self.tail.read(self.reduced[self.numel:], self.scales)
         reduced.scattered = scatter is not None
+        if self.scales is not None:
+            self._from_fixed_point()
         return reduced
+
+    def _from_fixed_point(self) -> None:
+        """The reduced integers as fp32 gradients: x 2^-e is exact, the cast rounds once."""
+        assert self.scales is not None
+        for i, (start, end) in enumerate(self._spans()):
+            self._converted[start:end].copy_(self.reduced[start:end] / self.scales.multiplier(i))
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """Each parameter's [start, end) in the flat buffers, in the exponents' order."""
+        return [(self._offsets[p], self._offsets[p] + p.numel()) for p in self.params]
 
     def _reduce_across(self) -> None:
         """Sum each bucket's range over the instances, then put it in place in `reduced`."""
@@ -278,48 +284,16 @@ class GradBuffer:
             at = self.buckets[b][0] + self._scatter_of(b).shard * out.numel()
             self.reduced[at:at + out.numel()].copy_(out)
 
-    def _write_tail(self, totals: Totals, replica: int, time_wire: float, weight_hash: int) -> None:
-        ints = [totals.microbatches, totals.tokens, totals.id_sum, totals.id_hash_sum]
-        host = [v for i in ints for v in _limbs(i)] + [0.0] * (self.meta_numel - _INT_FIELDS * LIMBS)
-        times = _INT_FIELDS * LIMBS + _LOSS_SLOTS
-        host[times + replica] = time_wire
-        hashes = times + self.replicas + replica * HASH_LIMBS
-        for k in range(HASH_LIMBS):
-            host[hashes + k] = float((weight_hash >> (HASH_LIMB_BITS * k)) & 0xFFFF)
-        tail = self.reduced[self.numel:]
-        tail.copy_(torch.tensor(host, dtype=torch.float32), non_blocking=True)
-        # the loss may be a device tensor: split it there, so nothing waits for the device here
-        loss = torch.as_tensor(totals.loss_sum, dtype=torch.float64, device=self.device)
-        hi = loss.float()
-        tail[_INT_FIELDS * LIMBS] = hi
-        tail[_INT_FIELDS * LIMBS + 1] = (loss - hi.double()).float()
-        if totals.measures is not None:  # (a device tensor: written there)
-            tail[self._measures_at:].copy_(totals.measures.reshape(-1))
-
-    def _read_tail(self) -> ReducedGradients:
-        tail = self.reduced[self.numel:].double().tolist()  # the one host read the commit needs
-        ints = [_from_limbs(tail[i * LIMBS:(i + 1) * LIMBS]) for i in range(_INT_FIELDS)]
-        loss = tail[_INT_FIELDS * LIMBS] + tail[_INT_FIELDS * LIMBS + 1]
-        times_at = _INT_FIELDS * LIMBS + _LOSS_SLOTS
-        times = tail[times_at:times_at + self.replicas]
-        limbs = tail[times_at + self.replicas:]
-        hashes = [sum(int(round(limbs[r * HASH_LIMBS + k])) << (HASH_LIMB_BITS * k)
-                      for k in range(HASH_LIMBS)) for r in range(self.replicas)]
-        alarms = limbs[self.replicas * HASH_LIMBS:self.replicas * (HASH_LIMBS + 1)]
-        measures = torch.tensor(tail[self._measures_at:], dtype=torch.float64) \
-            if self.meta_numel > self._measures_at else None
-        return ReducedGradients(Totals(ints[0], ints[1], ints[2], ints[3], loss, measures), times,
-                                hashes, alarms)
-
     # -- views for the step, and recovery's undo ----------------------------------------------
     @property
     def reduced_grads(self) -> torch.Tensor:
-        """All reduced gradients as one flat tensor (scale or clip them with one operation)."""
-        return self.reduced[:self.numel]
+        """All reduced gradients as one flat fp32 tensor (scale or clip them with one
+        operation)."""
+        return (self.reduced if self.scales is None else self._converted)[:self.numel]
 
     def reduced_grad(self, param: torch.Tensor) -> torch.Tensor:
         offset = self._offsets[param]
-        return self.reduced[offset:offset + param.numel()].view_as(param)
+        return self.reduced_grads[offset:offset + param.numel()].view_as(param)
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply every reduced gradient by `factor` (the clip) in one operation."""
@@ -337,6 +311,13 @@ class GradBuffer:
 
     def zero(self) -> None:
         self.local.zero_()
+        self._peaks.zero_()
+
+    def take_peaks(self) -> torch.Tensor:
+        """Exact: each parameter's largest |g| x 2^e since the last zero() (then forgotten)."""
+        peaks = self._peaks.clone()
+        self._peaks.zero_()
+        return peaks
 
     def snapshot(self) -> torch.Tensor:
         return self.local.clone()
@@ -350,6 +331,10 @@ class GradBuffer:
         grads = self.local[:self.numel]
         if since is not None:
             grads = grads - since[:self.numel]
+        if self.scales is not None:  # integers at each parameter's exponent
+            scales = self.scales
+            grads = torch.cat([grads[s:e] / scales.multiplier(i)
+                               for i, (s, e) in enumerate(self._spans())])
         return torch.linalg.vector_norm(grads)
 
     def amplify_local(self, factor: float) -> None:
@@ -361,7 +346,7 @@ class GradBuffer:
         """Fault injection: this rank's gradient overflowed (an inf in the accumulated grads)."""
         self.local[0] = float("inf")
 
-    @staticmethod
-    def extra_bytes_per_param() -> int:
-        """Memory beyond the model's own: fp32 `local` + fp32 `reduced` (Megatron's DDP: one)."""
-        return 8
+    def extra_bytes_per_param(self) -> int:
+        """Memory beyond the model's own: fp32 `local` + fp32 `reduced` (Megatron's DDP: one);
+        exact: float64 `local` and `reduced`, and the fp32 gradients converted once."""
+        return 8 if self.scales is None else 20
