@@ -202,13 +202,14 @@ def pipeline_reference(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["forward", "backward", "p2p", "dp_reduce", "reduced",
+@pytest.mark.parametrize("phase", ["forward", "backward", "p2p", "dp_reduce", "reduced", "ack",
                                    "exchange", "confirmed", "optimizer", "param_gather"])
 def test_a_kill_in_any_phase_leaves_no_trace_in_the_bits(pipeline_reference, tmp_path, phase):
     """PP 2 x DP 2 with the distributed optimizer (an instance per replica): rank 3 (replica 1's
     last stage) dies in `phase` of iteration 3; the survivor's run is bitwise the failure-free
-    DP 1 run (a kill in `ack` is left out: with PP > 1 it fences the survivors, with or without
-    this flag -- see the closing note of [X])."""
+    DP 1 run. (In `ack`: rank 2's ack, with rank 3, fails while rank 0's, with rank 1,
+    completes; rank 2 must still join replica 0's exchange, or rank 0 waits there until the
+    settle gives up on it and the survivors are fenced: `commit_vote.py`.)"""
     run = launch(4, [*EXACT, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                      "--num-distributed-optimizer-instances", "2", "--recover-balance", "even",
                      "--inject-fault", f"kill:rank=3,iter=3,phase={phase}"],

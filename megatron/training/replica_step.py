@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training.config import StepConfig
+from megatron.training.commit_vote import confirm
 from megatron.training.exact_reduction import calibrate_once, fixed_point_overflow
 from megatron.training.execute_clock import ExecuteClock
 from megatron.training.initialize import ParallelGroups
@@ -158,17 +159,9 @@ class GPTReplicaStep:
         return reduced
 
     def confirm(self, news: bool) -> bool:
-        """4: the ack over the DP group, then the exchange over the replica's group, each read on
-        the host and checked for latched failures: no exchange unless this rank's ack completed."""
-        flag = torch.tensor([int(news)], dtype=torch.int32, device=self.device)
-        for phase, group in (("ack", self.groups.dp), ("exchange", self.groups.replica)):
-            self.hook(phase)
-            if group.size() > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-                news = bool(flag.item())
-                self.groups.raise_latched()
-        self.hook("confirmed")
-        return news
+        """4: the ack over the DP group, then the exchange over the replica's group
+        (`commit_vote.py`)."""
+        return confirm(self.groups, self.device, self.hook, news, self.live.epoch)
 
     def _alarm(self, local: Totals) -> float | torch.Tensor:
         """--rerun-mode validate_results: ALARM_NOT_FINITE if this replica's own loss sum is not
