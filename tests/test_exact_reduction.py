@@ -5,7 +5,7 @@ any order and split (and differ without the representation), the exponents follo
 gradient and an overflow is a verdict, not a wrap. Multi-process: fp32 DP 2 and DP 4 (with and
 without the distributed optimizer, kills in a reduction, a backward and a weight all-gather) and
 bf16 PP 2 (a kill in a forward) each equal one process bitwise: losses, grad norms and every
-iteration's weight fingerprint."""
+iteration's weight fingerprint, the last one's included."""
 from __future__ import annotations
 
 import math
@@ -130,12 +130,16 @@ SHARDED = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances
 def _records(run) -> list[dict]:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [r for r in run.records if "lm_loss" in r]
+    (final,) = [r["final_weights_fingerprint"] for r in run.records
+                if "final_weights_fingerprint" in r]
     assert len(records) == ITERS
-    return records
+    return [*records[:-1], {**records[-1], "final_weights_fingerprint": final}]
 
 
 def _bitwise(mine: list[dict], ref: list[dict]) -> bool:
-    keys = ("lm_loss", "grad_norm", "weights_fingerprint")
+    """The same losses, grad norms and weights after every iteration (`_records` keeps the last
+    weights' fingerprint in the last record)."""
+    keys = ("lm_loss", "grad_norm", "weights_fingerprint", "final_weights_fingerprint")
     return all(a.get(k) == b.get(k) for a, b in zip(mine, ref) for k in keys)
 
 
@@ -145,6 +149,7 @@ def test_fp32_runs_at_any_dp_size_and_through_kills_equal_one_process_bitwise(tm
     ref = _records(launch(1, EXACT, tmp_path / "ref.jsonl"))
     assert [r["weights_checked_after"] for r in ref[1:]] == list(range(1, ITERS))
     assert all("weights_fingerprint" in r for r in ref[1:])
+    assert ref[-1]["final_weights_fingerprint"] != ref[-1]["weights_fingerprint"]  # a new step
     dp2 = _records(launch(2, EXACT, tmp_path / "dp2.jsonl"))  # the throughput balance
     sharded = _records(launch(4, [*EXACT, *SHARDED, "--recover-balance", "even",
                                   "--inject-fault", "kill:rank=2,iter=2,phase=dp_reduce",
@@ -179,8 +184,8 @@ def test_a_replica_that_grows_back_takes_the_exponents_and_the_run_stays_bitwise
     iteration 2, a replacement joins (its shards re-sharded to it, the exponents from its
     donor) and the run stays bitwise the one-process run without the distributed optimizer."""
     longer = ["--train-iters", "10"]
-    ref = [r for r in launch(1, [*EXACT, *longer], tmp_path / "ref.jsonl").records
-           if "lm_loss" in r]
+    ref_run = launch(1, [*EXACT, *longer], tmp_path / "ref.jsonl")
+    ref = [r for r in ref_run.records if "lm_loss" in r]
     run = launch(4, [*EXACT, *longer, "--use-distributed-optimizer",
                      "--num-distributed-optimizer-instances", "2",
                      "--inject-fault", "kill:rank=2,iter=2,phase=backward",
@@ -189,6 +194,9 @@ def test_a_replica_that_grows_back_takes_the_exponents_and_the_run_stays_bitwise
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [r for r in run.records if "lm_loss" in r]
     assert [r["join"]["joined"] for r in run.records if "join" in r] == [[2]]
+    assert [r["final_weights_fingerprint"] for r in run.records if "final_weights_fingerprint" in r
+            ] == [r["final_weights_fingerprint"] for r in ref_run.records
+                  if "final_weights_fingerprint" in r]
     assert records[-1]["live_replicas"] == [0, 1, 2, 3] and len(records) == len(ref) == 10
     assert _bitwise(records, ref), (records, ref)
 

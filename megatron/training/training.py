@@ -27,7 +27,7 @@ from megatron.training.replica_parts import pad_for_unit
 from megatron.training.replica_step import GPTReplicaStep
 from megatron.training.straggler import straggler_line
 from megatron.training.state_transfer import receive_state, send_state
-from megatron.training.weight_check import corrupt_a_weight
+from megatron.training.weight_check import corrupt_a_weight, weight_fingerprint
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.faults import FaultInjector
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
@@ -203,6 +203,11 @@ class Trainer:
             self.finish_iteration()
             profiler.after(self.state.iteration)
         profiler.close()
+        if self.step_config.weight_check_interval:  # the last step's weights: checked nowhere
+            self.replica.weights_ready()  # else; their fingerprint, to compare across runs
+            if self.is_logging_rank:
+                self.metrics.write({"iteration": self.state.iteration, "final_weights_fingerprint":
+                                    f"{weight_fingerprint(self.optimizer.model_params):016x}"})
         return self.history
 
     def finish_iteration(self) -> None:
