@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments_errors import ArgumentError
 from megatron.training.shard_sums import fixed_point_norm
 from recover_patches.recovery.fixed_point import (LIMIT_BITS, TARGET_BITS, FixedPointScales,
                                                   loss_quantum)
@@ -117,6 +119,21 @@ def test_the_fixed_point_norm_is_the_same_bits_for_any_split():
     assert len(float_norms) > 1  # the control: float sums depend on the split
     assert fixed_point_norm([([torch.tensor([1.0, math.inf])], None, True)], None,
                             x.device) == math.inf
+
+
+def test_what_cannot_be_exact_is_refused_by_name():
+    def refusal(*flags: str, world: int = 2) -> str:
+        with pytest.raises(ArgumentError) as refused:
+            validate_args(parse_args([*TINY_GPT, "--train-iters", "1",
+                                      "--recover-exact-reduction", *flags]), world)
+        return str(refused.value)
+    assert refusal("--fp16").startswith("--recover-exact-reduction: --recover-exact-reduction "
+                                        "with --fp16")
+    assert "the experts' GEMMs sum the tokens of a unit's replicas' microbatches" in refusal(
+        "--disable-bias-linear", "--num-experts", "4", "--expert-model-parallel-size", "2")
+    assert "sums at most 65536 microbatches" in refusal("--global-batch-size", "131072")
+    validate_args(parse_args([*TINY_GPT, "--train-iters", "1", "--recover-exact-reduction",
+                              "--bf16", "--disable-bias-linear", "--num-experts", "4"]), 2)
 
 
 # -- multi-process: one launch per layout, each compared with one process ------------------------
@@ -225,3 +242,18 @@ def test_a_kill_in_any_phase_leaves_no_trace_in_the_bits(pipeline_reference, tmp
     records = _records(run)
     assert records[-1]["live_replicas"] == [0]
     assert _bitwise(records, pipeline_reference), (records, pipeline_reference)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_at_ep_1_is_bitwise_too(tmp_path):
+    """MoE (4 experts, top 2, aux and z losses) at EP 1: DP 4 with a kill in a backward equals
+    one process (with EP > 1 the flag is refused: the experts mix microbatches)."""
+    from tests.test_moe import FLAGS as MOE_FLAGS
+    flags = [*MOE_FLAGS, "--train-iters", str(ITERS), "--recover-exact-reduction",
+             "--check-weight-hash-across-dp-replicas-interval", "1"]
+    ref = _records(launch(1, flags, tmp_path / "ref.jsonl"))
+    killed = _records(launch(4, [*flags, "--inject-fault", "kill:rank=3,iter=3,phase=backward"],
+                             tmp_path / "k.jsonl", launcher_args=[]))
+    assert killed[-1]["live_replicas"] == [0, 1, 2]
+    assert _bitwise(killed, ref), (killed, ref)

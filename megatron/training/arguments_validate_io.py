@@ -227,6 +227,12 @@ def _check_exact_reduction(args: argparse.Namespace, dp: int) -> None:
     if args.fp16:
         raise ArgumentError(flag, f"{flag} with --fp16: fixed-point gradients take the place of "
                             "fp16's loss scale (their exponent is theirs)", "use --bf16")
+    if args.num_experts is not None and args.expert_model_parallel_size > 1:
+        raise ArgumentError(flag, f"{flag} with --expert-model-parallel-size "
+                            f"{args.expert_model_parallel_size}: the experts' GEMMs sum the "
+                            "tokens of a unit's replicas' microbatches together, so which "
+                            "microbatches meet there follows the partition",
+                            "pass --expert-model-parallel-size 1 or drop the flag")
     microbatches = args.global_batch_size // args.micro_batch_size
     if microbatches > 1 << 16:
         raise ArgumentError(flag, f"{flag} sums at most 65536 microbatches exactly; this batch "
