@@ -257,3 +257,23 @@ def test_a_mixture_of_experts_at_ep_1_is_bitwise_too(tmp_path):
                              tmp_path / "k.jsonl", launcher_args=[]))
     assert killed[-1]["live_replicas"] == [0, 1, 2]
     assert _bitwise(killed, ref), (killed, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_resume_at_another_dp_size_continues_bitwise(tmp_path):
+    """DP 2 saves after iteration 3 (torch_dist: the exponents ride with each position's RNG
+    state); DP 4 resumes and its iterations 4-6 are bitwise the uninterrupted one-process run."""
+    ref = _records(launch(1, EXACT, tmp_path / "ref.jsonl"))
+    ckpt = tmp_path / "ckpt"
+    saved = launch(2, [*EXACT, "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"],
+                   tmp_path / "a.jsonl")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    resumed = launch(4, [*EXACT, "--load", str(ckpt)], tmp_path / "b.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [r for r in resumed.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == [4, 5, 6]
+    final = [r["final_weights_fingerprint"] for r in resumed.records
+             if "final_weights_fingerprint" in r]
+    assert _bitwise([*records[:-1], {**records[-1], "final_weights_fingerprint": final[0]}],
+                    ref[3:]), (records, ref[3:])

@@ -117,11 +117,17 @@ def optimizer_template(params: list[torch.Tensor], param_groups: list[dict],
                                       for p in params if p.dtype != torch.float32]}
 
 
+GRAD_EXPONENTS = "recover_grad_exponents"  # ReCoVer's key beside Megatron's in the RNG object
+
+
 def rng_sharded(training: TrainingState, rng: dict) -> ShardedObject:
     """ReCoVer's RNG state (`checkpoint_state.rng_state()`) under Megatron's key names, one object
-    per (pp, tp) position."""
+    per (pp, tp) position; with --recover-exact-reduction also the position's gradient exponents
+    (per parameter, like the RNG streams: the same at any DP size)."""
     topo, coord = training.groups.topology, training.groups.coord
     megatron = {"torch_rng_state": rng["torch_cpu"], "rng_tracker_states": rng["tracker"]}
+    if training.grad_scales is not None:
+        megatron[GRAD_EXPONENTS] = training.grad_scales.state_dict()
     return ShardedObject("rng_state", [megatron], (topo.pp, topo.tp), (coord.pp, coord.tp),
                          replica_id=0)
 
@@ -207,7 +213,9 @@ def as_rank_state(loaded: dict, params: list[torch.Tensor] | None = None,
     if "rng_state" in loaded:
         rng = loaded["rng_state"][0]
         state["rng_state"] = {"torch_cpu": rng["torch_rng_state"],
-                              "tracker": rng["rng_tracker_states"]}
+                              "tracker": rng["rng_tracker_states"],
+                              **({GRAD_EXPONENTS: rng[GRAD_EXPONENTS]} if GRAD_EXPONENTS in rng
+                                 else {})}
     return state
 
 

@@ -10,7 +10,8 @@ from typing import Protocol
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.checkpoint_dist import CHECKPOINT_VERSION, with_megatron_args
+from megatron.training.checkpoint_dist import (CHECKPOINT_VERSION, GRAD_EXPONENTS,
+                                               with_megatron_args)
 from megatron.training.checkpoint_resume import FORMAT, CheckpointError
 from megatron.training.config_io import CheckpointConfig
 from megatron.training.initialize import ParallelGroups
@@ -107,8 +108,9 @@ def rank_state(training: TrainingState, config: CheckpointConfig,
         state["optimizer"] = (training.optimizer.state_dict() if optimizer_state is None
                               else optimizer_state)
         state["opt_param_scheduler"] = training.scheduler.state_dict()
-    if config.save_rng:
-        state["rng_state"] = rng_state()
+    if config.save_rng:  # (and the exact reduction's exponents, per position like the RNG)
+        state["rng_state"] = {**rng_state(), **({} if training.grad_scales is None else {
+            GRAD_EXPONENTS: training.grad_scales.state_dict()})}
     return state
 
 
@@ -150,3 +152,6 @@ def apply_rank_state(training: TrainingState, state: dict, config: CheckpointCon
     if config.load_rng and "rng_state" in state:  # absent: see load_rank_state
         torch.set_rng_state(state["rng_state"]["torch_cpu"])
         cpu_tracker().set_states(state["rng_state"]["tracker"])
+        exponents = state["rng_state"].get(GRAD_EXPONENTS)
+        if training.grad_scales is not None and exponents is not None:  # else: measured afresh
+            training.grad_scales.load_state_dict(exponents)

@@ -131,5 +131,7 @@ class FixedPointScales:
         return {"exponents": None if self.exponents is None else list(self.exponents)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Exponents of another shape (another model or layout) are dropped: measured afresh."""
         exponents = state["exponents"]
-        self._set(None if exponents is None else [int(e) for e in exponents])
+        fits = exponents is not None and len(exponents) == self.params
+        self._set([int(e) for e in exponents] if fits else None)
