@@ -11,18 +11,19 @@ from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients
 logger = logging.getLogger(__name__)
 
 
-def calibrate_once(grads: GradBuffer, run: Callable[[list[int]], Any], first_id: int) -> None:
+def calibrate_once(grads: GradBuffer, run: Callable[[list[int]], Any],
+                   first_id: Callable[[], int]) -> None:
     """Before the first accumulation (a fresh run, a resume without exponents): compute
-    microbatch `first_id` (the iteration's first: the same on every replica, whatever the
+    microbatch `first_id()` (the iteration's first: the same on every replica, whatever the
     partition) at exponent 0, take each parameter's largest |g| and drop the gradients. A failure
     on the way leaves the exponents unset, so the iteration's next attempt measures again."""
     scales = grads.scales
     if scales is None or scales.exponents is not None:
         return
-    before = grads.snapshot()
+    before, first = grads.snapshot(), first_id()
     scales.calibrate(None)  # exponent 0 while measuring
     try:
-        run([first_id])
+        run([first])
         peaks = grads.take_peaks()
     except BaseException:
         scales.forget()
@@ -32,7 +33,7 @@ def calibrate_once(grads: GradBuffer, run: Callable[[list[int]], Any], first_id:
     scales.calibrate(peaks)
     exponents = scales.exponents or [0]
     logger.info(f"exact reduction: {len(exponents)} parameters' exponents in "
-                f"[{min(exponents)}, {max(exponents)}] (from microbatch {first_id})")
+                f"[{min(exponents)}, {max(exponents)}] (from microbatch {first})")
 
 
 def fixed_point_overflow(grads: GradBuffer, reduced: ReducedGradients) -> bool:

@@ -107,7 +107,7 @@ class GPTReplicaStep:
         ids = pad_for_unit(ids, self.groups, self.device)  # [P]: the unit runs in step
         self.model.train()
         calibrate_once(self.grads, lambda first: self._schedule(first, lambda *_: None),
-                       self.first_id())  # ([X]: the first exponents, before anything counts)
+                       self.first_id)  # ([X]: the first exponents, before anything counts)
         self.clock.start()
         done = self._schedule(ids, self.grads.arm)
         self.clock.stop(len(ids))

@@ -14,8 +14,9 @@ exactly one collective per bucket on the DP group and nothing else.
 The tail's layout and encoding: `reduction_tail.py`.
 
 With --recover-exact-reduction (`FixedPointScales`) both buffers are float64 holding integers: each
-microbatch's gradient enters as round(g x 2^e) with its bucket's exponent (`fixed_point.py`), every
-sum is exact, and after the reduction the integers become fp32 gradients (`grads`) once.
+microbatch's gradient enters as round(g x 2^e) with its parameter's exponent (`fixed_point.py`),
+every sum is exact, and after the reduction the integers become fp32 gradients
+(`reduced_grads`) once.
 
 With the distributed optimizer and every replica live (`Scatter`), each bucket is instead
 reduce-scattered over the optimizer instance into the rank's range (the layout pads buckets to a
@@ -38,6 +39,7 @@ from recover_patches.recovery.reduce import Totals
 from recover_patches.recovery.reduction_tail import ReducedGradients, TailLayout
 
 __all__ = ["FlatLayout", "GradBuffer", "ReducedGradients", "Scatter", "flat_layout", "is_expert"]
+
 
 def is_expert(param: torch.Tensor) -> bool:
     """An expert's weight under expert parallelism: megatron-core marks it `allreduce=False`
