@@ -203,12 +203,17 @@ class Trainer:
             self.finish_iteration()
             profiler.after(self.state.iteration)
         profiler.close()
-        if self.step_config.weight_check_interval:  # the last step's weights: checked nowhere
-            self.replica.weights_ready()  # else; their fingerprint, to compare across runs
+        self.finish_training()
+        return self.history
+
+    def finish_training(self) -> None:
+        """With the weight check on: the last step's weights, checked nowhere else, leave their
+        fingerprint (the logging rank's shard) in the metrics, to compare across runs."""
+        if self.step_config.weight_check_interval:
+            self.replica.weights_ready()
             if self.is_logging_rank:
                 self.metrics.write({"iteration": self.state.iteration, "final_weights_fingerprint":
                                     f"{weight_fingerprint(self.optimizer.model_params):016x}"})
-        return self.history
 
     def finish_iteration(self) -> None:
         """What every live rank does together after an iteration (and its join, if any): save if
