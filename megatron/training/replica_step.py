@@ -356,8 +356,9 @@ class GPTReplicaStep:
         if not self.optimizer.shards_gradients() or len(live_replicas) < g.topology.dp:
             return None
         dense, experts = g.optimizer_sharding()  # [P]: the experts' over their own holders
-        return Scatter(dense.instance, g.position, dense.shard, dense.shards, None if experts is None
-                       else Scatter(experts.instance, g.position, experts.shard, experts.shards))
+        expert = None if experts is None else Scatter(experts.instance, g.position, experts.shard,
+                                                      experts.shards)
+        return Scatter(dense.instance, g.position, dense.shard, dense.shards, expert)
 
     def weights_ready(self) -> None:
         """Before reading the weights outside a forward (save, evaluate, a join, a check): the

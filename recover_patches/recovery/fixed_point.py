@@ -1,25 +1,26 @@
 """--recover-exact-reduction ([X]): gradients summed as fixed-point integers, so that their sum
-depends on neither the order nor the grouping of the microbatches (DESIGN: the exact reduction).
+depends on neither the order nor the grouping of the microbatches (README: "Bitwise, if you
+ask").
 
 Each microbatch's gradient enters the gradient buffer as round(g x 2^e), with one exponent e per
 parameter (not per bucket: bucket sizes follow flags and the DP size), every rank of the
-parameter's DP group holding the same one. The integers live in float64,
-which holds every integer below 2^53 exactly: a microbatch contributes less than 2^LIMIT_BITS in
-magnitude per element, so up to 2^(53 - LIMIT_BITS) = 65536 microbatches sum exactly, in any
-order, on a replica and then across replicas (all-reduce and reduce-scatter alike). The reduced
-integers become fp32 gradients once, by one rounding each; everything after that is elementwise
-or, for the norm, fixed-point as well (`exact_norm.py`). float64 rather than int64 keeps the
-reduction's tail as it is (its float slots ride in the same buffer) at 10 bits less range.
+parameter's DP group holding the same one. The integers live in float64, which holds every
+integer below 2^53 exactly: a microbatch contributes less than 2^LIMIT_BITS in magnitude per
+element, so up to 2^(53 - LIMIT_BITS) = 65536 microbatches sum exactly, in any order, on a
+replica and then across replicas (all-reduce and reduce-scatter alike). The reduced integers
+become fp32 gradients once, by one rounding each; everything after that is elementwise or, for
+the norm, fixed-point as well (`shard_sums.fixed_point_norm`). float64 rather than int64 keeps
+the reduction's tail as it is (its float slots ride in the same buffer) at 10 bits less range.
 
 The exponent is agreed before use: the previous iteration's largest |g| x 2^e per parameter moves
 e so the next largest lands near 2^TARGET_BITS, 6 bits (x64) below the limit. Each replica's
 largest rides in the reduction's tail as one float64 per parameter: its binary length, clamped to
 a slot k in [0, SLOTS), as 2^(17 k). A sum of fewer than 2^17 such powers lies in
 [2^(17 K), 2^(17 K + 17)) for the largest K, so the sum's binary exponent // 17 is the largest
-slot, the same whatever the partition (and the summation's rounding never crosses that range). The first exponents come from one microbatch
-that every replica computes alike (`calibrate`). A microbatch at or above 2^LIMIT_BITS (or not
-finite) is an overflow: the step is skipped and the exponent lowered, as fp16's loss scale does,
-never a wrap.
+slot, the same whatever the partition (and the summation's rounding never crosses that range).
+The first exponents come from one microbatch that every replica computes alike (`calibrate`). A
+microbatch at or above 2^LIMIT_BITS (or not finite) is an overflow: the step is skipped and the
+exponent lowered, as fp16's loss scale does, never a wrap.
 """
 from __future__ import annotations
 
