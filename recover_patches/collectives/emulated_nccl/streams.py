@@ -1,0 +1,136 @@
+"""Device streams as NCCL and CUDA order them, on the CPU: the part of the emulated NCCL that
+decides *when* things happen (the data moves in `communicator.py`).
+
+  * A `DeviceOp` is one queued operation. It finishes when it ran (every member posted its side)
+    or when its communicator is aborted; nothing else ends it and it has no timeout of its own.
+  * A `Stream` runs its operations one after another on a worker thread, each only after the
+    operations it was queued behind (the compute stream's, at enqueue) have finished.
+  * The compute stream is the calling thread's (`current()`): it holds what the host queued on
+    it without waiting -- synchronous collectives and `work.wait()` -- and a host read
+    (`host_read()`) blocks the thread until every one of them finished, as `.item()` does after
+    a stuck NCCL kernel. `event()` is a CUDA event recorded on it.
+  * Single-queue mode (CUDA_DEVICE_MAX_CONNECTIONS=1): every stream of the process feeds one
+    hardware queue, so an operation waits for everything queued before it on *any* stream.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+# How long after an operation finished its result becomes readable (ProcessGroupNCCL's watchdog
+# publishes WorkResult on its next loop, up to 100 ms later; a short delay keeps the rule visible)
+PUBLISH_DELAY = 0.005
+
+
+class DeviceOp:
+    """One queued operation: `run()` on its stream's worker, after every op of `after`."""
+
+    _ids = itertools.count()
+
+    def __init__(self, label: str, run: Callable[["DeviceOp"], None], after: list["DeviceOp"]):
+        self.label, self._run, self.after = label, run, after
+        self.id = next(self._ids)
+        self.finished = threading.Event()
+        self.wake = threading.Event()  # set by the transport's completion or by an abort
+        self.failure: str | None = None
+        self.finished_at: float | None = None
+
+    def finish(self, failure: str | None = None) -> None:
+        """Idempotent: the first outcome stands (an abort can race the transport)."""
+        if self.finished.is_set():
+            return
+        self.failure, self.finished_at = failure, time.monotonic()
+        self.finished.set()
+        self.wake.set()
+
+    def published(self) -> bool:
+        return self.finished_at is not None and \
+            time.monotonic() >= self.finished_at + PUBLISH_DELAY
+
+
+class _Queue:
+    """A worker thread running queued operations in order (a hardware queue)."""
+
+    def __init__(self, name: str):
+        self._items: queue.SimpleQueue[DeviceOp] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, op: DeviceOp) -> None:
+        self._items.put(op)
+
+    def _loop(self) -> None:
+        while True:
+            op = self._items.get()
+            for earlier in op.after:
+                earlier.finished.wait()
+            if not op.finished.is_set():  # an abort may have ended it while it queued
+                op._run(op)
+
+
+_shared: _Queue | None = None
+_shared_lock = threading.Lock()
+
+
+def single_queue() -> bool:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1: every stream of the device on one hardware queue."""
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+
+
+class Stream:
+    """One communicator stream (collectives, or p2p with one peer)."""
+
+    def __init__(self, name: str):
+        global _shared
+        if single_queue():
+            with _shared_lock:
+                if _shared is None:
+                    _shared = _Queue("emulated-nccl-queue")
+            self._queue = _shared
+        else:
+            self._queue = _Queue(f"emulated-nccl-{name}")
+
+    def enqueue(self, op: DeviceOp) -> None:
+        self._queue.put(op)
+
+
+class ComputeStream:
+    """The calling thread's current stream: operations the host queued on it and did not wait for."""
+
+    def __init__(self):
+        self.pending: list[DeviceOp] = []
+        self.host_reads = 0
+
+    def add(self, op: DeviceOp) -> None:
+        self.pending.append(op)
+
+    def snapshot(self) -> list[DeviceOp]:
+        """What an operation queued now runs after; finished ones are dropped on the way."""
+        self.pending = [op for op in self.pending if not op.finished.is_set()]
+        return list(self.pending)
+
+    def event(self) -> Callable[[], bool]:
+        """A CUDA event recorded now: its query() is True once the stream passed it."""
+        marks = self.snapshot()
+        return lambda: all(op.finished.is_set() for op in marks)
+
+    def synchronize(self) -> None:
+        """Block the host until the stream has passed everything queued on it (unbounded, as
+        cudaStreamSynchronize: only an abort of the stuck communicator ends the wait)."""
+        while self.pending:
+            self.pending[0].finished.wait()
+            self.pending.pop(0)
+
+
+_local = threading.local()
+
+
+def current() -> ComputeStream:
+    stream = getattr(_local, "stream", None)
+    if stream is None:
+        stream = _local.stream = ComputeStream()
+    return stream

@@ -1,0 +1,237 @@
+"""The emulated NCCL keeps NCCL's and ProcessGroupNCCL's rules where ReCoVer depends on them.
+
+Ranks are threads of this process sharing a HashStore (each thread has its own compute stream
+and host-read rules, as each process has under RECOVER_EMULATE_NCCL=1). Every test that shows a
+block also shows what releases it, bounded by a join timeout.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recover_patches.collectives.emulated_nccl import host_reads, streams
+from recover_patches.collectives.emulated_nccl.communicator import (COMM_ERROR, SUCCESS,
+                                                                   EmulatedCommunicator)
+
+BOUND = 20.0  # no test thread may outlive this
+
+
+def sync_opts():
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    return opts
+
+
+def run_ranks(*bodies, store=None, rules: bool = True):
+    """Run body(rank, communicator, results) on a thread per rank; the communicators connect
+    first (collectively). Returns (results, communicators)."""
+    store = store or dist.HashStore()
+    results: dict = {}
+    comms: dict[int, EmulatedCommunicator] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            if rules:
+                host_reads.enter()
+            comms[rank] = EmulatedCommunicator(dist.PrefixStore("c/", store), rank, len(bodies))
+            comms[rank].eager_connect_single_device()
+            bodies[rank](rank, comms[rank], results)
+        except BaseException as e:  # noqa: BLE001 -- reported by the test
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(bodies))]
+    for t in threads:
+        t.start()
+    return threads, results, comms, errors
+
+
+def join(threads, errors, bound: float = BOUND) -> None:
+    for t in threads:
+        t.join(bound)
+    assert not any(t.is_alive() for t in threads), "a rank thread is still blocked"
+    assert not errors, errors
+
+
+def test_a_synchronous_collective_returns_no_work_and_the_next_read_sees_its_result():
+    def body(rank, comm, out):
+        t = torch.full((3,), float(rank + 1))
+        out[f"work{rank}"] = comm.allreduce([t], sync_opts())
+        out[rank] = (t * 2).tolist()  # compute, then a host read: both after the collective
+    threads, out, _, errors = run_ranks(body, body)
+    join(threads, errors)
+    assert out["work0"] is None and out["work1"] is None
+    assert out[0] == out[1] == [6.0, 6.0, 6.0]
+
+
+def test_a_missing_member_blocks_the_host_read_until_the_abort():
+    """The H200's survivor: a host read behind a collective whose peer never posts waits for
+    ever, until the communicator is aborted. Control: a thread without the host-read rules
+    reads at once (as the fake backend of the CPU suite did)."""
+    gate, posted = threading.Event(), threading.Event()
+
+    def reader(rank, comm, out):
+        t = torch.ones(2)
+        comm.allreduce([t], sync_opts())
+        posted.set()
+        start = time.monotonic()
+        t.tolist()
+        out["blocked"] = time.monotonic() - start
+
+    def absent(rank, comm, out):
+        gate.wait(BOUND)
+    for rules, expect_block in ((True, True), (False, False)):
+        threads, out, comms, errors = run_ranks(reader, absent, rules=rules)
+        assert posted.wait(BOUND)
+        time.sleep(1.0)
+        aborted_at = time.monotonic()
+        comms[0].abort()
+        join(threads[:1], errors)
+        gate.set()
+        join(threads, errors)
+        gate.clear()
+        posted.clear()
+        if expect_block:
+            assert out["blocked"] >= 0.9 and time.monotonic() - aborted_at < 0.5, out
+        else:
+            assert out["blocked"] < 0.1, out
+
+
+def test_work_wait_never_blocks_the_host_and_its_result_is_an_integer_published_after_it():
+    release = threading.Event()
+
+    def early(rank, comm, out):
+        t = torch.ones(1)
+        work = comm.allreduce([t])
+        start = time.monotonic()
+        work.wait()
+        out["wait"] = time.monotonic() - start
+        out["before"] = (work.is_completed(), work.get_future_result().done())
+        release.set()
+        t.tolist()  # the host read waits for the peer
+        out["after"] = (work.is_completed(), work.get_future_result().value())
+
+    def late(rank, comm, out):
+        release.wait(BOUND)
+        time.sleep(0.3)
+        comm.allreduce([torch.ones(1)])
+    threads, out, _, errors = run_ranks(early, late)
+    join(threads, errors)
+    assert out["wait"] < 0.1 and out["before"] == (False, False)
+    assert out["after"] == (True, SUCCESS) and type(out["after"][1]) is int
+
+
+def test_p2p_matches_by_posting_order_with_no_tags_and_a_send_waits_for_its_receiver():
+    posted = threading.Event()
+
+    def sender(rank, comm, out):
+        first = comm.send([torch.full((2,), 1.0)], 1, tag=7)
+        comm.send([torch.full((2,), 2.0)], 1, tag=3)
+        time.sleep(0.3)
+        out["sent before the receiver posted"] = first.is_completed()
+        posted.set()
+
+    def receiver(rank, comm, out):
+        posted.wait(BOUND)
+        a, b = torch.zeros(2), torch.zeros(2)
+        comm.recv([a], 0, tag=3).wait()  # tags differ from the sends': order decides
+        comm.recv([b], 0, tag=7).wait()
+        out["received"] = (a.tolist(), b.tolist())
+    threads, out, _, errors = run_ranks(sender, receiver)
+    join(threads, errors)
+    assert out["sent before the receiver posted"] is False
+    assert out["received"] == ([1.0, 1.0], [2.0, 2.0])
+
+
+def test_a_stream_runs_in_order_and_an_event_completes_when_the_stream_reaches_it():
+    go = threading.Event()
+
+    def first(rank, comm, out):
+        stuck = comm.allreduce([torch.ones(1)])
+        ready = streams.current().event()
+        stuck.wait()
+        behind = streams.current().event()
+        second = comm.allreduce([torch.ones(1)])
+        time.sleep(0.3)
+        out["while stuck"] = (stuck.is_completed(), second.is_completed(), ready(), behind())
+        go.set()
+        second.wait()
+        torch.ones(1).tolist()
+        out["after"] = (stuck.is_completed(), second.is_completed(), behind())
+
+    def second_rank(rank, comm, out):
+        go.wait(BOUND)
+        comm.allreduce([torch.ones(1)]).wait()
+        comm.allreduce([torch.ones(1)]).wait()
+        torch.ones(1).tolist()
+    threads, out, _, errors = run_ranks(first, second_rank)
+    join(threads, errors)
+    assert out["while stuck"] == (False, False, True, False)
+    assert out["after"] == (True, True, True)
+
+
+def test_abort_fails_every_pending_operation_with_comm_error():
+    def lonely(rank, comm, out):
+        work = comm.allreduce([torch.ones(1)])
+        out["work"] = work
+    threads, out, comms, errors = run_ranks(lonely, lambda *_: None)
+    join(threads, errors)
+    comms[0].abort()
+    work = out["work"]
+    deadline = time.monotonic() + 1.0
+    while not work.get_future_result().done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert work.is_completed() and work.get_future_result().value() == COMM_ERROR
+    assert comms[0].get_error().name == "COMM_ERROR"
+    with pytest.raises(RuntimeError, match="aborted"):
+        comms[0].allreduce([torch.ones(1)])
+
+
+def test_single_queue_mode_holds_a_receive_behind_an_unmatched_send(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue for every stream. A send posted to a
+    peer that has not posted its receive holds back a receive on another communicator; with a
+    queue per stream (the control) the receive completes."""
+    for single, expect_held in (("1", True), ("", False)):
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", single)
+        store, release = dist.HashStore(), threading.Event()
+        other = [EmulatedCommunicator(dist.PrefixStore("b/", store), r, 2) for r in range(2)]
+        connect = [threading.Thread(target=c.eager_connect_single_device) for c in other]
+        for t in connect:
+            t.start()
+        for t in connect:
+            t.join(BOUND)
+
+        def r0(rank, comm, out):
+            comm.send([torch.ones(1)], 1)  # rank 1 posts its receive only later
+            got = other[0].recv([torch.zeros(1)], 1)
+            time.sleep(0.5)
+            out["held"] = not got.is_completed()
+            release.set()
+
+        def r1(rank, comm, out):
+            other[1].send([torch.ones(1)], 0)
+            release.wait(BOUND)
+            comm.recv([torch.zeros(1)], 0).wait()
+        threads, out, _, errors = run_ranks(r0, r1, store=store)
+        join(threads, errors)
+        assert out["held"] is expect_held, single
+
+
+def test_connect_is_collective_and_a_shrunk_communicator_works_without_the_excluded():
+    arrived = []
+
+    def member(rank, comm, out):
+        arrived.append(rank)
+        if rank == 2:
+            return  # excluded from the shrink
+        smaller = comm.shrink([2], 1, None)
+        t = torch.full((1,), float(rank + 1))
+        smaller.allreduce([t], sync_opts())
+        out[rank] = (smaller.size(), t.tolist())
+    threads, out, _, errors = run_ranks(member, member, member)
+    join(threads, errors)
+    assert sorted(arrived) == [0, 1, 2]
+    assert out[0] == out[1] == (2, [3.0])
