@@ -16,6 +16,8 @@ Kinds:
          the node-0 launcher starts a new one and the ranks reconnect;
   exit   os._exit(C) (default C=1) after flushing stdout/stderr: a process that quits abruptly
          with a status, e.g. a failing node-health check;
+  watchdog  the collectives' watchdog thread gets stuck (NCCL and the emulated NCCL): its
+         backstop must fence the rank;
   slow   sleep S seconds at every matching call from iteration I on (default I=0, phase forward),
          i.e. a persistently slow replica for the workload policy;
   inf    an overflowing gradient: the trainer's action writes an inf into this rank's accumulated
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt", "coordinator")
+KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt", "coordinator", "watchdog")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "cp_exchange", "ep_dispatch",
           "ep_alltoall", "dp_reduce", "reduced", "ack", "exchange", "confirmed", "optimizer",
           "param_gather", "checkpoint", "recovery", "join", "eval")
@@ -166,6 +168,9 @@ class FaultInjector:
             self._kill(-os.getpgrp(), signal.SIGKILL)
         elif fault.kind == "hang":
             self._kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "watchdog":
+            from recover_patches.collectives.watchdog import WATCHDOG
+            WATCHDOG.stall()
         elif fault.kind == "coordinator":
             pid = os.environ.get("RECOVER_COORDINATOR_PID")
             if not pid:

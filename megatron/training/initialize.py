@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Sequence, cast
 
-import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -183,13 +182,12 @@ class ParallelGroups:
         wait() returned before the device finished: wait for the device (bounded: the watchdog
         aborts a stuck collective), then raise what the watchdog latched. Nothing on gloo."""
         groups = self.resilient_groups()
-        if any(g.backend_kind == "nccl" for g in groups):
+        finished = next((probe for g in groups if (probe := g.stream_event()) is not None), None)
+        if finished is not None:
             # Not a stream synchronize: a failure the epoch or the watchdog latched is raised
             # as soon as it is known (a backend busy when its member died is aborted at once,
             # only an idle one is set aside for shrinking: a stuck kernel never holds the stream)
-            finished = torch.cuda.Event()
-            finished.record()
-            while not finished.query():
+            while not finished():
                 for g in groups:
                     g.raise_latched()
                 time.sleep(0.0005)
@@ -357,19 +355,33 @@ def env_rank_world() -> tuple[int, int]:
 
 
 def resilient_group_factory(membership, timeout: float, backend: str = "gloo",
-                            connect: bool = True) -> GroupFactory:
+                            connect: bool = True, topology: Topology | None = None
+                            ) -> GroupFactory:
     """Layer 1 groups over `backend` (nccl on a GPU, gloo on CPU): every operation completes or
     raises PeerFailure within `timeout`. connect=False (a replacement process): the groups get
-    their backends only when the process joins (`ParallelGroups.rebuild`)."""
+    their backends only when the process joins (`ParallelGroups.rebuild`). With `topology`, a
+    group's backend ends when a member's unit (its replica, or the replicas sharing its experts)
+    breaks: that unit's survivors leave every group as spares, and on NCCL nobody else would
+    learn of it until their operation with them timed out."""
     from recover_patches.collectives.process_group import ResilientProcessGroup
+    fate = None if topology is None else unit_fate(topology)
 
     def make(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
         # A short verdict wait: recovery agrees on the membership epoch itself, so an operation
         # need not wait for the coordinator to name the dead rank (a group broken only because a
         # peer abandoned it never gets a verdict at all).
         group = ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
-                                      backend=backend, verdict_timeout=0.25, connect=connect)
+                                      backend=backend, verdict_timeout=0.25, connect=connect,
+                                      fate=fate)
         conforming: ResilientGroup = group  # the type checker holds the class to the Protocol
         del conforming
         return group
     return make
+
+
+def unit_fate(topology: Topology) -> Callable[[Sequence[int]], frozenset[int]]:
+    """The ranks whose death ends a group of `members`: every rank of their units."""
+    def fate(members: Sequence[int]) -> frozenset[int]:
+        units = {topology.replica_of(m) for m in members}
+        return frozenset(r for u in units for r in topology.unit_ranks(u))
+    return fate

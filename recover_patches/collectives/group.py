@@ -27,6 +27,10 @@ class ResilientGroup(Protocol):
         """Stop using the backend (recovery starts): peers blocked on it fail fast."""
         ...
 
+    def stream_event(self) -> Callable[[], bool] | None:
+        """A query of an event recorded now on the current stream; None where wait() blocks."""
+        ...
+
     def raise_latched(self) -> None:
         """Raise a failure the watchdog latched for an operation whose wait() had returned."""
         ...

@@ -24,12 +24,16 @@ POLL = 0.1  # seconds between looks at the silence
 
 
 class SelfFence:
-    """`silent_for()`: seconds since the job's majority side last answered this node; past
-    `limit`, `fence(why)` runs once, on this object's thread (never blocked by a cut link)."""
+    """`silent_for()`: seconds since the job's majority side last answered this node (or any
+    other silence: the watchdog's backstop uses it too); past `limit`, `fence(why(silence))`
+    runs once, on this object's thread (never blocked by a cut link)."""
 
     def __init__(self, silent_for: Callable[[], float], limit: float,
-                 fence: Callable[[str], None]):
+                 fence: Callable[[str], None], why: Callable[[float], str] | None = None):
         self._silent_for, self.limit, self._fence = silent_for, limit, fence
+        self._why = why or (lambda silent: (
+            f"neither etcd's majority nor the coordinator answered this node for {silent:.1f}s "
+            f"(--recover-timeout {limit:g}): it is cut off"))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recover-self-fence", daemon=True)
         self._thread.start()
@@ -38,8 +42,7 @@ class SelfFence:
         while not self._stop.wait(POLL):
             silent = self._silent_for()
             if silent > self.limit:
-                self._fence(f"neither etcd's majority nor the coordinator answered this node for "
-                            f"{silent:.1f}s (--recover-timeout {self.limit:g}): it is cut off")
+                self._fence(self._why(silent))
                 return
 
     def close(self) -> None:

@@ -19,11 +19,19 @@ Why 20 ms: the sweep runs Python on a thread of the training process; polling ev
 the GIL from the thread that launches kernels. A hang is declared seconds after it starts, so a
 20 ms sweep changes detection by at most 20 ms.
 
+Who watches the watchdog: a sweep that raises is logged and the loop goes on; a thread that died
+is started again by the next `track`; and `guard()` fences the rank (the entry point ends the
+process, so the coordinator declares it) when works have been pending for `limit` seconds with
+no sweep completing -- the watchdog stuck, or dead with nothing tracked since. torch's own
+backstop is off by design (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), so without this a stuck watchdog
+would leave a stuck collective unbounded.
+
 gloo works are not watched: their wait() blocks the caller inside the backend, bounded by gloo's
 own timeouts, and fails within milliseconds when a peer's process dies or drops the group.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -31,6 +39,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
 
 
@@ -50,6 +59,8 @@ class Watched:
     on_expired: Callable[[str], None]  # called once, on the watchdog thread, with the reason
     ready: Callable[[], bool] | None = None  # inputs ready (a CUDA event query); None: at enqueue
     since: float | None = None  # when its deadline started: the sweep that saw it head and ready
+    left: Callable[[], bool] | None = None  # a member abandoned the backend (a store look-up)
+    asked_at: float = 0.0  # when `left` was last asked
 
 
 @dataclass
@@ -70,17 +81,24 @@ class Watchdog:
         self._lanes: dict[tuple[int, Hashable], Lane] = {}
         self._thread: threading.Thread | None = None
         self._sweeping = threading.Lock()  # one sweep at a time: a work expires once
+        self._progress_at = clock()  # the last completed sweep, or when works became pending
+        self._stalled = threading.Event()  # fault injection: the thread stops sweeping
 
     def track(self, owner: object, work: AsyncWork, timeout: float,
               on_expired: Callable[[str], None], lane: Hashable = None,
-              ready: Callable[[], bool] | None = None) -> None:
+              ready: Callable[[], bool] | None = None,
+              left: Callable[[], bool] | None = None) -> None:
         """Watch `work` (an operation a backend ran in stream order and returned no work for
-        comes as a `backends.StreamOrderedWork`: every operation is watched)."""
+        comes as a `backends.StreamOrderedWork`: every operation is watched). `left`: asked
+        once the work has waited a quarter of its timeout, then every quarter: a member gave
+        up on the backend (NCCL tells nobody; gloo's peers see its sockets close)."""
         with self._cond:
             key = (id(owner), lane)
+            if not self._lanes:  # idle until now: the stall clock starts here
+                self._progress_at = self.clock()
             if key not in self._lanes:
                 self._lanes[key] = Lane(owner)
-            self._lanes[key].works.append(Watched(work, timeout, on_expired, ready))
+            self._lanes[key].works.append(Watched(work, timeout, on_expired, ready, left=left))
             if self.background and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._run, name="recover-watchdog",
                                                 daemon=True)
@@ -143,15 +161,50 @@ class Watchdog:
             if now > head.since + head.timeout:
                 return (f"no completion within {head.timeout:g}s of becoming able to start "
                         f"({now - head.since - head.timeout:.1f}s past it)")
-            return None
+            return self._member_left(head, now)
         return None
+
+    @staticmethod
+    def _member_left(head: Watched, now: float) -> str | None:
+        quarter = head.timeout / 4
+        if head.left is None or now < max(head.since, head.asked_at) + quarter:  # type: ignore
+            return None
+        head.asked_at = now
+        return "a member gave up on the group (it left for recovery)" if head.left() else None
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._lanes))
-            self.sweep()
+            if self._stalled.is_set():
+                threading.Event().wait()  # a stuck watchdog, for the backstop's test
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 -- guard: the thread must outlive a bad sweep
+                logger.exception("watchdog sweep failed; the backstop fences this rank if it "
+                                 "keeps failing")
+            else:
+                self._progress_at = self.clock()
             time.sleep(self.poll)
+
+    def stalled_for(self) -> float:
+        """Seconds works have been pending with no sweep completing (0 while idle)."""
+        with self._cond:
+            if not self._lanes:
+                return 0.0
+        return max(0.0, self.clock() - self._progress_at)
+
+    def guard(self, limit: float, fence: Callable[[str], None]):
+        """The backstop: `fence(why)` once, from a thread of its own, when the watchdog has
+        stalled for `limit` seconds. Returns the guard (`close()` ends it)."""
+        from recover_patches.collectives.self_fence import SelfFence
+        return SelfFence(self.stalled_for, limit, fence, lambda stalled: (
+            f"the collectives' watchdog has not completed a sweep for {stalled:.1f}s with "
+            f"operations pending (limit {limit:g}s): nothing would bound a stuck collective"))
+
+    def stall(self) -> None:
+        """Fault injection: the watchdog thread stops at its next sweep, as if stuck."""
+        self._stalled.set()
 
 
 PENDING = object()  # a completed work whose result torch has not published yet

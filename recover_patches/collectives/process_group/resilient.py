@@ -1,23 +1,4 @@
-"""ResilientProcessGroup: a torch ProcessGroup whose every operation completes or raises
-PeerFailure within its bound, and whose inner backend can be replaced in place (DESIGN §5). Rules:
-  * A newer epoch that declares a *member* dead discards the inner backend at once on every
-    member; every later operation raises PeerFailure until a rebuild. A group none of whose
-    members died adopts the epoch: a healthy replica never sees another's failure (DESIGN §3).
-  * `rebuild`/`regroup(e, members, key)` raise PeerFailure if an epoch after e declares one of
-    `members` dead (all survivors then retry with it); any other epoch (a replica growing back)
-    leaves them to finish, each member alike, and is met at the iteration boundary. The
-    rendezvous lives under (epoch, key), so processes with different histories meet in the same
-    place; there the members decide together whether the backend is kept, shrunk or re-created.
-  * A failed or timed-out operation is reported to the coordinator; its verdict (an epoch naming
-    the dead, awaited up to `verdict_timeout`) names the right rank in the PeerFailure.
-  * No thread and no callback per operation: the caller's wait() is the backend's. gloo blocks
-    inside the backend, bounded by its timeouts, and fails within milliseconds when a peer's
-    process dies or drops the group. NCCL only makes the stream wait: the process's watchdog
-    (`watchdog.py`) bounds the work, aborts the communicator and latches a PeerFailure.
-  * After a PeerFailure, do not reuse its buffers: the old backend may still write them. Works
-    returned for async ops only implement wait() (is_completed() stays False).
-It registers in torch.distributed's group tables: `dist.get_rank(group)`, `broadcast(src=...)` work.
-"""
+"""`ResilientProcessGroup`, the class; its rules are the package's docstring."""
 from __future__ import annotations
 
 import threading
@@ -27,11 +8,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PythonCallbackWork
-from torch.distributed.distributed_c10d import Backend, BackendConfig, GroupName
+from torch.distributed.distributed_c10d import GroupName
 
 from recover_patches.collectives import backends, rendezvous
 from recover_patches.collectives.rendezvous import Regroup, Retired
 from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
+from recover_patches.collectives.process_group import departures, registry
 from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
 
 
@@ -46,7 +28,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def __init__(self, name: str, members: Sequence[int], *, membership, timeout: float,
                  backend: str = "gloo", build_timeout: float = 60.0,
                  verdict_timeout: float | None = None, connect: bool = True,
-                 watchdog: Watchdog = WATCHDOG):
+                 watchdog: Watchdog = WATCHDOG,
+                 fate: Callable[[Sequence[int]], frozenset[int]] | None = None):
         members = tuple(int(m) for m in members)
         if membership.rank not in members or len(set(members)) != len(members):
             raise ValueError(f"group {name!r}: members {members} must be distinct and include this "
@@ -65,6 +48,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self.before_op: Callable[[str], None] | None = None  # fault-injection hook
         self._cond, self._inner, self._epoch = threading.Condition(), None, -1
         self._dead_at_build: frozenset[int] = frozenset()
+        # Whose death ends the backend: its members, or (ReCoVer's groups) their replicas, whose
+        # survivors leave every group when their replica breaks. gloo tells the other members
+        # in milliseconds that they left; NCCL never does, so the epoch must.
+        self._fate = fate if fate is not None else frozenset
         self._failure: PeerFailure | None = None
         self._latched: PeerFailure | None = None  # the watchdog's, for raise_latched()
         self._ops: set[_Op] = set()  # issued, not yet waited
@@ -232,17 +219,12 @@ class ResilientProcessGroup(dist.ProcessGroup):
             backends.discard(retired.backend, [])
         self._discard(PeerFailure(self._epoch, (), f"{self.label}.shutdown", "group was shut down",
                                   confirmed=False))
-        for registry in ("pg_map", "pg_group_ranks", "pg_backend_config"):
-            getattr(dist.distributed_c10d._world, registry).pop(self, None)
+        registry.unregister(self)
 
     abort = shutdown
     # --- internals --------------------------------------------------------------------------
     def _register(self) -> None:
-        world = dist.distributed_c10d._world
-        world.pg_map[self] = (self.backend_kind, self.membership.backend_store)
-        world.pg_group_ranks[self] = {g: i for i, g in enumerate(self.members)}
-        # and its backend's configuration: torch's profiler lists every registered group's
-        world.pg_backend_config[self] = str(BackendConfig(Backend(self.backend_kind)))
+        registry.register(self, self.backend_kind, self.membership.backend_store, self.members)
 
     def _issue(self, op: str, start, peer: int | None = None):
         if self.before_op is not None:
@@ -263,7 +245,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if not self.host_waits:  # one lane per stream: collectives, and p2p per peer
             self.watchdog.track(inner, work, self.timeout,
                                 lambda reason: self._expire(inner, op, peer, reason),
-                                lane=peer, ready=ready)
+                                lane=peer, ready=ready, left=departures.probe(self.membership.store,
+                                                                           self._prefix))
         issued = _Op(work)
         del work
         with self._cond:
@@ -293,6 +276,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
                     self._ops.discard(issued)
             return True
         return PythonCallbackWork(wait)
+
+    def stream_event(self) -> Callable[[], bool] | None:
+        """An event recorded now on the current stream (its query), or None where wait() blocks
+        the host (gloo): nothing is left to wait for."""
+        return None if self.host_waits else self._kind.ready_probe()
 
     def raise_latched(self) -> None:
         """Raise the failure the watchdog latched for an operation whose wait() had returned
@@ -359,6 +347,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self._ops.clear()
         if inner is None:
             return
+        if not self.host_waits:  # NCCL tells no member that this one stopped: the store does
+            departures.announce(self.membership.store, self._prefix)
         # Set aside only an idle backend: a work in flight with a dead member never ends, and
         # the compute stream waits for it, so every host read would hang until the shrink (H200)
         if self.watchdog.forget(inner) == 0 and retire and backends.can_shrink(inner):
@@ -373,9 +363,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
         current, dead = self.membership.view()
         return current > epoch and bool(dead & set(members))
 
+    def _ends_backend(self, dead: frozenset[int]) -> frozenset[int]:
+        """The newly dead whose death ends the current backend (see `fate`)."""
+        return (dead - self._dead_at_build) & self._fate(self.members)
+
     def _stale(self) -> bool:
-        """A newer epoch declared a member dead (adopting harmless epochs on the way)."""
-        if self._kills_a_member(self._epoch, self.members):
+        """A newer epoch ended the backend (adopting harmless epochs on the way)."""
+        current, dead = self.membership.view()
+        if current > self._epoch and self._ends_backend(dead):
             return True
         self._adopt(*self.membership.view())
         return False
@@ -390,10 +385,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         now; any other epoch is adopted and the group carries on."""
         if epoch <= self._epoch:
             return
-        if dead & set(self.members):
+        if lost := self._ends_backend(dead):
             if not self.host_waits:  # a work whose wait() returned may be cut short: say so
-                self._latched = PeerFailure(epoch, dead & set(self.members), f"{self.label}.epoch",
-                                            f"epoch {epoch} declared a member dead")
+                self._latched = PeerFailure(epoch, lost, f"{self.label}.epoch",
+                                            f"epoch {epoch} declared {sorted(lost)} dead")
             self._discard(retire=True)
         else:
             self._adopt(epoch, dead)

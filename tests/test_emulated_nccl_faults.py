@@ -1,0 +1,119 @@
+"""Failures survived on the emulated NCCL (RECOVER_EMULATE_NCCL=1): host reads block behind a
+collective that will never finish, as on a GPU, so these runs see what the CPU suite over gloo
+could not (docs/NCCL.md §8).
+
+Each fault run must finish every iteration with the failure-free losses (relative 1e-5 against
+one process). The negative controls put back, one at a time, the bugs a GPU found
+(tests/nccl_regressions): each must make its emulated run fail or hang the way the H200 did.
+The wider matrix (every phase, VP, CP, EP, the distributed optimizer, a replacement, an async
+save) is `scripts/emulated_nccl_matrix.py`; the `emulated_matrix` marker runs a part of it here.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests._launch_util import REPO, TINY_GPT, launch
+
+pytestmark = pytest.mark.multiprocess
+
+ITERS, M, TIMEOUT = 5, 8, 3.0
+EMULATED = {"RECOVER_EMULATE_NCCL": "1"}
+
+
+def run_job(tmp_path, layout: tuple[int, int, int], *faults: str, env: dict | None = None,
+            timeout: float = 150, extra: tuple[str, ...] = ()):
+    tp, pp, dp = layout
+    args = [*TINY_GPT, "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--train-iters", str(ITERS),
+            "--recover-balance", "even", "--recover-timeout", f"{TIMEOUT:g}", *extra,
+            *[a for f in faults for a in ("--inject-fault", f)]]
+    return launch(tp * pp * dp, args, tmp_path / "metrics.jsonl", launcher_args=[],
+                  timeout=timeout, env={**EMULATED, **(env or {})})
+
+
+def put_back(bug: str) -> dict:
+    return {"RECOVER_PUT_BACK": bug,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "nccl_regressions"), str(REPO),
+                                           os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = run_job(tmp_path_factory.mktemp("one"), (1, 1, 1))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [r["lm_loss"] for r in run.records if "lm_loss" in r]
+
+
+def assert_survived(run, reference) -> None:
+    text = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0, text
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1)), text
+    assert all(r["microbatches"] == M for r in records)
+    for mine, ref in zip((r["lm_loss"] for r in records), reference):
+        assert abs(mine - ref) <= 1e-5 * abs(ref), (mine, ref)
+
+
+@pytest.mark.timeout(400)
+def test_the_h200_kill_survives_and_without_the_replica_fate_it_stops(tmp_path, reference):
+    """(2,1,2), rank 2 killed in its backward at iteration 3 (the H200's kill). Rank 1's DP
+    partner, rank 3, is alive but leaves as a spare: NCCL tells rank 1 nothing. Two fixes end
+    rank 1's reduction: the epoch that broke rank 3's replica ends every group of that replica
+    (at once), and rank 3's departure is in the store (rank 1's watchdog asks after T/4). Each
+    alone survives; control: with neither, rank 1 waits out T, rank 0 gives up on it at the
+    recovery barrier, and the job stops with no verdict (the H200's unexplained survivor)."""
+    kill = "kill:rank=2,iter=3,phase=backward"
+    assert_survived(run_job(tmp_path / "fixed", (2, 1, 2), kill), reference)
+    assert_survived(run_job(tmp_path / "fate", (2, 1, 2), kill,
+                            env=put_back("silent-departure")), reference)
+    broken = run_job(tmp_path / "control", (2, 1, 2), kill,
+                     env=put_back("member-fate,silent-departure"))
+    assert broken.returncode != 0
+    assert "dp.tp1.stage0.allreduce" in broken.stdout and \
+        "no rank was declared dead" in broken.stdout, broken.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_h200_hang_survives(tmp_path, reference):
+    """(1,2,2), rank 3 SIGSTOPped in the DP reduction at iteration 3 (the H200's hang)."""
+    assert_survived(run_job(tmp_path, (1, 2, 2), "hang:rank=3,iter=3,phase=dp_reduce"),
+                    reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_busy_communicator_set_aside_hangs_the_survivor_in_a_host_read(tmp_path):
+    """Put back: the communicator in flight when its member died is set aside, not aborted. The
+    survivor's host read waits for it for ever (its stack, dumped at the bound, shows it)."""
+    run = run_job(tmp_path, (2, 1, 2), "kill:rank=2,iter=3,phase=backward",
+                  env=put_back("busy-set-aside"), timeout=45)
+    assert "timed out after 45" in run.stderr, run.stderr[-3000:]
+    assert "in synchronize" in run.stderr and "host_reads" in run.stderr, run.stderr[-6000:]
+
+
+@pytest.mark.timeout(200)
+def test_the_two_bugs_of_the_first_h200_lease_fail_the_emulated_run_as_they_did(tmp_path):
+    """Put back: WorkResult read as an enum's name (every connect fails: 'work result 0'); a
+    synchronous collective's missing work taken for a dropped group (the first TP all-reduce
+    fails: 'aborted: the group broke first')."""
+    named = run_job(tmp_path / "name", (1, 1, 2), env=put_back("work-result-name"), timeout=60)
+    assert named.returncode != 0 and "work result 0" in named.stdout + named.stderr, \
+        named.stdout[-3000:] + named.stderr[-3000:]
+    missing = run_job(tmp_path / "work", (2, 1, 1), env=put_back("missing-work"), timeout=60)
+    assert missing.returncode != 0
+    assert "tp.replica0.stage0.allreduce" in missing.stdout and \
+        "aborted: the group broke first" in missing.stdout, missing.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_stuck_watchdog_fences_its_rank_and_the_others_go_on(tmp_path, reference):
+    """Rank 1's watchdog thread stops sweeping at iteration 2: with collectives pending and
+    nothing to bound them, its backstop ends the rank within 2 T; the coordinator declares it
+    dead and rank 0 finishes alone on the same losses (rank 0 takes 2 s per step from
+    iteration 2, so the run outlasts 2 T)."""
+    run = run_job(tmp_path, (1, 1, 2), "watchdog:rank=1,iter=2,phase=forward",
+                  "slow:rank=0,seconds=2,iter=2,phase=optimizer")
+    assert "fencing this rank: the collectives' watchdog has not completed a sweep" in \
+        run.stdout, run.stdout[-3000:]
+    assert_survived(run, reference)
