@@ -241,9 +241,8 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     start-up notes."""
     import torch
 
-    from megatron.training.collective_backend import group_backend, guard_watchdog
-    from megatron.training.initialize import (build_groups, init_default_group,
-                                              resilient_group_factory, torch_group_factory)
+    from megatron.training.collective_backend import resilient_groups
+    from megatron.training.initialize import build_groups, init_default_group, torch_group_factory
     from megatron.training.config import ModelConfig, OptimizerSetup
     from megatron.training.config_rules import model_chunks_of
     from megatron.training.model import build_model
@@ -269,11 +268,8 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
                                    args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping,
                                    cp=args.context_parallel_size,
                                    ep=args.expert_model_parallel_size)
-    backend = group_backend(args.distributed_backend, layout)
-    if membership is not None and backend != "gloo":
-        guard_watchdog(2 * membership.timeouts.operation)
-    make_group = torch_group_factory if membership is None else resilient_group_factory(
-        membership, membership.timeouts.operation, backend, incarnation == 0, topology)
+    make_group = torch_group_factory if membership is None else resilient_groups(
+        args, layout, membership, incarnation == 0, topology)
     groups = build_groups(topology, rank, make_group, args.num_distributed_optimizer_instances
                           if args.use_distributed_optimizer else None,
                           channels=None if model_chunks_of(args) is None

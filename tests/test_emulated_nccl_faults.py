@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from recover_patches.collectives.emulated_nccl.communicator import FIRST_CONNECT_ENV
 from tests._launch_util import REPO, TINY_GPT, launch
 
 pytestmark = pytest.mark.multiprocess
@@ -117,3 +118,25 @@ def test_a_stuck_watchdog_fences_its_rank_and_the_others_go_on(tmp_path, referen
     assert "fencing this rank: the collectives' watchdog has not completed a sweep" in \
         run.stdout, run.stdout[-3000:]
     assert_survived(run, reference)
+
+
+@pytest.mark.timeout(300)
+def test_start_up_slower_than_t_still_starts_and_a_slow_first_iteration_loses_no_rank(
+        tmp_path, reference):
+    """T = 3 s, and start-up slower than that: every rank's first connect takes 4 s (NCCL's
+    init across many members), rank 1's first microbatch 4 s more (a fused-kernel compile).
+    Start-up is bounded by --distributed-timeout-minutes: the job trains with no recovery.
+    Controls, start-up bounded by T: the connect fails ('connect did not finish within 3s');
+    with a fast connect, the slow first iteration costs a healthy replica (rank 1 declared
+    dead)."""
+    slow = "slow:rank=1,seconds=4,iter=1,phase=forward,microbatch=4"
+    connect = {FIRST_CONNECT_ENV: "4"}
+    run = run_job(tmp_path / "grace", (1, 1, 2), slow, env=connect)
+    assert_survived(run, reference)
+    assert not [r["recoveries"] for r in run.records if r.get("recoveries")], run.records
+    refused = run_job(tmp_path / "connect", (1, 1, 2), env={**connect, **put_back("startup-is-t")},
+                      timeout=90)
+    assert refused.returncode != 0 and "connect did not finish within 3s" in refused.stderr, \
+        refused.stderr[-3000:]
+    lost = run_job(tmp_path / "first", (1, 1, 2), slow, env=put_back("startup-is-t"))
+    assert "membership epoch 1: dead ranks [1]" in lost.stdout, lost.stdout[-3000:]

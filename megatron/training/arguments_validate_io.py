@@ -203,6 +203,10 @@ def validate_recover(args: argparse.Namespace, dp: int) -> None:
     if not args.recover_timeout >= 1:  # the heartbeat must move several times within it
         raise ArgumentError("--recover-timeout", f"--recover-timeout {args.recover_timeout:g} is "
                             "below 1 second", "pass --recover-timeout 1 or more (default 10)")
+    if args.distributed_timeout_minutes < 1:  # start-up's bound: connects, the first iteration
+        raise ArgumentError("--distributed-timeout-minutes", "--distributed-timeout-minutes "
+                            f"{args.distributed_timeout_minutes} bounds start-up and must be 1 "
+                            "or more", "pass --distributed-timeout-minutes 1 or more (default 10)")
     if not 1 <= args.recover_min_replicas <= dp:
         raise ArgumentError("--recover-min-replicas", f"--recover-min-replicas "
                             f"{args.recover_min_replicas} must be between 1 and the {dp} "

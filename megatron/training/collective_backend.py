@@ -1,7 +1,14 @@
-"""Which backend ReCoVer's groups run on, and the backstop of the watchdog that bounds NCCL's.
+"""ReCoVer's groups: their backend, their bounds, and the backstop of the watchdog that bounds
+NCCL's operations.
 
 `RECOVER_EMULATE_NCCL=1` on the CPU: the emulated NCCL (NCCL's blocking rules over gloo,
 docs/NCCL.md §8) instead of gloo, with its host-read rules on the training thread.
+
+Two bounds: `--recover-timeout` T detects failures; `--distributed-timeout-minutes` (Megatron's
+bound of process-group set-up, 10 by default) bounds start-up: the first connects and the first
+iteration (fused-kernel compiles, autotuning, hundreds of members meeting), which at scale take
+longer than T. Megatron-LM likewise uses it until init is done, then
+`--distributed-timeout-seconds-after-init`.
 """
 from __future__ import annotations
 
@@ -11,6 +18,21 @@ import signal
 import sys
 
 logger = logging.getLogger(__name__)
+
+
+def resilient_groups(args, layout, membership, connect: bool, topology):
+    """The factory of ReCoVer's groups, with the start-up line that states their bounds."""
+    from megatron.training.initialize import resilient_group_factory
+    timeout, startup = membership.timeouts.operation, 60.0 * args.distributed_timeout_minutes
+    backend = group_backend(args.distributed_backend, layout)
+    if backend != "gloo":
+        guard_watchdog(2 * timeout)
+    if layout.rank == 0:
+        logger.info(f"failures are detected within --recover-timeout {timeout:g} s; start-up "
+                    f"(connects, the first iteration) may take --distributed-timeout-minutes "
+                    f"{args.distributed_timeout_minutes} ({startup:g} s)")
+    return resilient_group_factory(membership, timeout, backend, connect, topology,
+                                   startup=startup)
 
 
 def group_backend(flag: str, layout) -> str:

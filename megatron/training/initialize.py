@@ -185,14 +185,24 @@ class ParallelGroups:
         finished = next((probe for g in groups if (probe := g.stream_event()) is not None), None)
         if finished is not None:
             # Not a stream synchronize: a failure the epoch or the watchdog latched is raised
-            # as soon as it is known (a backend busy when its member died is aborted at once,
-            # only an idle one is set aside for shrinking: a stuck kernel never holds the stream)
+            # as soon as it is known (a busy backend whose member died is aborted at once)
             while not finished():
                 for g in groups:
                     g.raise_latched()
                 time.sleep(0.0005)
         for g in groups:
             g.raise_latched()
+
+    def settle(self) -> None:  # start-up is over (an iteration committed): bounds are T
+        for g in self.resilient_groups():
+            g.settle()
+
+    def raise_latched_of(self, *groups) -> None:
+        """After a host read of what `groups` reduced: the failure latched for any of them (the
+        others' failures belong to operations this read did not depend on)."""
+        for g in self.resilient_groups():
+            if any(g is mine for mine in groups):
+                g.raise_latched()
 
     def abandon(self, phase: str = "execute") -> None:
         """Recovery starts: stop using the backends peers may be blocked on, so they fail fast.
@@ -355,14 +365,15 @@ def env_rank_world() -> tuple[int, int]:
 
 
 def resilient_group_factory(membership, timeout: float, backend: str = "gloo",
-                            connect: bool = True, topology: Topology | None = None
-                            ) -> GroupFactory:
+                            connect: bool = True, topology: Topology | None = None,
+                            startup: float = 0.0) -> GroupFactory:
     """Layer 1 groups over `backend` (nccl on a GPU, gloo on CPU): every operation completes or
     raises PeerFailure within `timeout`. connect=False (a replacement process): the groups get
     their backends only when the process joins (`ParallelGroups.rebuild`). With `topology`, a
     group's backend ends when a member's unit (its replica, or the replicas sharing its experts)
     breaks: that unit's survivors leave every group as spares, and on NCCL nobody else would
-    learn of it until their operation with them timed out."""
+    learn of it until their operation with them timed out. `startup`: the bound of the first
+    connects and the first iteration, where longer than `timeout` (`ParallelGroups.settle`)."""
     from recover_patches.collectives.process_group import ResilientProcessGroup
     fate = None if topology is None else unit_fate(topology)
 
@@ -372,7 +383,7 @@ def resilient_group_factory(membership, timeout: float, backend: str = "gloo",
         # peer abandoned it never gets a verdict at all).
         group = ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
                                       backend=backend, verdict_timeout=0.25, connect=connect,
-                                      fate=fate)
+                                      fate=fate, startup=startup)
         conforming: ResilientGroup = group  # the type checker holds the class to the Protocol
         del conforming
         return group

@@ -250,6 +250,9 @@ class GPTReplicaStep:
         scale = 1.0 if scaler is None else scaler.scale
         self.grads.divide_gradients(tokens * scale)  # the global token mean: DESIGN §7
         grad_norm, extra = self._norm_and_zeros(reduced, grads)
+        # NCCL: a host read returns once the watchdog or an epoch aborted a stuck reduction --
+        # with whatever the buffer held. A step never uses such a norm: PeerFailure instead
+        self.groups.raise_latched_of(self.groups.replica_positions)
         overflow = not math.isfinite(grad_norm)
         if scaler is not None:
             scaler.update(overflow)
@@ -313,6 +316,7 @@ class GPTReplicaStep:
         if self.groups.replica.size() > 1:
             dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.groups.replica)
         values = shared.tolist()
+        self.groups.raise_latched_of(self.groups.replica)  # (as the norm's, in `step`)
         self.weights_stale = bool(values[1])  # all of the replica's ranks recover together
         self.timings = timings_from_wire(dict(enumerate(values[2 + len(rows):])))
         aux = report.conclude(values[2:2 + len(rows)], tp, reduced.totals.microbatches,

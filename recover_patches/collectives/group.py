@@ -31,6 +31,10 @@ class ResilientGroup(Protocol):
         """A query of an event recorded now on the current stream; None where wait() blocks."""
         ...
 
+    def settle(self) -> None:
+        """Start-up is over: operations and rebuilds are bounded by T from now on."""
+        ...
+
     def raise_latched(self) -> None:
         """Raise a failure the watchdog latched for an operation whose wait() had returned."""
         ...

@@ -13,6 +13,8 @@ makes the run fail or hang the way the GPU did:
                     on it for ever, and so does its next host read;
   member-fate       a group's backend ends only when one of its own members dies, not when a
                     member's replica breaks;
+  startup-is-t      start-up (the first connects, the first iteration) bounded by T like any
+                    operation: a connect or a first iteration slower than T fails;
   silent-departure  a member that gives up on a backend tells nobody (NCCL's own behaviour).
                     With member-fate: a survivor whose partner left as a spare waits for it
                     until its watchdog's T, its replica gives up on it first, and the job stops
@@ -55,6 +57,12 @@ def _member_fate(initialize):
     initialize.unit_fate = lambda topology: frozenset
 
 
+def _startup_is_t(initialize):
+    factory = initialize.resilient_group_factory
+    initialize.resilient_group_factory = lambda *args, **kwargs: factory(
+        *args, **{**kwargs, "startup": 0.0})
+
+
 def _silent_departure(departures):
     departures.announce = lambda store, prefix: None
 
@@ -64,6 +72,7 @@ BUGS = {
     "missing-work": ("recover_patches.collectives.emulated_nccl", _missing_work),
     "busy-set-aside": ("recover_patches.collectives.watchdog", _busy_set_aside),
     "member-fate": ("megatron.training.initialize", _member_fate),
+    "startup-is-t": ("megatron.training.initialize", _startup_is_t),
     "silent-departure": ("recover_patches.collectives.process_group.departures",
                          _silent_departure),
 }

@@ -19,7 +19,9 @@ What it does not model: NVLink/NVLS or IB timing, memory, kernels competing for 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,6 +34,10 @@ from recover_patches.collectives.emulated_nccl import streams
 from recover_patches.collectives.emulated_nccl.streams import DeviceOp
 
 logger = logging.getLogger(__name__)
+# seconds the process's first connect takes (NCCL's init across hundreds of members: tests of
+# start-up's bound use it); once per process
+FIRST_CONNECT_ENV = "RECOVER_EMULATE_NCCL_FIRST_CONNECT_SECONDS"
+_first_connect = threading.Lock()
 INIT_TIMEOUT = timedelta(seconds=60)  # = TORCH_NCCL_NONBLOCKING_TIMEOUT under ReCoVer
 FOREVER = timedelta(days=1)  # an NCCL operation has no timeout of its own
 SUCCESS, COMM_ERROR = 0, 2  # WorkResult's integers, as ProcessGroupNCCL's future holds them
@@ -225,6 +231,7 @@ class EmulatedCommunicator:
         with self._lock:
             if self._gloo is not None:
                 return self._gloo
+        _slow_first_connect()
         unique_id = self._exchange_id()
         gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"emulated-nccl/{unique_id}/", self._store),
                                      self.group_rank, self._size, INIT_TIMEOUT)
@@ -240,3 +247,8 @@ class EmulatedCommunicator:
                 self._store.set("unique_id", uuid.uuid4().hex)
             self._unique_id = self._store.get("unique_id").decode()
         return self._unique_id
+
+
+def _slow_first_connect() -> None:
+    if _first_connect.acquire(blocking=False):  # never released: the first connect only
+        time.sleep(float(os.environ.get(FIRST_CONNECT_ENV, "0")))

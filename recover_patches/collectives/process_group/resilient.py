@@ -14,6 +14,7 @@ from recover_patches.collectives import backends, rendezvous
 from recover_patches.collectives.rendezvous import Regroup, Retired
 from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
 from recover_patches.collectives.process_group import departures, registry
+from recover_patches.collectives.process_group.operations import Operations
 from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
 
 
@@ -24,12 +25,13 @@ class _Op:
     work: dist.Work | None
 
 
-class ResilientProcessGroup(dist.ProcessGroup):
+class ResilientProcessGroup(Operations, dist.ProcessGroup):
     def __init__(self, name: str, members: Sequence[int], *, membership, timeout: float,
                  backend: str = "gloo", build_timeout: float = 60.0,
                  verdict_timeout: float | None = None, connect: bool = True,
                  watchdog: Watchdog = WATCHDOG,
-                 fate: Callable[[Sequence[int]], frozenset[int]] | None = None):
+                 fate: Callable[[Sequence[int]], frozenset[int]] | None = None,
+                 startup: float = 0.0):
         members = tuple(int(m) for m in members)
         if membership.rank not in members or len(set(members)) != len(members):
             raise ValueError(f"group {name!r}: members {members} must be distinct and include this "
@@ -38,13 +40,15 @@ class ResilientProcessGroup(dist.ProcessGroup):
         super().__init__(members.index(membership.rank), len(members))  # type: ignore[call-arg]
         self.label = name  # not `name`: torch's ProcessGroup.name() is a method
         self.members, self.membership = members, membership
-        self.timeout, self.build_timeout = timeout, build_timeout
+        # start-up (the first connects, the first iteration) may take `startup` where that is
+        # longer; `settle()` brings every bound down to T (timeout) once it is over
+        self._settled = (timeout, build_timeout)
+        self._bound(max(timeout, startup), max(build_timeout, startup))
         self.verdict_timeout = (verdict_timeout if verdict_timeout is not None else
                                 membership.heartbeat_timeout + 2 * membership.heartbeat_interval)
         self.backend_kind, self._kind = backend, backends.kind_of(backend)
         # host_waits: gloo blocks in wait(); else (NCCL) a stream wait that `watchdog` bounds
         self.watchdog, self.host_waits = watchdog, self._kind.host_waits
-        self._p2p_timeout = timedelta(seconds=timeout)
         self.before_op: Callable[[str], None] | None = None  # fault-injection hook
         self._cond, self._inner, self._epoch = threading.Condition(), None, -1
         self._dead_at_build: frozenset[int] = frozenset()
@@ -90,48 +94,18 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ResilientProcessGroup({self.label!r}, members={self.members}, epoch={self._epoch})"
 
-    # --- collectives and p2p ----------------------------------------------------------------
-    def allreduce(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._issue("allreduce", lambda b: b.allreduce(tensors, opts))
-
-    def allgather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._issue("allgather", lambda b: b.allgather(output_lists, inputs, opts))
-
-    def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._issue("allgather", lambda b: b._allgather_base(output, input, opts))
-    _allgather_base = all_gather_single
-
-    def reduce_scatter_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self._issue("reduce_scatter", lambda b: b._reduce_scatter_base(output, input, opts))
-    _reduce_scatter_base = reduce_scatter_single
-
-    def all_to_all_single(self, output, input, out_splits, in_splits, opts=None):
-        opts = opts if opts is not None else dist.AllToAllOptions()
-        return self._issue("alltoall", lambda b: b.alltoall_base(output, input, out_splits,
-                                                                 in_splits, opts))
-
-    def broadcast(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._issue("broadcast", lambda b: b.broadcast(tensors, opts))
-
-    def barrier(self, opts=None):
-        opts = opts if opts is not None else dist.BarrierOptions()
-        return self._issue("barrier", lambda b: b.barrier(opts))
-
-    def send(self, tensors, dst: int, tag: int = 0):
-        return self._issue("send", lambda b: b.send(tensors, dst, tag), peer=self.members[dst])
-
-    def recv(self, tensors, src: int, tag: int = 0):
-        return self._issue("recv", lambda b: b.recv(tensors, src, tag), peer=self.members[src])
-
-    def recv_anysource(self, tensors, tag: int = 0):
-        raise NotImplementedError("recv from any source cannot notice a dead peer: name the source")
-
     # --- lifecycle --------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Start-up is over: operations and rebuilds are bounded by T from now on."""
+        self._bound(*self._settled)
+        inner = self._inner
+        if inner is not None and self.host_waits:
+            inner.set_timeout(self._p2p_timeout)  # gloo's own cancellation
+
+    def _bound(self, timeout: float, build_timeout: float) -> None:
+        self.timeout, self.build_timeout = timeout, build_timeout
+        self._p2p_timeout = timedelta(seconds=timeout)
+
     def rebuild(self, epoch: int, members: Sequence[int], key: str = "") -> None:
         """A new backend for `members` in `epoch` (every member calls this alike); PeerFailure if
         an epoch declares a member dead meanwhile or a member never shows up."""
