@@ -198,6 +198,7 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
     from megatron.training.metrics import MetricsWriter
     from megatron.training.optimizer_setup import build_scheduler
     from megatron.training.replica_parts import build_stages, link_for, replica_vote
+    from megatron.training.collective_backend import host_sync_counter
     from megatron.training.training import Trainer
     from recover_patches.recovery.agreement import StoreAgreement
 
@@ -225,6 +226,7 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
                                  verdict_wait=membership.timeouts.verdict_wait,
                                  replica=replica_vote(groups, device)) if recovering else None,
         log_failure=lambda err, phase: logger.info(f"peer failure in {phase}: {err}"),
+        host_syncs=host_sync_counter(),
         **({} if membership is None else {"mark": membership.mark,
                                           "store_ops": lambda: membership.store_ops}))
     if recovering:

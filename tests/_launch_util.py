@@ -62,6 +62,7 @@ def launch(nproc: int, args: list[str], metrics: Path, *, timeout: float = 240,
     cmd = [sys.executable, "-m", "recover_patches.launch", *launch_args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    record_session(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # kept: what a hung run printed is what explains it
@@ -108,6 +109,15 @@ def dump_stacks(pgid: int, wait: float = 3.0) -> str:
     return "".join(native)
 
 
+def record_session(pid: int) -> None:
+    """With RECOVER_LAUNCH_SESSIONS=FILE, each launcher's session id goes there: a harness killed
+    at its bound (scripts/gpu/short.sh) leaves its caller the sessions to end, by group."""
+    sessions = os.environ.get("RECOVER_LAUNCH_SESSIONS")
+    if sessions:
+        with open(sessions, "a") as f:
+            f.write(f"{pid}\n")
+
+
 def kill_session(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -151,6 +161,7 @@ class _Zygote:
                                            **{k: str(v) for k, v in files.items()}}) + "\n")
             server.stdin.flush()
             pid = int(server.stdout.readline())
+        record_session(pid)
         deadline, timed_out = time.monotonic() + timeout, False
         while not files["status"].exists():
             if time.monotonic() > deadline:

@@ -9,7 +9,10 @@ ProcessGroupNCCL drives it):
     makes the communicator's stream wait for the current stream);
   * a send and a receive run together and end together: the k-th send from s to d on a
     communicator meets the k-th receive at d from s on it. Tags are ignored;
-  * compute waits for the operations the host waited on (`work.wait()`).
+  * compute waits for the operations the host waited on (`work.wait()`);
+  * with `single_queue` (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron's recipes set it): every
+    stream of a rank feeds one hardware queue, so an operation starts only after everything the
+    rank posted before it, on any communicator, has ended (groups still run together).
 `check` reports a deadlock (operations left that can never run) and every swapped tensor (a
 receive met a send of another tensor).
 """
@@ -53,12 +56,12 @@ class _Rank:
     number: dict[int, int] = field(default_factory=dict)  # op -> k (k-th to that peer on comm)
 
 
-def _prepare(programs: Sequence[Program]) -> list[_Rank]:
+def _prepare(programs: Sequence[Program], single_queue: bool) -> list[_Rank]:
     ranks = [_Rank(p) for p in programs]
     for rank in ranks:
         counts: dict[tuple, int] = defaultdict(int)
         for handle, (op, _) in enumerate(rank.program.ops):
-            rank.streams[op.comm].append(handle)
+            rank.streams[None if single_queue else op.comm].append(handle)
             key = (op.send, op.comm, op.peer)
             rank.number[handle] = counts[key]
             counts[key] += 1
@@ -71,7 +74,8 @@ def _running(rank: _Rank, handle: int) -> bool:
     op, prefix = rank.program.ops[handle]
     if handle in rank.done_ops or rank.computed < prefix:
         return False
-    for earlier in rank.streams[op.comm]:
+    stream = rank.streams[op.comm] if op.comm in rank.streams else rank.streams[None]
+    for earlier in stream:
         if earlier == handle:
             return True
         other = rank.program.ops[earlier][0]
@@ -92,9 +96,9 @@ def _partner(ranks: list[_Rank], me: int, handle: int) -> int | None:
     return None
 
 
-def check(programs: Sequence[Program]) -> list[str]:
+def check(programs: Sequence[Program], single_queue: bool = False) -> list[str]:
     """Run every rank's program under the rules; the problems found (empty: none)."""
-    ranks, found = _prepare(programs), []
+    ranks, found = _prepare(programs, single_queue), []
     progress = True
     while progress:
         progress = False

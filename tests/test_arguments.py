@@ -606,6 +606,26 @@ def test_pipeline_split_flags_are_checked_in_one_line(extra, world, device, flag
     assert error.value.flag == flag and text in str(error.value) and error.value.fix
 
 
+def test_the_interleaved_schedule_on_one_hardware_queue_is_refused_on_nccl(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 under the interleaved schedule, on a GPU or the emulated
+    NCCL: refused in one line (tests/test_p2p_nccl_rules.py shows why); gloo, 1F1B, or the
+    variable unset: taken."""
+    fake_find_spec(monkeypatch, set())
+    vp = TINY + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
+    monkeypatch.setenv("RECOVER_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("RECOVER_EMULATE_NCCL", "1")
+    for device in ("cuda", "cpu"):
+        with pytest.raises(ArgumentError) as error:
+            validate_args(parse_args(vp), 2, device)
+        assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in str(error.value) and error.value.fix
+    validate_args(parse_args(TINY + PP2), 2, "cuda")  # 1F1B
+    monkeypatch.delenv("RECOVER_EMULATE_NCCL")
+    validate_args(parse_args(vp), 2, "cpu")  # gloo
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    validate_args(parse_args(vp), 2, "cuda")
+
+
 def test_pipeline_split_flags_are_taken_with_megatrons_meaning():
     by_layers = validate_args(parse_args(TINY + PP2 + [
         "--num-layers-per-virtual-pipeline-stage", "1"]), 2)

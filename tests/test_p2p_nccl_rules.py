@@ -285,3 +285,26 @@ def test_receives_are_posted_ahead_in_warm_up_and_flush_only_with_the_flag():
     steady_only, everywhere = posted(False), posted(True)
     assert steady_only[1] == 0 and everywhere[1] == 1  # the warm-up's second receive
     assert steady_only[-1] < everywhere[-1]  # fewer posted ahead overall
+
+
+def test_under_one_hardware_queue_1f1b_holds_and_the_interleaved_schedule_does_not():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (`single_queue`): a rank's operations start in posting
+    order whatever their communicator. 1F1B (one communicator, paired in Megatron's order)
+    holds for every length; the interleaved schedule's unwaited sends hold back the receives
+    behind them, with or without receives posted ahead: so VP > 1 is refused on NCCL with that
+    setting (arguments_validate_pipeline). Control: the same programs without the rule."""
+    cases = [(n, p) for p in (1, 2, 3, 4) for n in range(0, 3 * p + 2)]
+    for n, stages in cases:
+        programs = []
+        for stage in range(stages):
+            recorder = Recorder()
+            run_1f1b(list(range(n)), recorder, StageRecorder(stage, stages, recorder.log))
+            programs.append(stage_link_program(recorder.log, stage))
+        assert check(programs, single_queue=True) == [], (n, stages)
+    stuck = {posts: sum(bool(check(chunk_programs(posts(interleaved_logs(*case)), case[1],
+                                                  case[2], channels), single_queue=True))
+                        for case in shapes() if case[1] > 1)
+             for posts in (lambda logs: logs, without_posts)}
+    assert all(count > 0 for count in stuck.values()), stuck
+    assert not any(check(chunk_programs(interleaved_logs(*case), case[1], case[2], channels))
+                   for case in shapes())

@@ -16,7 +16,9 @@ import os
 from megatron.training.arguments_errors import ArgumentError
 from megatron.training.arguments_recover import COORDINATOR_ENV
 from megatron.training.config_rules import layers_to_split, model_chunks_of
+from recover_patches.collectives import emulated_nccl
 
+SINGLE_QUEUE_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
 
@@ -159,3 +161,11 @@ def validate_pipeline_backend(args: argparse.Namespace, device: str) -> None:
                             "ReCoVer's launcher (its p2p channels are groups of their own, which "
                             "torch's groups cannot name apart)", "start it with `python -m "
                             "recover_patches.launch` (the coordinator on), or drop the flag (1F1B)")
+    if model_chunks_of(args) is not None and os.environ.get(SINGLE_QUEUE_ENV, "").strip() == "1" \
+            and (device == "cuda" or emulated_nccl.requested()):
+        raise ArgumentError(_VP_FLAGS.split(" / ")[0], f"{SINGLE_QUEUE_ENV}=1 puts every stream "
+                            "on one hardware queue, where the interleaved schedule's unwaited "
+                            "sends hold back the receives behind them (docs/NCCL.md §8: 1F1B "
+                            "holds, the interleaved schedule does not)",
+                            f"unset {SINGLE_QUEUE_ENV} (or set it above 1) for this run, or drop "
+                            "the flag (1F1B)")

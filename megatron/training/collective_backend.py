@@ -61,3 +61,10 @@ def guard_watchdog(limit: float) -> None:
             stream.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     WATCHDOG.guard(limit, fence)
+
+
+def host_sync_counter():
+    """The training thread's host reads so far, where the emulated NCCL counts them (each would
+    synchronize a GPU's host with its device); None elsewhere."""
+    from recover_patches.collectives import emulated_nccl
+    return emulated_nccl.host_reads_so_far if emulated_nccl.installed() else None

@@ -25,23 +25,23 @@ def confirm(groups: ParallelGroups, device, hook: Callable[[str], None], news: b
     """The round's vote: True if some rank saw a newer membership epoch (news). PeerFailure if
     this rank's ack or exchange failed, or a rank of its replica failed its ack."""
     flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
-    failed: PeerFailure | None = None
+    vote, failed = int(news), None  # type: int, PeerFailure | None
     for phase, group in (("ack", groups.dp), ("exchange", groups.replica)):
         hook(phase)
         if group.size() == 1:
             continue
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            flag.item()  # read on the host (NCCL: the wait), then the latched failures
+            vote = int(flag.item())  # on the host (NCCL: the wait), then the latched failures
             groups.raise_latched()
         except PeerFailure as err:
             if phase == "exchange":
                 raise failed or err
             failed = err  # (an aborted operation may have written the flag: a fresh one)
             flag = torch.tensor([ACK_FAILED], dtype=torch.int32, device=device)
+            vote = ACK_FAILED
     if failed is not None:
         raise failed
-    vote = int(flag.item())
     if vote == ACK_FAILED:
         raise PeerFailure(epoch, (), "commit.exchange", "a rank of this replica failed its ack",
                           confirmed=False)

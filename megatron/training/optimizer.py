@@ -285,7 +285,8 @@ def global_grad_norm(params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     norm_sq = grad_norm_squared_local(params, grads, tp_rank)
     if model_parallel_group is not None and model_parallel_group.size() > 1:
         dist.all_reduce(norm_sq, group=model_parallel_group)
-    return math.sqrt(float(norm_sq)) if math.isfinite(float(norm_sq)) else float(norm_sq)
+    value = float(norm_sq)  # one host read (each is a device sync on a GPU)
+    return math.sqrt(value) if math.isfinite(value) else value
 
 
 def clip_factor(norm: float, max_norm: float) -> float:

@@ -68,6 +68,8 @@ class Trainer:
     grow: GrowBack | None = None  # spares and replacements rejoin (recovery on, coordinator)
     # this rank's operations on the coordinator's store so far (MembershipClient.store_ops)
     store_ops: Callable[[], int] | None = None  # None: no coordinator
+    # the training thread's host reads so far (the emulated NCCL counts them; None: uncounted)
+    host_syncs: Callable[[], int] | None = None
     state: TrainState = field(default_factory=TrainState)
     # recent records on every rank, so a new logging rank can write what a dead one missed
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
@@ -88,7 +90,7 @@ class Trainer:
             first_id=lambda: self.microbatch_ids()[0])
         self._was_logging = False
         self._settled = False
-        self._rank_ops_seen = 0  # store_ops() at the last record
+        self._counted: dict[str, int] = {}  # store_ops() and host_syncs() at the last record
         self._skipped_at_last_line = 0
         self.faults.set_actions(inf=self.grads.poison,
                                 corrupt=lambda: corrupt_a_weight(self.optimizer))
@@ -261,9 +263,10 @@ class Trainer:
                 seconds, 1e-9) / gpus / 1e12
         if config.log_memory:  # every rank: a successor logs what it recorded
             rec["memory"] = memory_scalars(self.device)
-        if self.store_ops is not None:  # all of them, from every thread, since the last record
-            ops = self.store_ops()
-            rec["store_ops"], self._rank_ops_seen = ops - self._rank_ops_seen, ops
+        for name, counter in (("store_ops", self.store_ops), ("host_syncs", self.host_syncs)):
+            if counter is not None:  # since the last record (store ops: from every thread)
+                now = counter()
+                rec[name], self._counted[name] = now - self._counted.get(name, 0), now
         self.history.append(rec)
         if not self.is_logging_rank:
             self._was_logging = False

@@ -127,7 +127,9 @@ cmd=(
     "$@"
 )
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # as Megatron-LM's scripts
+# CUDA_DEVICE_MAX_CONNECTIONS is left as the user set it (Megatron-LM's scripts set 1): with 1,
+# every stream shares one hardware queue, which 1F1B's p2p survives and the interleaved
+# schedule's does not (refused with VP > 1; docs/NCCL.md §8)
 export RECOVER_JOB_TOKEN="${RECOVER_JOB_TOKEN:-}"
 [ -n "$RECOVER_JOB_TOKEN" ] || unset RECOVER_JOB_TOKEN  # one node: the launcher makes its own
 

@@ -235,3 +235,29 @@ def test_connect_is_collective_and_a_shrunk_communicator_works_without_the_exclu
     join(threads, errors)
     assert sorted(arrived) == [0, 1, 2]
     assert out[0] == out[1] == (2, [3.0])
+
+
+def test_a_shrunk_backend_is_proven_without_a_second_communicator():
+    """torch 2.13's eager connect always makes a communicator; a shrunk backend already holds
+    ncclCommShrink's, so layer 1 proves it with an all-reduce and connects nothing more.
+    Control: an eager connect after the shrink makes a second communicator, its unique id under
+    the parent's key: the member that reads first gets the parent's stale id, and the connect
+    never completes (bounded here at 2 s)."""
+    from recover_patches.collectives import backends, emulated_nccl
+    kind = emulated_nccl.install(host_thread=False)
+
+    def member(rank, comm, out):
+        if rank == 2:
+            return
+        smaller = backends.shrink(kind, comm, [2], BOUND)
+        out[rank] = smaller.extra_communicators
+        if rank == 0:
+            time.sleep(0.5)  # member 1 reads the id first: the parent's
+        try:
+            backends.connect_within(smaller, torch.device("cpu"), 2.0)
+        except RuntimeError as e:
+            out[f"control{rank}"] = str(e)
+    threads, out, _, errors = run_ranks(member, member, member)
+    join(threads, errors)
+    assert out[0] == out[1] == 0
+    assert "connect did not finish within 2s" in out["control1"], out

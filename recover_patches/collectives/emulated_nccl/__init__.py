@@ -36,6 +36,11 @@ def install(host_thread: bool = True) -> str:
     return KIND
 
 
+def installed() -> bool:
+    from recover_patches.collectives import backends
+    return KIND in backends.KINDS
+
+
 def host_reads_so_far() -> int:
     """Host reads the calling thread made (0 unless the rules were applied to it)."""
     from recover_patches.collectives.emulated_nccl import host_reads

@@ -99,6 +99,7 @@ class EmulatedCommunicator:
         self._pending: set[DeviceOp] = set()
         self._streams: dict[int | None, streams.Stream] = {}
         self._pairs: dict[tuple[int, int], Gloo] = {}  # p2p, one per direction
+        self.extra_communicators = 0  # made by an eager connect of a connected backend
 
     # --- what ReCoVer's layer 1 asks of a backend ----------------------------------------
     supports_shrinking = True  # ncclCommShrink (NCCL >= 2.27)
@@ -113,7 +114,18 @@ class EmulatedCommunicator:
         return self._error
 
     def eager_connect_single_device(self, device=None) -> None:
-        self._connect()
+        """As torch 2.13's: a communicator of its own every time. A shrunk backend already holds
+        one (ncclCommShrink made it), so this makes a second, with a unique id exchanged under the
+        parent's store key -- where a member may read the parent's stale id -- and drops it."""
+        if self._gloo is None:
+            self._connect()
+            return
+        self.extra_communicators += 1
+        if self.group_rank == 0:
+            self._store.set("unique_id", uuid.uuid4().hex)
+        stale_or_new = self._store.get("unique_id").decode()
+        dist.ProcessGroupGloo(dist.PrefixStore(f"emulated-nccl/{stale_or_new}/", self._store),
+                              self.group_rank, self._size, INIT_TIMEOUT)
 
     def abort(self) -> None:
         """Every pending operation fails; whatever waits on one is released."""
@@ -125,13 +137,16 @@ class EmulatedCommunicator:
             op.finish("communicator aborted")
 
     def shrink(self, excluded: list[int], flags: int, options) -> "EmulatedCommunicator":
-        """A communicator of the members not `excluded`; the parent's pending operations are
-        aborted (NCCL_SHRINK_ABORT). Connected when first used or eagerly, like any."""
+        """A connected communicator of the members not `excluded` (collective among them, as
+        ncclCommShrink; no unique id); the parent's pending operations are aborted
+        (NCCL_SHRINK_ABORT)."""
         self._connect()
         self.abort()
         rank = self.group_rank - sum(e < self.group_rank for e in excluded)
-        return EmulatedCommunicator(self._store, rank, self._size - len(excluded),
-                                    f"{self._unique_id}/without-{'-'.join(map(str, excluded))}")
+        child = EmulatedCommunicator(self._store, rank, self._size - len(excluded),
+                                     f"{self._unique_id}/without-{'-'.join(map(str, excluded))}")
+        child._connect()
+        return child
 
     # --- operations ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):

@@ -15,12 +15,20 @@ the CPU), so two rules give the GPU's behaviour:
   * the reads that go around ATen on the CPU (`tolist`, `numpy`) wait the same way.
 
 Host reads are counted per thread (`counted()`): `_local_scalar_dense` (`item`, `float`, `bool`,
-`int` of a tensor) and `tolist` / `numpy`, the synchronizing calls of a GPU run. Both modes are
+`int` of a tensor) and `tolist` / `numpy`, the synchronizing calls of a GPU run (but torch.optim's
+step counters, host tensors on a GPU too). With
+RECOVER_HOST_READ_SITES=FILE each process also writes, at exit, how many reads each call site
+made (the first frame outside torch), rewritten at each `counted()` (the trainer's record of
+an iteration: ranks end with os._exit), to find the ones a step could do without. Both modes are
 entered once, on the thread that trains (`enter()`); the modes are thread-local in torch, so the
 watchdog, the communicators' workers and the membership threads are never held back.
 """
 from __future__ import annotations
 
+import collections
+import json
+import os
+import sys
 import threading
 
 import torch
@@ -39,7 +47,7 @@ class _ComputeOrder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         stream = current()
         if func is _SCALAR_READ:
-            stream.host_reads += 1
+            _count(stream)
         if stream.pending and _reads_tensors(args, kwargs):
             stream.synchronize()
         return func(*args, **(kwargs or {}))
@@ -62,13 +70,49 @@ class _DirectReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _DIRECT_READS:
             stream = current()
-            stream.host_reads += 1
+            _count(stream)
             if stream.pending:
                 stream.synchronize()
         return func(*args, **(kwargs or {}))
 
 
 _thread = threading.local()
+_sites: collections.Counter[str] = collections.Counter()
+
+
+def _count(stream) -> None:
+    if _in_optimizer_state():
+        return
+    stream.host_reads += 1
+    if _SITES_FILE:
+        frame = sys._getframe(2)
+        while frame is not None and ("/torch/" in frame.f_code.co_filename
+                                     or frame.f_code.co_filename == __file__):
+            frame = frame.f_back
+        if frame is not None:
+            _sites[f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"] += 1
+
+
+def _in_optimizer_state() -> bool:
+    """torch.optim's step counters live on the host on a GPU too (not capturable): their
+    `.item()` is no device sync, so it is not counted."""
+    frame = sys._getframe(3)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if "/torch/optim/" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _write_sites() -> None:
+    path = f"{_SITES_FILE}.{os.getpid()}"
+    with open(path, "w") as f:
+        json.dump(dict(_sites.most_common()), f, indent=1)
+
+
+_SITES_FILE = os.environ.get("RECOVER_HOST_READ_SITES")
 
 
 def enter() -> None:
@@ -83,4 +127,6 @@ def enter() -> None:
 
 def counted() -> int:
     """Host reads made so far on the calling thread."""
+    if _SITES_FILE:
+        _write_sites()
     return current().host_reads
