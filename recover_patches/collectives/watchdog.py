@@ -83,6 +83,7 @@ class Watchdog:
         self._sweeping = threading.Lock()  # one sweep at a time: a work expires once
         self._progress_at = clock()  # the last completed sweep, or when works became pending
         self._stalled = threading.Event()  # fault injection: the thread stops sweeping
+        self._failed_sweeps = 0  # logged once
 
     def track(self, owner: object, work: AsyncWork, timeout: float,
               on_expired: Callable[[str], None], lane: Hashable = None,
@@ -166,11 +167,12 @@ class Watchdog:
 
     @staticmethod
     def _member_left(head: Watched, now: float) -> str | None:
-        quarter = head.timeout / 4
-        if head.left is None or now < max(head.since, head.asked_at) + quarter:  # type: ignore
+        """Asked a quarter of the timeout after the work could start, then every quarter."""
+        since = head.since if head.since is not None else now
+        if head.left is None or now < max(since, head.asked_at) + head.timeout / 4:
             return None
         head.asked_at = now
-        return "a member gave up on the group (it left for recovery)" if head.left() else None
+        return "a member gave up on the group's backend" if head.left() else None
 
     def _run(self) -> None:
         while True:
@@ -181,8 +183,10 @@ class Watchdog:
             try:
                 self.sweep()
             except Exception:  # noqa: BLE001 -- guard: the thread must outlive a bad sweep
-                logger.exception("watchdog sweep failed; the backstop fences this rank if it "
-                                 "keeps failing")
+                if not self._failed_sweeps:
+                    logger.exception("watchdog sweep failed; the backstop fences this rank if "
+                                     "no sweep completes")
+                self._failed_sweeps += 1
             else:
                 self._progress_at = self.clock()
             time.sleep(self.poll)

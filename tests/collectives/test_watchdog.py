@@ -229,3 +229,43 @@ def test_a_synchronous_collective_without_a_work_is_watched_on_its_stream(group)
     assert backend.aborted.wait(5.0)
     with pytest.raises(PeerFailure, match="no completion within"):
         g.raise_latched()
+
+
+class BrokenWork(FakeWork):
+    def is_completed(self) -> bool:
+        raise RuntimeError("a sweep that raises")
+
+
+@pytest.mark.parametrize("trouble", ["stuck", "raising sweep", "none (control)"])
+def test_the_backstop_fences_a_watchdog_that_stops_sweeping(trouble):
+    """Works pending and no sweep completing for `limit`: the guard fences (once). A sweep that
+    raises leaves the thread alive (it keeps trying) but completes no sweep. Control: a healthy
+    watchdog with a work pending is never fenced."""
+    dog, fenced = Watchdog(poll=0.01), []
+    guard = dog.guard(0.3, fenced.append)
+    try:
+        work = BrokenWork() if trouble == "raising sweep" else FakeWork()
+        dog.track(object(), work, timeout=60, on_expired=lambda reason: None)
+        if trouble == "stuck":
+            dog.stall()
+        time.sleep(1.0)
+        assert len(fenced) == (0 if trouble.startswith("none") else 1), fenced
+        if fenced:
+            assert "has not completed a sweep" in fenced[0]
+        assert dog._thread is not None and dog._thread.is_alive()
+    finally:
+        guard.close()
+
+
+def test_a_member_that_left_is_asked_after_a_quarter_of_the_timeout():
+    """The departure probe is a store look-up: asked only once a work waited T/4, then every
+    T/4; a yes expires the work at once, long before T."""
+    now, asked = [0.0], []
+    dog = Watchdog(clock=lambda: now[0], background=False)
+    expired: list[str] = []
+    dog.track(object(), FakeWork(), timeout=8, on_expired=expired.append,
+              left=lambda: asked.append(now[0]) or len(asked) >= 2)
+    for t in (0.0, 1.0, 2.5, 3.0, 4.6):
+        now[0] = t
+        dog.sweep()
+    assert asked == [2.5, 4.6] and expired == ["a member gave up on the group's backend"]
