@@ -133,8 +133,14 @@ class EmulatedCommunicator:
         self._error = ErrorType.COMM_ERROR
         with self._lock:
             pending, self._pending = list(self._pending), set()
+            workers = list(self._streams.values())
+            transports = [g for g in (self._gloo, *self._pairs.values()) if g is not None]
+            self._gloo, self._pairs = None, {}
         for op in pending:
             op.finish("communicator aborted")
+        for stream in workers:
+            stream.close()
+        _drop_in_background(transports)
 
     def shrink(self, excluded: list[int], flags: int, options) -> "EmulatedCommunicator":
         """A connected communicator of the members not `excluded` (collective among them, as
@@ -216,7 +222,8 @@ class EmulatedCommunicator:
         until the abort (a member is gone: the kernel never ends)."""
         try:
             future = start(self._connect()).get_future()
-            future.add_done_callback(lambda _f: op.wake.set())
+            wake = op.wake  # only the event: a callback holding the communicator could free
+            future.add_done_callback(lambda _f: wake.set())  # its gloo on gloo's own thread
             op.wake.wait()
             if op.finished.is_set():
                 return  # aborted meanwhile
@@ -246,6 +253,8 @@ class EmulatedCommunicator:
         with self._lock:
             if self._gloo is not None:
                 return self._gloo
+        if self._aborted.is_set():
+            raise RuntimeError("NCCL communicator was aborted")
         _slow_first_connect()
         unique_id = self._exchange_id()
         gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"emulated-nccl/{unique_id}/", self._store),
@@ -267,3 +276,11 @@ class EmulatedCommunicator:
 def _slow_first_connect() -> None:
     if _first_connect.acquire(blocking=False):  # never released: the first connect only
         time.sleep(float(os.environ.get(FIRST_CONNECT_ENV, "0")))
+
+
+def _drop_in_background(transports: list) -> None:
+    """gloo's destructor waits for its operations in flight -- here, for one whose peer never
+    posts, as long as its timeout: never on the thread that aborted (it releases the GIL)."""
+    box = list(transports)
+    transports.clear()
+    threading.Thread(target=box.clear, name="emulated-nccl-drop", daemon=True).start()

@@ -32,12 +32,21 @@ class DeviceOp:
     _ids = itertools.count()
 
     def __init__(self, label: str, run: Callable[["DeviceOp"], None], after: list["DeviceOp"]):
-        self.label, self._run, self.after = label, run, after
+        self.label, self.after = label, after
+        self._run: Callable[[DeviceOp], None] | None = run
         self.id = next(self._ids)
         self.finished = threading.Event()
         self.wake = threading.Event()  # set by the transport's completion or by an abort
         self.failure: str | None = None
         self.finished_at: float | None = None
+
+    def run(self) -> None:
+        """On the stream's worker, once: the transport (unless an abort ended it first). The
+        callable is dropped after: it holds the communicator, which must not outlive its users
+        on another thread's last reference."""
+        run, self._run = self._run, None
+        if run is not None and not self.finished.is_set():
+            run(self)
 
     def finish(self, failure: str | None = None) -> None:
         """Idempotent: the first outcome stands (an abort can race the transport)."""
@@ -56,20 +65,19 @@ class _Queue:
     """A worker thread running queued operations in order (a hardware queue)."""
 
     def __init__(self, name: str):
-        self._items: queue.SimpleQueue[DeviceOp] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[DeviceOp | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, op: DeviceOp) -> None:
+    def put(self, op: DeviceOp | None) -> None:
+        """An operation, or None: the worker ends once it reaches it."""
         self._items.put(op)
 
     def _loop(self) -> None:
-        while True:
-            op = self._items.get()
+        while (op := self._items.get()) is not None:
             for earlier in op.after:
                 earlier.finished.wait()
-            if not op.finished.is_set():  # an abort may have ended it while it queued
-                op._run(op)
+            op.run()
 
 
 _shared: _Queue | None = None
@@ -96,6 +104,12 @@ class Stream:
 
     def enqueue(self, op: DeviceOp) -> None:
         self._queue.put(op)
+
+    def close(self) -> None:
+        """The communicator is gone: its worker ends after what is queued (the shared queue of
+        the single-queue mode serves every communicator and stays)."""
+        if self._queue is not _shared:
+            self._queue.put(None)
 
 
 class ComputeStream:
