@@ -88,8 +88,8 @@ def test_a_busy_communicator_set_aside_hangs_the_survivor_in_a_host_read(tmp_pat
     """Put back: the communicator in flight when its member died is set aside, not aborted. The
     survivor's host read waits for it for ever (its stack, dumped at the bound, shows it)."""
     run = run_job(tmp_path, (2, 1, 2), "kill:rank=2,iter=3,phase=backward",
-                  env=put_back("busy-set-aside"), timeout=45)
-    assert "timed out after 45" in run.stderr, run.stderr[-3000:]
+                  env=put_back("busy-set-aside"), timeout=30)
+    assert "timed out after 30" in run.stderr, run.stderr[-3000:]
     assert "in synchronize" in run.stderr and "host_reads" in run.stderr, run.stderr[-6000:]
 
 

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import threading
+from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -85,7 +86,7 @@ def _count(stream) -> None:
         return
     stream.host_reads += 1
     if _SITES_FILE:
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         while frame is not None and ("/torch/" in frame.f_code.co_filename
                                      or frame.f_code.co_filename == __file__):
             frame = frame.f_back
@@ -96,7 +97,7 @@ def _count(stream) -> None:
 def _in_optimizer_state() -> bool:
     """torch.optim's step counters live on the host on a GPU too (not capturable): their
     `.item()` is no device sync, so it is not counted."""
-    frame = sys._getframe(3)
+    frame: FrameType | None = sys._getframe(3)
     for _ in range(6):
         if frame is None:
             return False

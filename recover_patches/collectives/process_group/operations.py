@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 
-class Operations:
-    """A mixin: the class that uses it supplies `_issue(op, start, peer=None)` and `members`."""
+class Operations(dist.ProcessGroup):
+    """The torch ProcessGroup's operations; a subclass supplies `_issue(op, start, peer=None)`
+    and `members`."""
 
     members: tuple[int, ...]
 

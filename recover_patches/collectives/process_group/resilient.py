@@ -25,7 +25,7 @@ class _Op:
     work: dist.Work | None
 
 
-class ResilientProcessGroup(Operations, dist.ProcessGroup):
+class ResilientProcessGroup(Operations):
     def __init__(self, name: str, members: Sequence[int], *, membership, timeout: float,
                  backend: str = "gloo", build_timeout: float = 60.0,
                  verdict_timeout: float | None = None, connect: bool = True,
