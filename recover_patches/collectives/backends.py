@@ -102,7 +102,14 @@ def bounded_client(store, timeout: float):
     keeps its timeout for everything else."""
     if not hasattr(store, "clone"):
         return store
-    client = store.clone()
+    deadline = time.monotonic() + timeout
+    while True:  # the clone connects within the shared client's timeout (T): at start-up,
+        try:  # many groups connecting at once may take longer, which `timeout` allows
+            client = store.clone()
+            break
+        except dist.DistNetworkError:
+            if time.monotonic() > deadline:
+                raise
     client.set_timeout(timedelta(seconds=timeout))
     return client
 
