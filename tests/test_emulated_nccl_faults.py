@@ -5,8 +5,8 @@ could not (docs/NCCL.md §8).
 Each fault run must finish every iteration with the failure-free losses (relative 1e-5 against
 one process). The negative controls put back, one at a time, the bugs a GPU found
 (tests/nccl_regressions): each must make its emulated run fail or hang the way the H200 did.
-The wider matrix (every phase, VP, CP, EP, the distributed optimizer, a replacement, an async
-save) is `scripts/emulated_nccl_matrix.py`; the `emulated_matrix` marker runs a part of it here.
+These are the part of the fault matrix CI runs; the wider matrix (every phase, VP, CP, EP, the
+distributed optimizer, a replacement, an async save) is `scripts/emulated_nccl_matrix.py`.
 """
 from __future__ import annotations
 
