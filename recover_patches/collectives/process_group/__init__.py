@@ -1,7 +1,8 @@
 """ResilientProcessGroup: a torch ProcessGroup whose every operation completes or raises
 PeerFailure within its bound, and whose inner backend can be replaced in place (DESIGN §5). Rules:
-  * A newer epoch that declares a *member* dead (with `fate`: any rank of a member's replica,
-    whose survivors leave as spares) discards the inner backend at once on every member; every
+  * A newer epoch that declares a *member* dead (with `fate`, where the backend does not tell
+    members that one left (NCCL): any rank of a member's replica, whose survivors leave as
+    spares) discards the inner backend at once on every member; every
     later operation raises PeerFailure until a rebuild. A group whose fate is untouched adopts
     the epoch: a healthy replica never sees another's failure (DESIGN §3).
   * `rebuild`/`regroup(e, members, key)` raise PeerFailure if an epoch after e declares one of

@@ -55,7 +55,7 @@ class ResilientProcessGroup(Operations):
         # Whose death ends the backend: its members, or (ReCoVer's groups) their replicas, whose
         # survivors leave every group when their replica breaks. gloo tells the other members
         # in milliseconds that they left; NCCL never does, so the epoch must.
-        self._fate = fate if fate is not None else frozenset
+        self._fate = fate if fate is not None and not self.host_waits else frozenset
         self._failure: PeerFailure | None = None
         self._latched: PeerFailure | None = None  # the watchdog's, for raise_latched()
         self._ops: set[_Op] = set()  # issued, not yet waited
