@@ -1,10 +1,10 @@
 """ResilientProcessGroup: a torch ProcessGroup whose every operation completes or raises
-PeerFailure within its bound, and whose inner backend can be replaced in place (DESIGN §5). Rules:
+PeerFailure within its bound, and whose inner backend can be replaced in place. Rules:
   * A newer epoch that declares a *member* dead (with `fate`, where the backend does not tell
     members that one left (NCCL): any rank of a member's replica, whose survivors leave as
     spares) discards the inner backend at once on every member; every
     later operation raises PeerFailure until a rebuild. A group whose fate is untouched adopts
-    the epoch: a healthy replica never sees another's failure (DESIGN §3).
+    the epoch: a healthy replica never sees another's failure.
   * `rebuild`/`regroup(e, members, key)` raise PeerFailure if an epoch after e declares one of
     `members` dead (all survivors then retry with it); any other epoch (a replica growing back)
     leaves them to finish, each member alike, and is met at the iteration boundary. The

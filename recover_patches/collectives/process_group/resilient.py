@@ -61,6 +61,7 @@ class ResilientProcessGroup(Operations):
         self._ops: set[_Op] = set()  # issued, not yet waited
         self._attempts: dict[tuple[int, str], int] = {}
         self._prefix = ""  # the rendezvous that built the backend: names it to every member
+        self._left = departures.probe(membership.store, "")  # its departures (one per backend)
         self._parent: Retired | None = None  # a backend kept aside to shrink (NCCL)
         membership.add_listener(self._on_epoch)
         if connect:
@@ -180,6 +181,7 @@ class ResilientProcessGroup(Operations):
         with self._cond:
             self._inner, self._failure, self._latched = inner, None, None
             self.members, self._prefix = plan.members, plan.prefix
+            self._left = departures.probe(self.membership.store, plan.prefix)
         self._register()
         if self._kills_a_member(plan.epoch, plan.members):  # while we were connecting
             raise self._fail("rebuild", "a newer epoch declared a member dead during the rebuild")
@@ -219,8 +221,7 @@ class ResilientProcessGroup(Operations):
         if not self.host_waits:  # one lane per stream: collectives, and p2p per peer
             self.watchdog.track(inner, work, self.timeout,
                                 lambda reason: self._expire(inner, op, peer, reason),
-                                lane=peer, ready=ready, left=departures.probe(self.membership.store,
-                                                                           self._prefix))
+                                lane=peer, ready=ready, left=self._left)
         issued = _Op(work)
         del work
         with self._cond:
