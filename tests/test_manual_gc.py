@@ -19,7 +19,9 @@ class Loop:
     def __init__(self, config: TrainingConfig, events: list) -> None:
         self.config, self.state, self.events = config, TrainState(), events
         self.checkpointer, self.grow, self.valid_stages, self.history = None, None, [object()], []
-        self.groups, self.device = SimpleNamespace(rank=0), torch.device("cpu")  # the profiler's
+        # the profiler's rank and device; settle() ends start-up's bounds after the first commit
+        self.groups = SimpleNamespace(rank=0, settle=lambda: None)
+        self.device = torch.device("cpu")
 
     def transaction(self):
         return self

@@ -89,7 +89,6 @@ class Trainer:
             self.live, iteration=lambda: self.state.iteration, hook=self.hook,
             first_id=lambda: self.microbatch_ids()[0])
         self._was_logging = False
-        self._settled = False
         self._counted: dict[str, int] = {}  # store_ops() and host_syncs() at the last record
         self._skipped_at_last_line = 0
         self.faults.set_actions(inf=self.grads.poison,
@@ -192,6 +191,7 @@ class Trainer:
             gc.collect()
         transaction = self.transaction()
         profiler = Profiler(config.profiling, self.groups.rank, self.device.type == "cuda")
+        settled = False
         while self.state.iteration < config.train_iters:
             profiler.before(self.state.iteration)
             start = time.perf_counter()
@@ -201,9 +201,9 @@ class Trainer:
             self.state.skipped_iterations += outcome.step.pop("skipped_step")
             self.state.consumed_samples += len(ids) * config.batches.micro_batch_size
             self.record(outcome, time.perf_counter() - start)
-            if not self._settled:  # start-up's longer bounds end with the first commit
+            if not settled:  # start-up's longer bounds end with the first commit
                 self.groups.settle()
-                self._settled = True
+                settled = True
             if self.grow is not None and self.grow.due(outcome.sync):
                 self.record_join(self.grow.at_boundary(self.state.iteration, outcome.sync))
             self.finish_iteration()

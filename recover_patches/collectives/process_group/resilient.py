@@ -275,6 +275,8 @@ class ResilientProcessGroup(Operations):
             return  # an old backend's late news: the group has moved on
         guess = {peer} if peer is not None else set(self.members) - {self.membership.rank}
         failure = PeerFailure(self._epoch, guess, f"{self.label}.{op}", reason, confirmed=False)
+        # latched before the abort: an aborted operation ends its stream's wait, and a commit
+        # reading after that must find the failure, never vote for what the abort cut short
         self._latched = failure
         try:
             self.membership.report_failure(guess, f"{self.label}.{op}: {reason}")
