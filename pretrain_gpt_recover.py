@@ -178,7 +178,8 @@ def _join_membership(args, incarnation: int):
     nccl_env.apply(os.environ)  # before any process group exists: torch reads it then
     try:
         membership = MembershipClient.from_env(timeout=recover_timeout(
-            FtConfig.from_args(args), args.recover_timeout, int(os.environ.get("RANK", "0"))))
+            FtConfig.from_args(args), args.recover_timeout, int(os.environ.get("RANK", "0"))),
+            startup=60.0 * args.distributed_timeout_minutes)
     except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
         logger.info(f"{err}: leaving")
         raise _Exit(0) from None

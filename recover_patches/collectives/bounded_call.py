@@ -47,6 +47,10 @@ class BoundedCaller:
             raise call.error
         return call.result
 
+    def set_limit(self, limit: float) -> None:
+        """Calls from now on wait up to `limit` s (start-up's bound, then T)."""
+        self.limit = limit
+
     def close(self) -> None:
         """End the worker (once its call, if any, returns)."""
         if self._calls is not None:

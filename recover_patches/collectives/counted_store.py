@@ -86,6 +86,13 @@ class CountedStore:
         self._counter.tick()
         return self._answered(lambda: self.native.delete_key(key))
 
+    def answer_within(self, seconds: float, timed: dist.Store) -> None:
+        """Answers are waited for up to `seconds` from now on, by the bound and by `timed`, the
+        client whose own timeout ends a `get`'s wait (a PrefixStore passes its calls on to it)."""
+        if self._bound is not None:
+            self._bound.set_limit(seconds)
+        timed.set_timeout(timedelta(seconds=seconds))
+
     def close(self) -> None:
         """Ends the bound's worker (the connection itself closes with its last reference)."""
         if self._bound is not None:

@@ -55,11 +55,14 @@ class MembershipClient:
                  timeout: float = 10.0, connect_timeout: float = 30.0,
                  source: str = "RECOVER_COORDINATOR", incarnation: int = 0,
                  standby: str | None = None, node_beats: NodeBeats | None = None,
-                 address_file: Path | None = None):
+                 address_file: Path | None = None, startup: float = 0.0):
         self.rank = rank
         self.world_size = world_size
         self.incarnation = incarnation  # > 0: a replacement process for this rank's slot
         self.timeouts = Timeouts(timeout)
+        # start-up (every rank building every group at once) may keep the coordinator's store
+        # from answering within T on a healthy job: its answers get `startup` until settle()
+        self._answer_within = max(timeout, startup)
         self.heartbeat_interval = self.timeouts.heartbeat_interval
         self.heartbeat_timeout = self.timeouts.stall
         self._marks, self._iteration = 0, 0  # progress: see mark()
@@ -102,8 +105,9 @@ class MembershipClient:
                     self.timeouts.operation, rejoin,
                     node=None if self._node_beats is None else self._node_beats.node)
         store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops,  # [U]:
-                             BoundedCaller(self.timeouts.operation, f"recover-store-{self.rank}"))
-        raw.set_timeout(timedelta(seconds=self.timeouts.operation))  # a cut link's ops end
+                             BoundedCaller(self._answer_within, f"recover-store-{self.rank}"))
+        store.answer_within(self._answer_within, raw)  # a cut link's operations end
+        self._store_client = raw
         config = json.loads(store.get(P.CONFIG))
         if config["world_size"] != self.world_size:
             raise CoordinatorConfigError(f"WORLD_SIZE={self.world_size} but the coordinator serves "
@@ -150,6 +154,12 @@ class MembershipClient:
                    node_beats=NodeBeats.from_env(env), **kwargs,
                    address_file=Path(env["RECOVER_COORDINATOR_FILE"])
                    if env.get("RECOVER_COORDINATOR_FILE") else None)
+
+    def settle(self) -> None:
+        """Start-up is over (an iteration committed): the store answers within T from now on."""
+        if self._answer_within != self.timeouts.operation:
+            self._answer_within = self.timeouts.operation
+            self.store.answer_within(self._answer_within, self._store_client)
 
     # --- the current view -------------------------------------------------------------------
     def epoch(self) -> int:

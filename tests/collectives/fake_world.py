@@ -66,6 +66,9 @@ class FakeMembership:
     def mark(self, where, iteration=None, microbatch=None) -> None:
         pass
 
+    def settle(self) -> None:
+        self.settled = True  # start-up is over: its store's answers would be bounded by T
+
     def add_listener(self, listener) -> None:
         self.listeners.append(listener)
 

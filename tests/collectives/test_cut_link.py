@@ -178,3 +178,31 @@ def test_a_rank_follows_the_address_file_to_a_successor_over_a_cut_link(tmp_path
         time.sleep(0.05)  # the stale watcher and workers end with the proxy's connections
 
 
+
+
+def test_start_up_gives_the_store_its_longer_bound_until_the_rank_settles(monkeypatch):
+    """Every rank building every group at once can keep the coordinator's store from answering
+    within T on a healthy job (seen: an EP 2 job at T = 3 s lost two ranks at start-up). Until
+    its first commit a rank waits start-up's bound for an answer, then T. Measured over a cut
+    link, where no answer ever comes."""
+    monkeypatch.setattr(os, "_exit", lambda code: None)  # (a fenced client lives in this process)
+    port, coord, thread = serve(1)
+    proxy = CutProxy(port)
+    rank = MembershipClient("127.0.0.1", proxy.port, TOKEN, 0, 1, timeout=1.0,
+                            connect_timeout=5, startup=3.0)
+    try:
+        proxy.cut()
+        waited = []
+        for settle in (False, True):
+            if settle:
+                rank.settle()
+            started = time.monotonic()
+            with pytest.raises(dist.DistNetworkError, match="did not answer"):
+                rank.store.check(["recover/anything"])
+            waited.append(time.monotonic() - started)
+        assert 3.0 <= waited[0] < 4.5, waited  # start-up's bound, not T
+        assert waited[1] < 1.0 + 0.5, waited  # then T
+    finally:
+        rank.close()
+        proxy.close()
+        stop(coord, thread)

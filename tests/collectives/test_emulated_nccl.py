@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
 from recover_patches.collectives.emulated_nccl import host_reads, streams
 from recover_patches.collectives.emulated_nccl.communicator import (COMM_ERROR, SUCCESS,
@@ -263,3 +264,41 @@ def test_a_shrunk_backend_is_proven_without_a_second_communicator():
     join(threads, errors)
     assert out[0] == out[1] == 0
     assert "connect did not finish within 2s" in out["control1"], out
+
+
+class _Gathered(torch.autograd.Function):
+    """As megatron-core's all-gather Functions: a synchronous all-gather into split views of a
+    buffer, the buffer returned from forward."""
+
+    @staticmethod
+    def forward(ctx, comm, x):
+        out = torch.empty(4 * x.numel())[:2 * x.numel()]  # a view of the global buffer
+        opts = c10d.AllgatherOptions()
+        opts.asyncOp = False
+        comm.allgather([list(torch.split(out, x.numel()))], [x], opts)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad[:1]
+
+
+def test_the_device_writes_outside_autograd_and_every_collective_megatron_uses_completes():
+    """The MoE all-gather dispatcher at EP 2 hung at its first step: the transport's in-place
+    copy into split views of a buffer failed (views autograd guards, written on a thread with
+    grad mode on), and writing the tensors themselves bumped the version counter of a custom
+    Function's output after it returned, which autograd refuses; gloo's reduce_scatter_tensor
+    has no future. Each failure left the stream stuck, as a dead member would. The device now
+    writes the tensors' memory only: each completes, and backward runs through the output."""
+    def body(rank, comm, out):
+        x = torch.full((1,), float(rank + 1), requires_grad=True)
+        gathered = _Gathered.apply(comm, x)
+        (gathered * 3).sum().backward()  # reads the output the transport wrote
+        scattered = torch.empty(1)
+        opts = c10d.ReduceScatterOptions()
+        opts.asyncOp = False
+        comm._reduce_scatter_base(scattered, torch.tensor([1.0, 2.0]), opts)
+        out[rank] = (gathered.tolist(), x.grad.tolist(), scattered.tolist())
+    threads, out, _, errors = run_ranks(body, body)
+    join(threads, errors)
+    assert out[0] == ([1.0, 2.0], [3.0], [2.0]) and out[1] == ([1.0, 2.0], [3.0], [4.0])

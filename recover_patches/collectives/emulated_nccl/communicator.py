@@ -67,6 +67,11 @@ class ResultFuture:
         return SUCCESS if self._op.failure is None else COMM_ERROR
 
 
+def _memory(tensors) -> list:
+    """The tensors' memory: shared storage, a version counter and autograd state of its own."""
+    return [t.data for t in tensors]
+
+
 class EmulatedWork:
     """The work of an asynchronous operation."""
 
@@ -155,28 +160,32 @@ class EmulatedCommunicator:
         return child
 
     # --- operations ----------------------------------------------------------------------
+    # Each hands gloo the tensors' memory (`_memory`, taken on the stream's worker: on the host
+    # it is a read that waits for the stream), never the tensors: NCCL's kernels write memory
+    # and bump no autograd version counter, where gloo's in-place copies into the tensors would
+    # (autograd then refuses a custom Function's output, an all-gather's, changed after return).
     def allreduce(self, tensors, opts=None):
-        return self._collective("allreduce", opts, lambda g: g.allreduce(tensors, opts)
-                                if opts is not None else g.allreduce(tensors))
+        return self._collective("allreduce", opts, lambda g: g.allreduce(_memory(tensors), opts)
+                                if opts is not None else g.allreduce(_memory(tensors)))
 
     def allgather(self, output_lists, inputs, opts=None):
-        return self._collective("allgather", opts, lambda g: g.allgather(output_lists, inputs,
-                                                                         opts))
+        return self._collective("allgather", opts, lambda g: g.allgather(
+            [_memory(out) for out in output_lists], _memory(inputs), opts))
 
     def _allgather_base(self, output, input, opts=None):
-        return self._collective("allgather", opts, lambda g: g._allgather_base(output, input,
-                                                                               opts))
+        return self._collective("allgather", opts, lambda g: g._allgather_base(
+            output.data, input.data, opts))
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        return self._collective("reduce_scatter", opts,
-                                lambda g: g._reduce_scatter_base(output, input, opts))
+        return self._collective("reduce_scatter", opts, lambda g: g._reduce_scatter_base(
+            output.data, input.data, opts))
 
     def alltoall_base(self, output, input, out_splits, in_splits, opts=None):
         return self._collective("alltoall", opts, lambda g: g.alltoall_base(
-            output, input, out_splits, in_splits, opts))
+            output.data, input.data, out_splits, in_splits, opts))
 
     def broadcast(self, tensors, opts=None):
-        return self._collective("broadcast", opts, lambda g: g.broadcast(tensors, opts))
+        return self._collective("broadcast", opts, lambda g: g.broadcast(_memory(tensors), opts))
 
     def barrier(self, opts=None):
         return self._collective("barrier", opts, lambda g: g.barrier(opts))
@@ -188,9 +197,10 @@ class EmulatedCommunicator:
                           .allreduce([outgoing.clone()]), sync=False)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        landing = tensors[0].detach()  # NCCL writes the memory; autograd flags are the host's
+        incoming = tensors[0]
 
         def start(g):
+            landing = incoming.data  # NCCL writes the memory (see the operations' comment)
             landing.zero_()
             return self._pair(src, self.group_rank).allreduce([landing])
         return self._post(f"recv from {src}", src, start, sync=False)
@@ -221,20 +231,44 @@ class EmulatedCommunicator:
         """On the stream's worker: the transport call; a failed one leaves the stream stuck
         until the abort (a member is gone: the kernel never ends)."""
         try:
-            future = start(self._connect()).get_future()
-            wake = op.wake  # only the event: a callback holding the communicator could free
-            future.add_done_callback(lambda _f: wake.set())  # its gloo on gloo's own thread
-            op.wake.wait()
-            if op.finished.is_set():
+            transport = self._connect()
+        except Exception:  # noqa: BLE001 -- a member never came: stuck
+            return self._stuck(op, "the connect failed")
+        try:
+            work = start(transport)
+        except Exception:  # noqa: BLE001 -- gloo refused the call itself: say so, loudly
+            logger.warning(f"{op.label}: gloo refused the call (an argument NCCL would refuse at "
+                           "the call, or a gap in the emulation); stuck until the abort",
+                           exc_info=True)
+            return self._stuck(op, None)
+        try:
+            if not self._wait(op, work):
                 return  # aborted meanwhile
-            future.wait()  # raises if the transport failed
         except Exception:  # noqa: BLE001 -- a transport error is a member gone: stuck
-            logger.debug(f"{op.label}: the transport failed; stuck until the abort",
-                         exc_info=True)
-            self._aborted.wait()
-            op.finish("communicator aborted")
-            return
+            return self._stuck(op, "the transport failed")
         op.finish()
+
+    @staticmethod
+    def _wait(op: DeviceOp, work) -> bool:
+        """Until `work` ends (raises if its transport failed); False if `op` was aborted first."""
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's reduce_scatter_tensor has none: its wait blocks here
+            work.wait()
+            return not op.finished.is_set()
+        wake = op.wake  # only the event: a callback holding the communicator could free its
+        future.add_done_callback(lambda _f: wake.set())  # gloo on gloo's own thread
+        op.wake.wait()
+        if op.finished.is_set():
+            return False
+        future.wait()
+        return True
+
+    def _stuck(self, op: DeviceOp, why: str | None) -> None:
+        if why is not None:
+            logger.debug(f"{op.label}: {why}; stuck until the abort", exc_info=True)
+        self._aborted.wait()
+        op.finish("communicator aborted")
 
     def _pair(self, src: int, dst: int) -> Gloo:
         """The two-member gloo group of p2p from `src` to `dst`, made at its first use by both

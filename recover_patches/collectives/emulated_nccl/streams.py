@@ -74,10 +74,13 @@ class _Queue:
         self._items.put(op)
 
     def _loop(self) -> None:
+        worker, name = threading.current_thread(), self._thread.name
         while (op := self._items.get()) is not None:
+            worker.name = f"{name}: {op.label}"  # a stuck rank's stacks name what it waits for
             for earlier in op.after:
                 earlier.finished.wait()
             op.run()
+            worker.name = name
 
 
 _shared: _Queue | None = None

@@ -97,7 +97,9 @@ class ResilientProcessGroup(Operations):
 
     # --- lifecycle --------------------------------------------------------------------------
     def settle(self) -> None:
-        """Start-up is over: operations and rebuilds are bounded by T from now on."""
+        """Start-up is over: operations, rebuilds and the coordinator's store answers are
+        bounded by T from now on."""
+        self.membership.settle()
         self._bound(*self._settled)
         inner = self._inner
         if inner is not None and self.host_waits:
