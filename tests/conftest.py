@@ -1,5 +1,5 @@
 """Markers (declared in pyproject.toml): `gpu` tests need CUDA (scripts/gpu/check.sh runs them on a GPU machine); elsewhere
-they are skipped with that reason."""
+they are skipped with that reason. `extended` is given here, from tests/extended.py."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +7,11 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.extended import extended
+    chosen = extended([item.nodeid for item in items])
+    for item in items:
+        if item.nodeid in chosen:
+            item.add_marker(pytest.mark.extended)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu/check.sh on a GPU machine")

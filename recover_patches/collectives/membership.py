@@ -36,6 +36,7 @@ from recover_patches.collectives import protocol as P
 from recover_patches.collectives.bounded_call import BoundedCaller
 from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.node_beats import LOCAL_BEATS_PER_INTERVAL, NodeBeats, write_beat
+from recover_patches.collectives.progress_marks import ProgressMarks
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, MembershipTimeout)
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN, REPORT_WAIT, Timeouts
@@ -65,8 +66,7 @@ class MembershipClient:
         self._answer_within = max(timeout, startup)
         self.heartbeat_interval = self.timeouts.heartbeat_interval
         self.heartbeat_timeout = self.timeouts.stall
-        self._marks, self._iteration = 0, 0  # progress: see mark()
-        self._where: tuple[int, str, int | None] = (0, "start", None)
+        self._progress = ProgressMarks()  # what the heartbeat says: see mark()
         self._address = (host, port, token, source, standby)
         self._address_file = address_file  # [U]: the elected coordinator's, re-read to connect
         self._node_beats = node_beats  # beat into the launcher's directory, not the store
@@ -80,7 +80,7 @@ class MembershipClient:
         self._changed = threading.Condition()
         self._listeners: list[EpochListener] = []
         self._on_reconnect: list[ReconnectListener] = []
-        self._epoch, self._dead, self._record = self._read_latest(self.store)
+        self._epoch, self._dead, self._record = P.read_latest(self.store)
         self._stop = threading.Event()
         self._beats = 0
         self._beat_once()
@@ -214,16 +214,7 @@ class MembershipClient:
     def mark(self, where: str, iteration: int | None = None, microbatch: int | None = None) -> None:
         """Where this rank is, for the next heartbeat (no store operation): call it at every
         step that may take long and before every wait."""
-        self._marks += 1
-        if iteration is not None:
-            self._iteration = iteration
-        self._where = (self._epoch, where, microbatch)
-
-    def progress(self) -> str:
-        """This rank's progress as the heartbeat says it: it changes with every mark, only."""
-        epoch, where, microbatch = self._where
-        return (f"{self._marks} e{epoch} it{self._iteration} {where}"
-                + ("" if microbatch is None else f" mb{microbatch}"))
+        self._progress.mark(self._epoch, where, iteration, microbatch)
 
     def report_failure(self, suspects: Iterable[int], where: str) -> None:
         """An operation timed out or broke: this rank waits for the coordinator's verdict on
@@ -295,15 +286,9 @@ class MembershipClient:
                 thread.join(self.heartbeat_interval + 5.0)
 
     # --- the background threads -------------------------------------------------------------
-    @staticmethod
-    def _read_latest(store: CountedStore) -> tuple[int, frozenset[int], dict]:
-        epoch = int(store.get(P.EPOCH))
-        record = json.loads(store.get(P.epoch_key(epoch)))
-        return epoch, frozenset(record["dead"]), record
-
     def _beat_once(self) -> None:
         self._beats += 1
-        beat = f"{self._beats} {self.progress()}"
+        beat = f"{self._beats} {self._progress.line()}"
         if self._node_beats is not None:  # a file on the node; its launcher forwards it
             write_beat(self._node_beats.directory, self.rank, self.heartbeat_interval, beat)
         else:
@@ -346,7 +331,7 @@ class MembershipClient:
                 value = store.queue_pop(P.notify_key(self.rank), True)
                 if value == P.STOP.encode() or generation != self.generation:
                     return
-                self._adopt(*self._read_latest(store))
+                self._adopt(*P.read_latest(store))
             except RuntimeError as e:
                 if self._stop.is_set() or generation != self.generation \
                         or not self._reconnect(e, generation):
@@ -384,7 +369,7 @@ class MembershipClient:
             listener(self.store)
         if self._spare_slots is not None:
             self.wait_as_spare(self._spare_slots)
-        self._adopt(*self._read_latest(self._watch_store))
+        self._adopt(*P.read_latest(self._watch_store))
         logger.info("reconnected to the coordinator")
         return True
 

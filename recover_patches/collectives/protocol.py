@@ -212,3 +212,10 @@ def post_report(store: ReportBox, report: Report) -> int:
     n = store.add(REPORTS_COUNT, 1)
     store.set(report_key(n), json.dumps(report))
     return n
+
+
+def read_latest(store) -> tuple[int, frozenset[int], dict]:
+    """The latest membership epoch in the coordinator's store: (epoch, its dead, its record)."""
+    epoch = int(store.get(EPOCH))
+    record = json.loads(store.get(epoch_key(epoch)))
+    return epoch, frozenset(record["dead"]), record
