@@ -113,6 +113,18 @@ def problems_of(run, reference: list[float]) -> list[str]:
     return found
 
 
+def reference_key(layout, model) -> tuple:
+    """The plain model's losses are one process's; a model one process cannot run (VP, EP) is
+    held to the failure-free run of its own layout."""
+    return (model, layout) if model else ()
+
+
+def reference_losses(out: Path, layout, model) -> list[float]:
+    ref, _ = run_one(out, "failure-free" + "-".join(model[1::2]), layout if model else (1, 1, 1),
+                     model, [], (), (), 300)
+    return ref.losses()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "runs/emulated")
@@ -124,13 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     references: dict[tuple, list[float]] = {}
     results = []
     for name, layout, model, faults, extra, launcher in tqdm(runs, unit="run", file=sys.stderr):
-        # the plain model's losses are one process's; a model one process cannot run (VP, EP)
-        # is held to the failure-free run of its own layout
-        key = (model, layout) if model else ()
+        key = reference_key(layout, model)
         if key not in references:
-            ref, _ = run_one(a.out, "failure-free" + "-".join(model[1::2]), layout if model
-                             else (1, 1, 1), model, [], (), (), 300)
-            references[key] = ref.losses()
+            references[key] = reference_losses(a.out, layout, model)
         run, seconds = run_one(a.out, name, layout, model, faults, extra, launcher,
                                a.run_timeout)
         found = problems_of(run, references[key])
