@@ -162,12 +162,13 @@ class _Zygote:
             server.stdin.flush()
             pid = int(server.stdout.readline())
         record_session(pid)
-        deadline, timed_out = time.monotonic() + timeout, False
+        deadline, timed_out, stacks = time.monotonic() + timeout, False, ""
         while not files["status"].exists():
             if time.monotonic() > deadline:
                 if timed_out:  # killed 30 s ago and never reaped: the server is gone
                     break
                 timed_out = True
+                stacks = dump_stacks(pid)  # kept, with what it printed: they explain a hang
                 kill_session(pid)
                 deadline = time.monotonic() + 30  # its status once reaped
             time.sleep(0.02)
@@ -175,8 +176,8 @@ class _Zygote:
         returncode = int(files["status"].read_text()) if files["status"].exists() else -9
         out, err = (files[k].read_text(errors="replace") for k in ("out", "err"))
         shutil.rmtree(scratch, ignore_errors=True)
-        return (returncode, "", f"timed out after {timeout}s") if timed_out else \
-            (returncode, out, err)
+        return (returncode, out, f"{err}{stacks}\ntimed out after {timeout}s") if timed_out \
+            else (returncode, out, err)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
