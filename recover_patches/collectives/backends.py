@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from recover_patches.collectives import nccl_env
+from recover_patches.collectives import device_events, nccl_env
 from recover_patches.collectives.watchdog import PENDING, result_of
 
 SHRINK_ABORT = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
@@ -114,10 +114,15 @@ def bounded_client(store, timeout: float):
     return client
 
 
-def _cuda_ready_probe() -> Callable[[], bool]:
+def _cuda_event() -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record()
-    return event.query
+    return event
+
+
+def _cuda_ready_probe() -> Callable[[], bool]:
+    """The watchdog lets go of it: destroyed on this thread (`device_events`)."""
+    return device_events.recorded(_cuda_event)
 
 
 KINDS: dict[str, Kind] = {

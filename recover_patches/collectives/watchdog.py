@@ -110,9 +110,11 @@ class Watchdog:
         """The owner's backend is gone (aborted, rebuilt): its works need no watching. Returns
         how many of them had not been seen to end."""
         with self._cond:
-            dropped = sum(len(v.works) for v in self._lanes.values() if v.owner is owner)
+            gone = [lane for lane in self._lanes.values() if lane.owner is owner]
             self._lanes = {k: v for k, v in self._lanes.items() if v.owner is not owner}
-        return dropped
+        # let go of outside the lock: a work's destructor may wait (the driver's lock), and the
+        # sweep and the backstop must not wait with it
+        return sum(len(lane.works) for lane in gone)
 
     def pending(self) -> int:
         with self._cond:
@@ -157,7 +159,8 @@ class Watchdog:
                 if status is not None:
                     return f"backend error: {status}"
                 with self._cond:
-                    lane.works.popleft()
+                    finished = lane.works.popleft()
+                del finished  # outside the lock (see `forget`)
                 continue
             if now > head.since + head.timeout:
                 return (f"no completion within {head.timeout:g}s of becoming able to start "
@@ -192,10 +195,11 @@ class Watchdog:
             time.sleep(self.poll)
 
     def stalled_for(self) -> float:
-        """Seconds works have been pending with no sweep completing (0 while idle)."""
-        with self._cond:
-            if not self._lanes:
-                return 0.0
+        """Seconds works have been pending with no sweep completing (0 while idle). Read
+        without the lock: the backstop must answer while a thread holding it is stuck (on an
+        H200 the epoch watcher was, in a destructor under it, and the backstop waited too)."""
+        if not self._lanes:  # one read of a dict's size: atomic
+            return 0.0
         return max(0.0, self.clock() - self._progress_at)
 
     def guard(self, limit: float, fence: Callable[[str], None]):

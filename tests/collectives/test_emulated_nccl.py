@@ -152,9 +152,9 @@ def test_a_stream_runs_in_order_and_an_event_completes_when_the_stream_reaches_i
 
     def first(rank, comm, out):
         stuck = comm.allreduce([torch.ones(1)])
-        ready = streams.current().event()
+        ready = streams.current().event().query
         stuck.wait()
-        behind = streams.current().event()
+        behind = streams.current().event().query
         second = comm.allreduce([torch.ones(1)])
         time.sleep(0.3)
         out["while stuck"] = (stuck.is_completed(), second.is_completed(), ready(), behind())
@@ -302,3 +302,39 @@ def test_the_device_writes_outside_autograd_and_every_collective_megatron_uses_c
     threads, out, _, errors = run_ranks(body, body)
     join(threads, errors)
     assert out[0] == ([1.0, 2.0], [3.0], [2.0]) and out[1] == ([1.0, 2.0], [3.0], [4.0])
+
+
+def test_destroying_an_event_waits_while_another_thread_waits_in_a_host_read():
+    """The driver's lock as an H200 showed it: cudaEventDestroy on one thread waited for
+    cudaStreamSynchronize on another. Control: with no read waiting it returns at once."""
+    destroyed: list[float] = []
+
+    def destroy_one() -> None:
+        start = time.monotonic()
+        event = streams.current().event()  # this thread's stream: nothing queued
+        del event
+        destroyed.append(time.monotonic() - start)
+
+    def reader(rank, comm, out):
+        t = torch.ones(1)
+        comm.allreduce([t], sync_opts())  # member 1 posts only after the destroy was tried
+        out["reading"] = True
+        t.tolist()
+        out["read"] = time.monotonic()
+
+    def late(rank, comm, out):
+        while not out.get("reading"):
+            time.sleep(0.01)
+        time.sleep(0.2)  # the reader is inside its synchronize now
+        other = threading.Thread(target=destroy_one, daemon=True)
+        other.start()
+        other.join(0.5)
+        out["destroy blocked"] = other.is_alive()
+        comm.allreduce([torch.ones(1)], sync_opts())  # the read can end: so can the destroy
+        other.join(BOUND)
+        out["destroyed"] = time.monotonic()
+    threads, out, _, errors = run_ranks(reader, late)
+    join(threads, errors)
+    assert out["destroy blocked"] and out["destroyed"] >= out["read"] - 0.05
+    destroy_one()  # control: no thread waits in a read
+    assert destroyed[-1] < 0.1 and streams.DRIVER.synchronizing_threads() == 0

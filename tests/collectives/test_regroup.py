@@ -4,6 +4,7 @@ keeps its backend, one dirty member makes every member rebuild, and a group that
 is shrunk where the backend can (the fake NCCL-like backend of `fake_async`)."""
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from recover_patches.collectives import backends
 from recover_patches.collectives.errors import PeerFailure
+from recover_patches.collectives.watchdog import Watchdog
 from tests.collectives import fake_async
 from tests.collectives.fake_world import FakeWorld, build_together, together
 
@@ -238,3 +240,44 @@ def test_torch_can_list_a_resilient_groups_configuration():
         shut(groups)
     registry = dist.distributed_c10d._world.pg_backend_config
     assert not any(g in registry for g in groups)
+
+
+def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_collective():
+    """Found on an H200 (a (1,2,2) job, a rank stopped in the DP reduction; emulated here with
+    the driver's lock): the training thread waited in a host read for an all-reduce stuck on
+    the stopped member. The epoch watcher, ending that backend, first let go of the watchdog's
+    event of the all-reduce, and cudaEventDestroy waited for the lock the read held: the abort
+    that would have ended the read never came, and the rank hung with its training done."""
+    from recover_patches.collectives import emulated_nccl
+    from recover_patches.collectives.emulated_nccl import host_reads
+
+    # a watchdog of its own, swept by no thread: the epoch watcher holds the last references
+    world, watchdog = FakeWorld(), Watchdog(background=False)
+    groups = build_together(world, "dp.tp0.stage1", [(0, 1)] * 2, watchdog=watchdog,
+                            backend=emulated_nccl.install(host_thread=False), timeout=60.0)
+    communicator = groups[0]._inner  # to release a stuck survivor when the test fails
+    issued, out = threading.Event(), {}
+
+    def survivor() -> None:
+        host_reads.enter()
+        reduced = torch.ones(1)
+        dist.all_reduce(reduced, group=groups[0])  # member 1 never posts its side
+        issued.set()
+        start = time.monotonic()
+        reduced.tolist()  # a host read: it waits until the stuck all-reduce ends
+        out["read took"] = time.monotonic() - start
+    reader = threading.Thread(target=survivor, daemon=True)
+    reader.start()
+    try:
+        assert issued.wait(5.0)
+        time.sleep(0.3)  # inside the read's synchronize
+        verdict = threading.Thread(target=world.declare_dead, args=({1},), daemon=True)
+        verdict.start()
+        verdict.join(5.0)
+        reader.join(5.0)
+        assert not verdict.is_alive(), "the epoch watcher is stuck ending the backend"
+        assert not reader.is_alive() and out["read took"] < 5.0
+    finally:
+        if reader.is_alive():
+            communicator.abort()
+        shut(groups)

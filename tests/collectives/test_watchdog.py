@@ -2,6 +2,7 @@
 asynchronous NCCL-like backend of `fake_async` (no GPU needed): [I] items 2 and 5."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -236,25 +237,39 @@ class BrokenWork(FakeWork):
         raise RuntimeError("a sweep that raises")
 
 
-@pytest.mark.parametrize("trouble", ["stuck", "raising sweep", "none (control)"])
+@pytest.mark.parametrize("trouble", ["stuck", "raising sweep", "stuck holding its lock",
+                                     "none (control)"])
 def test_the_backstop_fences_a_watchdog_that_stops_sweeping(trouble):
     """Works pending and no sweep completing for `limit`: the guard fences (once). A sweep that
-    raises leaves the thread alive (it keeps trying) but completes no sweep. Control: a healthy
-    watchdog with a work pending is never fenced."""
+    raises leaves the thread alive (it keeps trying) but completes no sweep. A thread stuck
+    holding the watchdog's lock (on an H200, the epoch watcher in a destructor) must not stop
+    the backstop too. Control: a healthy watchdog with a work pending is never fenced."""
     dog, fenced = Watchdog(poll=0.01), []
     guard = dog.guard(0.3, fenced.append)
+    release = threading.Event()
     try:
         work = BrokenWork() if trouble == "raising sweep" else FakeWork()
         dog.track(object(), work, timeout=60, on_expired=lambda reason: None)
         if trouble == "stuck":
             dog.stall()
+        if trouble == "stuck holding its lock":
+            holding = threading.Event()
+            threading.Thread(target=hold, args=(dog._cond, holding, release), daemon=True).start()
+            assert holding.wait(5.0)
         time.sleep(1.0)
         assert len(fenced) == (0 if trouble.startswith("none") else 1), fenced
         if fenced:
             assert "has not completed a sweep" in fenced[0]
         assert dog._thread is not None and dog._thread.is_alive()
     finally:
+        release.set()
         guard.close()
+
+
+def hold(lock, holding: threading.Event, release: threading.Event) -> None:
+    with lock:
+        holding.set()
+        release.wait(10.0)
 
 
 def test_a_member_that_left_is_asked_after_a_quarter_of_the_timeout():

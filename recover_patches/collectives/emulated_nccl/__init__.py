@@ -22,15 +22,17 @@ def requested(env: Mapping[str, str] = os.environ) -> bool:
 def install(host_thread: bool = True) -> str:
     """Register the backend kind (idempotent) and, with `host_thread`, apply the host-read rules
     to the calling thread. Returns the kind's name."""
-    from recover_patches.collectives import backends
+    from recover_patches.collectives import backends, device_events
     from recover_patches.collectives.emulated_nccl import host_reads, streams
     from recover_patches.collectives.emulated_nccl.communicator import EmulatedCommunicator
 
     def make(store, rank, size, build_timeout, op_timeout):
         return EmulatedCommunicator(store, rank, size)
+    def probe():  # as the NCCL kind's: destroyed on the recording thread
+        return device_events.recorded(lambda: streams.current().event())
     backends.KINDS[KIND] = backends.Kind(
-        make, host_waits=False, ready_probe=lambda: streams.current().event(),
-        stream_work=lambda: backends.StreamOrderedWork(streams.current().event()))
+        make, host_waits=False, ready_probe=probe,
+        stream_work=lambda: backends.StreamOrderedWork(probe()))
     if host_thread:
         host_reads.enter()
     return KIND

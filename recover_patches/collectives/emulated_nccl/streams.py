@@ -9,6 +9,9 @@ decides *when* things happen (the data moves in `communicator.py`).
     it without waiting -- synchronous collectives and `work.wait()` -- and a host read
     (`host_read()`) blocks the thread until every one of them finished, as `.item()` does after
     a stuck NCCL kernel. `event()` is a CUDA event recorded on it.
+  * The driver's context lock (`DRIVER`): a host read waiting on the device holds it, and
+    destroying an event on another thread waits until that read returns, as cudaEventDestroy
+    waited for cudaStreamSynchronize on an H200 (torch 2.11, driver 580).
   * Single-queue mode (CUDA_DEVICE_MAX_CONNECTIONS=1): every stream of the process feeds one
     hardware queue, so an operation waits for everything queued before it on *any* stream.
 """
@@ -19,7 +22,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # How long after an operation finished its result becomes readable (ProcessGroupNCCL's watchdog
 # publishes WorkResult on its next loop, up to 100 ms later; a short delay keeps the rule visible)
@@ -115,6 +119,65 @@ class Stream:
             self._queue.put(None)
 
 
+class DriverLock:
+    """The CUDA driver's context lock, as far as an H200 showed it: a thread inside
+    cudaStreamSynchronize holds it, and cudaEventDestroy on any other thread waits for it until
+    that synchronize returns. (That rank's training thread waited in a host read for a
+    collective stuck on a stopped peer; its epoch watcher, about to abort that collective,
+    first let go of an event and waited here: neither ever went on.) Not modelled, because not
+    seen: which other driver calls wait the same way."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._syncing: dict[int, int] = {}  # thread id -> synchronizes in progress
+
+    @contextmanager
+    def synchronizing(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            self._syncing[me] = self._syncing.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._syncing[me] -= 1
+                if not self._syncing[me]:
+                    del self._syncing[me]
+                self._cond.notify_all()
+
+    def destroy_event(self) -> None:
+        """Blocks while another thread synchronizes (unbounded, as the driver's lock)."""
+        me = threading.get_ident()
+        with self._cond:
+            self._cond.wait_for(lambda: not set(self._syncing) - {me})
+
+    def synchronizing_threads(self) -> int:
+        with self._cond:
+            return len(self._syncing)
+
+
+DRIVER = DriverLock()
+
+
+class Event:
+    """A CUDA event recorded on a compute stream: `query()` is True once the stream passed the
+    point it was recorded at; its destruction (the last reference let go) takes the driver's
+    lock, as cudaEventDestroy does."""
+
+    __slots__ = ("_marks",)
+
+    def __init__(self, marks: list[DeviceOp]):
+        self._marks = marks
+
+    def query(self) -> bool:
+        return all(op.finished.is_set() for op in self._marks)
+
+    def __del__(self) -> None:
+        driver = DRIVER  # None at interpreter shutdown
+        if driver is not None:
+            driver.destroy_event()
+
+
 class ComputeStream:
     """The calling thread's current stream: operations the host queued on it and did not wait for."""
 
@@ -130,17 +193,20 @@ class ComputeStream:
         self.pending = [op for op in self.pending if not op.finished.is_set()]
         return list(self.pending)
 
-    def event(self) -> Callable[[], bool]:
-        """A CUDA event recorded now: its query() is True once the stream passed it."""
-        marks = self.snapshot()
-        return lambda: all(op.finished.is_set() for op in marks)
+    def event(self) -> Event:
+        """A CUDA event recorded now."""
+        return Event(self.snapshot())
 
     def synchronize(self) -> None:
         """Block the host until the stream has passed everything queued on it (unbounded, as
-        cudaStreamSynchronize: only an abort of the stuck communicator ends the wait)."""
-        while self.pending:
-            self.pending[0].finished.wait()
-            self.pending.pop(0)
+        cudaStreamSynchronize: only an abort of the stuck communicator ends the wait), holding
+        the driver's lock while it waits."""
+        if not self.snapshot():
+            return
+        with DRIVER.synchronizing():
+            while self.pending:
+                self.pending[0].finished.wait()
+                self.pending.pop(0)
 
 
 _local = threading.local()
