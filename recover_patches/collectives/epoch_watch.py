@@ -34,11 +34,15 @@ class Queues(Protocol):
 
 class EpochWatch:
     """`connect(wait)`: a new connection to the job's store whose blocking operations wait up to
-    `wait`. `latest`: the newest epoch number pushed to this launcher (-1: none yet)."""
+    `wait`. `latest`: the newest epoch number pushed to this launcher (-1: none yet). `news`:
+    the launcher's, shared by the watch that replaces this one: a watch abandoned while its pop
+    still waits on a live connection (the coordinator answered late, it was not gone) takes
+    the next push, the queue's first waiter, and must still say so."""
 
-    def __init__(self, connect: Callable[[timedelta], Queues], node_rank: int):
+    def __init__(self, connect: Callable[[timedelta], Queues], node_rank: int,
+                 news: threading.Event | None = None):
         self._connect, self._key = connect, P.launcher_notify_key(node_rank)
-        self.news = threading.Event()
+        self.news = news if news is not None else threading.Event()
         self.news.set()  # nothing read yet
         self.latest = -1
         self._stop = threading.Event()

@@ -10,6 +10,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from argparse import Namespace
@@ -56,7 +57,8 @@ class LauncherLink:
         self._epoch = -1
         self._dead: dict[int, int] = {}  # dead rank -> the incarnation declared dead
         self._assigned_count = 0  # assignments to standby processes seen so far
-        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), node_rank)
+        self._news = threading.Event()  # every watch's, the abandoned ones' too
+        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), node_rank, self._news)
 
     def _connect(self, timeout: float, wait: timedelta | None = None) -> CountedStore:
         """`wait`: how long its blocking operations wait (the connection timeout otherwise)."""
@@ -115,7 +117,8 @@ class LauncherLink:
         self._assigned_count = 0  # a successor counts its own assignments
         self.answered_at = time.monotonic()
         self._watch.abandon()  # its pop may wait on a cut link: a new watch, on the successor
-        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), self._address[3])
+        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), self._address[3],
+                                 self._news)
         logger.info("reconnected to the coordinator")
         return True
 

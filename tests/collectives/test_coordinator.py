@@ -145,6 +145,31 @@ def test_an_idle_launcher_leaves_the_store_alone_and_learns_each_epoch_at_once(c
     assert launcher_sees(link, {1}, within=0.5)
 
 
+def test_a_launcher_that_reconnected_after_a_late_answer_still_learns_each_epoch(coordinator):
+    """Found under the emulated NCCL on two loaded cores: the coordinator answered a launcher
+    late once, and the link reconnected with a new epoch watch while the old watch's pop still
+    waited on the old connection, alive. That pop took the next epoch's push, so the launcher
+    never fenced the rank the epoch declared dead (stopped: the job never ended). A watch that
+    was replaced still passes on what it pops."""
+    port, clients = coordinator
+    watcher = client(port, clients, 0)
+    link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    clients.append(link)
+    assert launcher_sees(link, set())
+    time.sleep(0.3)  # the first watch's pop waits
+
+    def late() -> None:
+        raise RuntimeError("no answer within 2s (a cut link?)")
+    link._guard(late, None)  # as the bounded caller reports a late answer
+    time.sleep(0.6)  # the link retries after 0.5 s: its next operation reconnects
+    assert link.completion() is None
+    time.sleep(0.3)  # both watches' pops wait now, the first one's longest
+    assert link.dead_ranks() == set()  # what the new watch's connect announced is read
+    link.report_exit(1, -9)
+    assert watcher.wait_for_epoch_after(0, 2) == 1
+    assert launcher_sees(link, {1}, within=2.0)
+
+
 def test_launcher_exit_report_starts_an_epoch_at_once(coordinator):
     port, clients = coordinator
     watcher = client(port, clients, 0)
