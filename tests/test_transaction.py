@@ -40,6 +40,7 @@ class FakeJob:
         self.committed: list[tuple[str, Decision]] = []  # note_commit calls
         self.roll_forward = Decision.ABORT  # what settling a SUM rank's round decides
         self.steps = 0
+        self.mended: list[tuple[str, int]] = []
         self.live = LiveReplicas(replica=me, live_replicas=list(range(replicas)), epoch=0,
                                  replica_ranks=lambda r: RANKS[r])
 
@@ -103,6 +104,10 @@ class FakeJob:
 
     def abandon(self, phase="execute"):
         self.abandoned += 1
+
+    def mend(self, epoch, key):
+        self.mended.append((key, self.steps))  # with the steps taken before it
+        return Regrouped(rebuilt=["replica"], kept=["tp"])
 
     def reset(self):
         self.resets += 1
@@ -222,8 +227,13 @@ def test_a_rank_whose_ack_failed_after_the_round_committed_elsewhere_rolls_forwa
     out = job.transaction().run(6, IDS)
     assert job.settled == [("6/after0", SUM)] and job.steps == 1
     assert job.executed == [[42, 43]] and job.rebuilt == [] and job.abandoned == 0
+    # before the step, the replica's own groups are made whole (the failure may have aborted
+    # one on some member: on the emulated NCCL a (2,1,2) job's replica group, and both its
+    # ranks stopped in the step)
+    assert job.mended == [("mend/6/after0", 0)]
     (record,) = out.recoveries
     assert record.rolled_forward and record.phase == "commit" and record.lost_ids == []
+    assert record.groups_rebuilt == ["replica"] and record.groups_kept == ["tp"]
     assert out.ids == IDS and out.totals.microbatches == 8
     assert out.sync is (decided is Decision.COMMIT_AND_SYNC)
 

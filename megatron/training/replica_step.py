@@ -336,6 +336,9 @@ class GPTReplicaStep:
         self.weights_stale = False  # the reshard gathered every slice afresh
         return regrouped
 
+    def mend(self, epoch: int, key: str) -> Regrouped:
+        return self.groups.mend(epoch, key)
+
     def replica_any(self, flag: bool) -> bool:
         """True on every rank of this replica if any of them passes True (recovery only)."""
         value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)

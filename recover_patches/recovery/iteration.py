@@ -98,6 +98,10 @@ class ReplicaStep(Protocol):
     def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
         """Groups (and whatever follows them) for the agreed live replicas."""
 
+    def mend(self, epoch: int, key: str) -> Regrouped:
+        """Before rolling forward: the groups inside this replica are whole on all its members
+        again (a failed ack or exchange may have aborted one); only this replica's ranks meet."""
+
     def replica_any(self, flag: bool) -> bool:
         """True on every rank of this replica if any of them passes True."""
 
@@ -318,10 +322,13 @@ class IterationTransaction:
                       failure: PeerFailure, since: float) -> IterationOutcome:
         """The round committed while this rank's ack or exchange failed: it steps with the sum it
         holds, as the ranks that committed did (a member lost mid-step: as in `run`)."""
-        it.recoveries.append(RecoveryRecord(
-            self._attempts, str(failure), "commit", self.live.epoch, [], [], [], {},
-            {"detection": time.perf_counter() - since}, rolled_forward=True))
-        try:
+        record = RecoveryRecord(self._attempts, str(failure), "commit", self.live.epoch, [],
+                                [], [], {}, {"detection": time.perf_counter() - since},
+                                rolled_forward=True)
+        it.recoveries.append(record)
+        try:  # the failure that stopped this rank's commit may have aborted a group of the step
+            mended = self.replica.mend(self.live.epoch, f"mend/{self._key(it.iteration)}")
+            record.groups_rebuilt, record.groups_kept = mended.rebuilt, mended.kept
             return self._commit_and_step(it, reduced, decision)
         except PeerFailure as err:
             self._interrupted(it, err)
