@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Sequence, cast
@@ -18,6 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron.training.optimizer_shards import ShardDomain, Sharding
 from recover_patches.collectives import Regrouped, ResilientGroup
+from recover_patches.collectives.rendezvous import apply_all
 from recover_patches.pipeline.interleaved import Kind
 from recover_patches.pipeline.p2p import Channel
 from recover_patches.topology import Coord, Topology
@@ -244,16 +244,17 @@ class ParallelGroups:
                 members = topo.dp_ranks(c.tp, c.pp, [r for r in live_replicas
                                                      if r % size == c.replica % size], c.cp)
             plans.append((g, g.meet(epoch, members, key, force=force)))
-        return _apply(plans)
+        return apply_all(plans)
 
     def mend(self, epoch: int, key: str) -> Regrouped:
         """Before a rank rolls forward: the groups inside its replica (or unit), the ones its
         step may use, made whole on all their members -- a failed ack or exchange aborted one
         on some member. Kept where every member vouches for it, else rebuilt; the replica's
-        members meet alone, the other replicas take no part."""
-        replica = set(self.topology.unit_ranks(self.coord.replica))
-        return _apply([(g, g.meet(epoch, g.members, key)) for g in self.resilient_groups()
-                       if set(g.members) <= replica])
+        members meet alone, the other replicas take no part. An epoch that breaks the replica
+        ends the meeting at once (its members leave: none would come)."""
+        unit = self.topology.unit_ranks(self.coord.replica)
+        return apply_all([(g, g.meet(epoch, g.members, key, fate=unit))
+                       for g in self.resilient_groups() if set(g.members) <= set(unit)])
 
     def pg_collection(self) -> ProcessGroupCollection:
         pgs = ProcessGroupCollection()
@@ -274,22 +275,6 @@ class ParallelGroups:
         pgs.expt_dp = self.self_group
         pgs.tp_dp_cp = None  # the router's, for global_aux_loss only (refused: it spans replicas)
         return pgs
-
-
-def _apply(plans: list) -> Regrouped:
-    """Carry out the meetings' decisions; on NCCL the new communicators connect concurrently
-    (1-10 s each)."""
-    start = time.perf_counter()
-    if any(not g.host_waits for g, _ in plans):
-        with ThreadPoolExecutor(max(1, len(plans)), thread_name_prefix="recover-regroup") as pool:
-            done = [pool.submit(g.apply, plan) for g, plan in plans]
-        outcomes = [f.result() for f in done]  # the first PeerFailure, after all ended
-    else:
-        outcomes = [g.apply(plan) for g, plan in plans]
-    report = Regrouped(connect_seconds=time.perf_counter() - start)
-    for (g, _), outcome in zip(plans, outcomes):
-        report.add(g.label, outcome)
-    return report
 
 
 def p2p_channels(topology: Topology, c: Coord, make_group: GroupFactory,

@@ -14,9 +14,10 @@ class ResilientGroup(Protocol):
     backend_kind: str  # "gloo", "nccl", ...
     host_waits: bool  # wait() blocks the host (gloo); else a stream wait the watchdog bounds
 
-    def meet(self, epoch: int, members: Sequence[int], key: str = "", force: bool = False
-             ) -> Regroup:
-        """Meet the other members at (epoch, key) and decide with them: keep, shrink, rebuild."""
+    def meet(self, epoch: int, members: Sequence[int], key: str = "", force: bool = False,
+             fate: Sequence[int] = ()) -> Regroup:
+        """Meet the other members at (epoch, key) and decide with them: keep, shrink, rebuild.
+        An epoch after `epoch` that declares a member, or a rank of `fate`, dead ends it."""
         ...
 
     def apply(self, plan: Regroup) -> str:

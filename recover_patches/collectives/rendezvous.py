@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 
@@ -96,3 +97,20 @@ class Regrouped:
 
     def add(self, name: str, outcome: str) -> None:
         {"kept": self.kept, "rebuilt": self.rebuilt, "shrunk": self.shrunk}[outcome].append(name)
+
+
+def apply_all(plans: list) -> Regrouped:
+    """Carry out each group's meeting decision, `plans` = [(group, Regroup)]. On NCCL the new
+    communicators connect concurrently (1-10 s each); the first PeerFailure is raised after all
+    ended."""
+    start = time.perf_counter()
+    if any(not g.host_waits for g, _ in plans):
+        with ThreadPoolExecutor(max(1, len(plans)), thread_name_prefix="recover-regroup") as pool:
+            done = [pool.submit(g.apply, plan) for g, plan in plans]
+        outcomes = [f.result() for f in done]
+    else:
+        outcomes = [g.apply(plan) for g, plan in plans]
+    report = Regrouped(connect_seconds=time.perf_counter() - start)
+    for (g, _), outcome in zip(plans, outcomes):
+        report.add(g.label, outcome)
+    return report

@@ -281,3 +281,22 @@ def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_co
         if reader.is_alive():
             communicator.abort()
         shut(groups)
+
+
+def test_a_meeting_ends_at_once_when_an_epoch_kills_a_rank_of_its_fate():
+    """A replica's members mend its groups before rolling forward; a member whose replica broke
+    leaves instead, so one still meeting would wait the build bound (60 s in a (2,2,2) job under
+    the emulated NCCL) for it. An epoch that kills a rank of the meeting's `fate` ends it."""
+    world = FakeWorld()
+    groups = build_together(world, "pp.replica1.tp1", [(0, 1), (0, 1)], backend="gloo",
+                            build_timeout=5.0)
+    try:
+        world.declare_dead({2})  # another rank of the replica: member 1 will not come
+        start = time.monotonic()
+        with pytest.raises(PeerFailure, match="declared a member dead"):
+            groups[0].meet(0, (0, 1), "mend/3/after0", fate=(0, 1, 2))
+        assert time.monotonic() - start < 1.0
+        with pytest.raises(PeerFailure, match="did not arrive"):  # control: no fate, the bound
+            groups[0].meet(0, (0, 1), "mend/3/after0.b")
+    finally:
+        shut(groups)

@@ -125,17 +125,20 @@ class ResilientProcessGroup(Operations):
             return (self._inner is None or self._failure is not None
                     or self._latched is not None or bool(self._ops))
 
-    def meet(self, epoch: int, members: Sequence[int], key: str = "", force: bool = False
-             ) -> Regroup:
-        """Step 1 of a regroup: meet the other members and decide with them (store only)."""
+    def meet(self, epoch: int, members: Sequence[int], key: str = "", force: bool = False,
+             fate: Sequence[int] = ()) -> Regroup:
+        """Step 1 of a regroup: meet the other members and decide with them (store only). An
+        epoch after `epoch` that declares a member dead ends it, or a rank of `fate` (the ranks
+        whose death makes the meeting pointless: a broken replica's members leave)."""
         members = tuple(int(m) for m in members)
+        watched = (*members, *fate)
         if self.membership.rank not in members:
             raise ValueError(f"group {self.label!r}: rank {self.membership.rank} rebuilt without itself")
         current, dead = self.membership.view()
         if current < epoch:
             self.membership.wait_for_epoch_after(epoch - 1, self.verdict_timeout)
             current, dead = self.membership.view()
-        if self._kills_a_member(epoch, members):  # every survivor retries with that epoch
+        if self._kills_a_member(epoch, watched):  # every survivor retries with that epoch
             raise PeerFailure(epoch, dead - self._dead_at_build, f"{self.label}.rebuild",
                               f"epoch {current} already started and declared a member dead")
         dirty = force or self.dirty or members != self.members or bool(dead & set(self.members))
@@ -149,7 +152,8 @@ class ResilientProcessGroup(Operations):
         try:
             meeting = rendezvous.meet(
                 self.membership.store, prefix, self.membership.rank, members, self.build_timeout,
-                dirty=dirty, parent=parent, newer_epoch=lambda: self._kills_a_member(epoch, members))
+                dirty=dirty, parent=parent,
+                newer_epoch=lambda: self._kills_a_member(epoch, watched))
         except rendezvous.NewerEpoch:  # nothing is decided: a clean backend stays clean
             raise PeerFailure(epoch, self.membership.dead_ranks() - dead, f"{self.label}.rebuild",
                               "an epoch declared a member dead during the rendezvous") from None
