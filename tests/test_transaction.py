@@ -41,6 +41,7 @@ class FakeJob:
         self.roll_forward = Decision.ABORT  # what settling a SUM rank's round decides
         self.steps = 0
         self.mended: list[tuple[str, int]] = []
+        self.torn_weights = False  # an all-gather of this round's weights was cut short
         self.live = LiveReplicas(replica=me, live_replicas=list(range(replicas)), epoch=0,
                                  replica_ranks=lambda r: RANKS[r])
 
@@ -104,6 +105,9 @@ class FakeJob:
 
     def abandon(self, phase="execute"):
         self.abandoned += 1
+
+    def weights_torn(self):
+        return self.torn_weights
 
     def mend(self, epoch, key):
         self.mended.append((key, self.steps))  # with the steps taken before it
@@ -236,6 +240,20 @@ def test_a_rank_whose_ack_failed_after_the_round_committed_elsewhere_rolls_forwa
     assert record.groups_rebuilt == ["replica"] and record.groups_kept == ["tp"]
     assert out.ids == IDS and out.totals.microbatches == 8
     assert out.sync is (decided is Decision.COMMIT_AND_SYNC)
+
+
+def test_a_replica_that_computed_on_torn_weights_computes_its_round_again_from_zero():
+    """The distributed optimizer's weight all-gather, cut short by the death that the reduction
+    then meets: on NCCL the forward ran on what the abort left. The replica's round 0 is
+    computed again with its share of the lost ids, not kept (emulated K = 2: losses drifted
+    1.2e-2 from the failure-free run). Control: intact weights keep round 0."""
+    for torn, executed, resets in ((True, [[40, 41], [40, 41, 44]], 1),
+                                   (False, [[40, 41], [44]], 0)):
+        job = FakeJob(me=0, script={0: ("reduce", {2})})
+        job.torn_weights = torn
+        out = job.transaction().run(6, IDS)
+        assert job.executed == executed and job.resets == resets
+        assert out.recoveries[0].redo is torn and out.ids == IDS
 
 
 def test_a_rank_whose_ack_failed_in_an_aborted_round_recovers_keeping_its_work():

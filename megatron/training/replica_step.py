@@ -26,7 +26,7 @@ from megatron.training.rerun import (ALARM_LARGE_GRADS, ALARM_NOT_FINITE, ALARM_
                                      SPIKE_INJECTED, Position, SpikeDetector, injected, resolve,
                                      resolve_large_grads, resolve_spike)
 from megatron.training.rerun_stats import DeterminismStats, compare_once, report
-from megatron.training.weight_check import agreed_mismatch, weight_fingerprint
+from megatron.training.weight_check import agreed_mismatch, check_due, weight_fingerprint
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
@@ -339,6 +339,9 @@ class GPTReplicaStep:
     def mend(self, epoch: int, key: str) -> Regrouped:
         return self.groups.mend(epoch, key)
 
+    def weights_torn(self) -> bool:  # (the weights' all-gathers, --use-distributed-optimizer)
+        return any(g.broke("allgather") for g in self.groups.resilient_groups())
+
     def replica_any(self, flag: bool) -> bool:
         """True on every rank of this replica if any of them passes True (recovery only)."""
         value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
@@ -377,10 +380,7 @@ class GPTReplicaStep:
         self.timings = dict(timings)
 
     def weight_check_due(self) -> bool:
-        """--check-weight-hash-across-dp-replicas-interval N: the weights after iteration k (a
-        multiple of N) are compared in iteration k + 1's reduction."""
-        interval, done = self.config.weight_check_interval, self.iteration()
-        return bool(interval) and done > 0 and done % interval == 0
+        return check_due(self.config.weight_check_interval, self.iteration())
 
     def check_weights_agree(self, reduced: ReducedGradients) -> dict:
         """Each DP group compares its shard among the replicas holding the same experts (EP);

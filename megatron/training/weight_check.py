@@ -12,6 +12,12 @@ class WeightMismatch(RuntimeError):
     """Replicas that applied the same gradients hold different weights: never a failure, a bug."""
 
 
+def check_due(interval: int, done: int) -> bool:
+    """--check-weight-hash-across-dp-replicas-interval N: the weights after iteration `done` (a
+    multiple of N) are compared in the next iteration's reduction."""
+    return bool(interval) and done > 0 and done % interval == 0
+
+
 def weight_fingerprint(params: list[torch.Tensor]) -> int:
     """64 bits of blake2b over the weights' exact bytes (host copies, as Megatron's own check
     hashes them: an interval check, not a per-iteration cost). Never 0, which means "not sent"."""

@@ -28,6 +28,11 @@ class ResilientGroup(Protocol):
         """Stop using the backend (recovery starts): peers blocked on it fail fast."""
         ...
 
+    def broke(self, op: str) -> bool:
+        """A break of the current backend cut an `op` operation short (NCCL, where its wait
+        had returned: what ran after it may have read what the abort left)."""
+        ...
+
     def stream_event(self) -> Callable[[], bool] | None:
         """A query of an event recorded now on the current stream; None where wait() blocks."""
         ...

@@ -108,13 +108,13 @@ class Watchdog:
 
     def forget(self, owner: object) -> int:
         """The owner's backend is gone (aborted, rebuilt): its works need no watching. Returns
-        how many of them had not been seen to end."""
+        how many of them had not succeeded by now (asked of each: a sweep may lag)."""
         with self._cond:
             gone = [lane for lane in self._lanes.values() if lane.owner is owner]
             self._lanes = {k: v for k, v in self._lanes.items() if v.owner is not owner}
-        # let go of outside the lock: a work's destructor may wait (the driver's lock), and the
-        # sweep and the backstop must not wait with it
-        return sum(len(lane.works) for lane in gone)
+        # asked and let go of outside the lock: a work's destructor may wait (the driver's
+        # lock), and the sweep and the backstop must not wait with it
+        return sum(not _succeeded(w.work, owner) for lane in gone for w in lane.works)
 
     def pending(self) -> int:
         with self._cond:
@@ -216,6 +216,13 @@ class Watchdog:
 
 
 PENDING = object()  # a completed work whose result torch has not published yet
+
+
+def _succeeded(work, backend) -> bool:
+    try:
+        return bool(work.is_completed()) and result_of(work, backend) is None
+    except Exception:  # noqa: BLE001 -- unreadable: not known to have succeeded
+        return False
 
 
 def result_of(work, backend=None) -> object | None:

@@ -300,3 +300,38 @@ def test_a_meeting_ends_at_once_when_an_epoch_kills_a_rank_of_its_fate():
             groups[0].meet(0, (0, 1), "mend/3/after0.b")
     finally:
         shut(groups)
+
+
+def test_a_break_names_the_operations_it_cut_short_until_the_rebuild():
+    """The distributed optimizer's weight all-gather, issued by the step and waited for on the
+    stream, cut short when an epoch ends the backend: the group says so (`broke`), so the
+    replica computes its round again instead of keeping gradients of half-gathered weights.
+    Control: an all-gather that completed before the break is not named."""
+    from recover_patches.collectives import emulated_nccl
+
+    world, watchdog = FakeWorld(), Watchdog(poll=0.001)
+    groups = build_together(world, "instance0", [(0, 1, 2)] * 3, timeout=60.0,
+                            backend=emulated_nccl.install(host_thread=False), watchdog=watchdog)
+
+    def swept_down_to(pending: int) -> bool:
+        deadline = time.monotonic() + 5.0
+        while watchdog.pending() > pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return watchdog.pending() == pending
+    try:
+        def gather(g):
+            whole = torch.empty(3)
+            dist.all_gather_into_tensor(whole, torch.ones(1), group=g, async_op=True).wait()
+        together([lambda g=g: gather(g) for g in groups])  # completes on every member
+        assert swept_down_to(0)
+        gather(groups[0])  # members 1 and 2 never post theirs: in flight
+        time.sleep(0.1)
+        assert watchdog.pending() == 1
+        assert not groups[0].broke("allgather") and not groups[1].broke("allgather")
+        epoch = world.declare_dead({2})
+        assert groups[0].broke("allgather") and not groups[0].broke("allreduce")
+        assert not groups[1].broke("allgather")  # nothing of member 1's was in flight
+        together([lambda g=g: g.regroup(epoch, (0, 1), "recover/1") for g in groups[:2]])
+        assert not groups[0].broke("allgather")  # a new backend: nothing cut short yet
+    finally:
+        shut(groups)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,6 +60,10 @@ class ResilientProcessGroup(Operations):
         self._failure: PeerFailure | None = None
         self._latched: PeerFailure | None = None  # the watchdog's, for raise_latched()
         self._ops: set[_Op] = set()  # issued, not yet waited
+        # the last operations issued, and those a break of the backend cut short (NCCL: their
+        # waits had returned, and what ran after them read what the abort left): `broke`
+        self._recent: deque[str] = deque(maxlen=64)
+        self._cut_short: set[str] = set()
         self._attempts: dict[tuple[int, str], int] = {}
         self._prefix = ""  # the rendezvous that built the backend: names it to every member
         self._left = departures.probe(membership.store, "")  # its departures (one per backend)
@@ -187,6 +192,7 @@ class ResilientProcessGroup(Operations):
         with self._cond:
             self._inner, self._failure, self._latched = inner, None, None
             self.members, self._prefix = plan.members, plan.prefix
+            self._cut_short = set()
             self._left = departures.probe(self.membership.store, plan.prefix)
         self._register()
         if self._kills_a_member(plan.epoch, plan.members):  # while we were connecting
@@ -220,6 +226,7 @@ class ResilientProcessGroup(Operations):
         if inner is None or (self.membership.epoch() > self._epoch and self._stale()):
             raise self._fail(op, "the group's epoch is over", peer)
         ready = None if self.host_waits else self._kind.ready_probe()
+        self._recent.append(op)
         try:  # no work: it ran in stream order (NCCL, async_op=False); watch the stream instead
             work = start(inner) or self._kind.stream_work()
         except RuntimeError as e:
@@ -258,6 +265,11 @@ class ResilientProcessGroup(Operations):
             return True
         return PythonCallbackWork(wait)
 
+    def broke(self, op: str) -> bool:
+        """A break of the current backend cut an `op` operation short (NCCL: what ran after it
+        may have read what the abort left; gloo raises where the operation is waited)."""
+        return op in self._cut_short
+
     def stream_event(self) -> Callable[[], bool] | None:
         """An event recorded now on the current stream (its query), or None where wait() blocks
         the host (gloo): nothing is left to wait for."""
@@ -279,6 +291,7 @@ class ResilientProcessGroup(Operations):
             backends.discard(inner, [])
         if not current:
             return  # an old backend's late news: the group has moved on
+        self._cut_short.add(op)
         guess = {peer} if peer is not None else set(self.members) - {self.membership.rank}
         failure = PeerFailure(self._epoch, guess, f"{self.label}.{op}", reason, confirmed=False)
         # latched before the abort: an aborted operation ends its stream's wait, and a commit
@@ -334,7 +347,9 @@ class ResilientProcessGroup(Operations):
             departures.announce(self.membership.store, self._prefix)
         # Set aside only an idle backend: a work in flight with a dead member never ends, and
         # the compute stream waits for it, so every host read would hang until the shrink (H200)
-        if self.watchdog.forget(inner) == 0 and retire and backends.can_shrink(inner):
+        unfinished = self.watchdog.forget(inner)  # the last ones issued (or fewer: unswept)
+        self._cut_short.update(list(self._recent)[-unfinished:] if unfinished else ())
+        if unfinished == 0 and retire and backends.can_shrink(inner):
             self._parent = Retired(inner, self.members, self._prefix)
         else:
             backends.discard(inner, [])
