@@ -15,8 +15,8 @@ from scripts.emulated_nccl_matrix import plan, problems_of, reference_key, refer
 
 pytestmark = pytest.mark.multiprocess
 
-# (1x1x4-distopt-k2-kill-gather drifts from the failure-free losses: open, see BENCHMARKS)
-IN_CI = ("1x2x2-kill-p2p",)
+# a (1,2,2) kill in p2p, and K = 2 killed in its weight all-gather (a survivor's torn weights)
+IN_CI = ("1x2x2-kill-p2p", "1x1x4-distopt-k2-kill-gather")
 CASES = {case[0]: case for case in plan(quick=False)}
 
 

@@ -29,7 +29,8 @@ class WeightGather:
                                for b in range(len(layout.buckets))]
         self._before: Callable[[], None] = lambda: None  # fault injection point
         self._overlap = False  # --overlap-param-gather: a step only starts the all-gathers
-        self._pending: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}  # by bucket
+        # by bucket: (the work, the gathered buffer, this rank's chunk, the group)
+        self._pending: dict[int, tuple[dist.Work | None, torch.Tensor, torch.Tensor, object]] = {}
         self._failure: PeerFailure | None = None
 
     def watch(self, before: Callable[[], None], overlap_with: torch.nn.Module | None) -> None:
@@ -49,7 +50,7 @@ class WeightGather:
 
     def start(self, chunks: Iterable[torch.Tensor], groups: Sequence) -> None:
         for b, mine in enumerate(chunks):
-            self._pending[b] = self.all_gather(mine, groups[b], async_op=True)
+            self._pending[b] = (*self.all_gather(mine, groups[b], async_op=True), mine, groups[b])
 
     def finish_bucket(self, b: int) -> None:
         """Wait for bucket b's all-gather, if one is under way, and take its weights."""
@@ -58,13 +59,18 @@ class WeightGather:
         entry = self._pending.pop(b, None)
         if entry is None:
             return
-        work, whole = entry
+        work, whole, mine, group = entry
         if work is not None:
             try:
                 work.wait()
             except PeerFailure as err:
                 self._failure = err
                 raise
+            # this rank's own range from what it sent, not from the gather's output: an aborted
+            # gather (NCCL: its wait had returned) leaves that half-written, and with fp32 weights
+            # the range is the optimizer's only copy of its main params, which a recovery keeps
+            at = group.rank() * mine.numel()
+            whole[at:at + mine.numel()].copy_(mine)
         s = self.layout.buckets[b][0]
         with torch.no_grad():
             for i in self._bucket_params[b]:
