@@ -173,7 +173,7 @@ class Coordinator:
                     self._restore(hello["rank"], hello.get("incarnation", 0), hello["rejoin"])
                 else:
                     self.state.on_register(hello["rank"], hello.get("incarnation", 0))
-                self.liveness.watch(hello["rank"])
+                self.liveness.watch(hello["rank"], float(hello.get("startup") or 0.0))
                 self.registered.add(hello["rank"])
                 self._beats_from(hello["rank"], hello.get("node"))
             if reason is None and hello["role"] == "launcher":

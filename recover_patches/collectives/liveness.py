@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from recover_patches.collectives.progress_marks import STARTING
+
 
 @dataclass
 class Seen:
@@ -30,6 +32,11 @@ class Seen:
     progress: str
     beat_at: float
     progress_at: float
+    startup: float = 0.0  # the silence allowed while its progress says it is starting
+
+    def allowed_silence(self, stall: float) -> float:
+        starting = not self.progress or self.progress.endswith(STARTING)
+        return max(stall, self.startup) if starting else stall
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,13 @@ class Liveness:
         self.waiters: dict[int, Waiter] = {}
         self.epoch = 0
 
-    def watch(self, rank: int) -> None:
-        """Start (or restart) watching `rank`, as if it had just beaten and moved."""
+    def watch(self, rank: int, startup: float = 0.0) -> None:
+        """Start (or restart) watching `rank`, as if it had just beaten and moved. Until its
+        progress stops saying it is starting (an iteration committed), a silence of up to
+        `startup` (--distributed-timeout-minutes) is no death: eight ranks importing on two
+        cores once held a launcher's node beats back 5 s, and every rank was declared dead."""
         now = self.clock()
-        self.seen[rank] = Seen("", "", now, now)
+        self.seen[rank] = Seen("", "", now, now, startup)
 
     def forget(self, rank: int) -> None:
         self.seen.pop(rank, None)
@@ -83,7 +93,7 @@ class Liveness:
     def silent(self) -> list[tuple[int, str]]:
         now = self.clock()
         return [(r, f"no heartbeat for {now - s.beat_at:.1f}s")
-                for r, s in self.seen.items() if now - s.beat_at > self.stall]
+                for r, s in self.seen.items() if now - s.beat_at > s.allowed_silence(self.stall)]
 
     def _current_waiters(self) -> dict[int, Waiter]:
         now = self.clock()

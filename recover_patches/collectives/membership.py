@@ -103,7 +103,8 @@ class MembershipClient:
         raw = P.connect(host, port, attempt or connect_timeout, source, attempt is not None)
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
                     self.timeouts.operation, rejoin,
-                    node=None if self._node_beats is None else self._node_beats.node)
+                    node=None if self._node_beats is None else self._node_beats.node,
+                    startup=self._answer_within)
         store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops,  # [U]:
                              BoundedCaller(self._answer_within, f"recover-store-{self.rank}"))
         store.answer_within(self._answer_within, raw)  # a cut link's operations end
@@ -156,7 +157,9 @@ class MembershipClient:
                    if env.get("RECOVER_COORDINATOR_FILE") else None)
 
     def settle(self) -> None:
-        """Start-up is over (an iteration committed): the store answers within T from now on."""
+        """Start-up is over (an iteration committed): the store answers within T from now on,
+        and the coordinator takes a silence of T + GRACE for a death again."""
+        self._progress.settle()
         if self._answer_within != self.timeouts.operation:
             self._answer_within = self.timeouts.operation
             self.store.answer_within(self._answer_within, self._store_client)

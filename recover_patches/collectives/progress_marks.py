@@ -8,6 +8,10 @@ class ProgressMarks:
     def __init__(self) -> None:
         self._marks, self._iteration = 0, 0
         self._where: tuple[int, str, int | None] = (0, "start", None)
+        self._starting = True  # until an iteration committed: start-up's longer bound applies
+
+    def settle(self) -> None:
+        self._starting = False
 
     def mark(self, epoch: int, where: str, iteration: int | None, microbatch: int | None) -> None:
         self._marks += 1
@@ -19,4 +23,8 @@ class ProgressMarks:
         """The heartbeat's text: it changes with every mark, only."""
         epoch, where, microbatch = self._where
         return (f"{self._marks} e{epoch} it{self._iteration} {where}"
-                + ("" if microbatch is None else f" mb{microbatch}"))
+                + ("" if microbatch is None else f" mb{microbatch}")
+                + (f" {STARTING}" if self._starting else ""))
+
+
+STARTING = "starting"  # the last word of a heartbeat's progress during start-up (`liveness.py`)

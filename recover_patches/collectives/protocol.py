@@ -159,13 +159,15 @@ def connect(host: str, port: int, timeout: float, source: str,
 def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
               incarnation: int = 0, standby: str | None = None,
               recover_timeout: float | None = None, rejoin: dict | None = None,
-              node: str | None = None) -> None:
+              node: str | None = None, startup: float | None = None) -> None:
     """Present the job token (and, for a process that started as a standby, its name; for a rank
     its --recover-timeout, `rejoin` = {epoch, record} when it registers again with a restarted
-    coordinator, and `node`: the launcher whose node beat carries its heartbeat, if any); raise
-    JobTokenRefused with the coordinator's reason if refused."""
+    coordinator, `node`: the launcher whose node beat carries its heartbeat, if any, and
+    `startup`: the silence allowed while it starts); raise JobTokenRefused with the
+    coordinator's reason if refused."""
     hello = {"digest": token_digest(token), "role": role, "rank": rank, "incarnation": incarnation,
-             "standby": standby, "timeout": recover_timeout, "rejoin": rejoin, "node": node}
+             "standby": standby, "timeout": recover_timeout, "rejoin": rejoin, "node": node,
+             "startup": startup}
     bounded = BoundedCaller(timeout + CONNECT_SLACK, "recover-connect")
     try:  # bounded as the connection is: a coordinator gone silent mid-handshake never answers
         reply = bounded(lambda: _hello(store, hello, timeout))

@@ -92,3 +92,25 @@ def test_timeouts_derive_from_the_one_knob():
         assert "--recover-timeout" in str(e)
     else:
         raise AssertionError("a timeout below 1 s was accepted")
+
+
+def test_start_up_is_allowed_its_own_bound_of_silence_until_an_iteration_committed():
+    """Eight ranks importing on two cores held a launcher's node beats back 5 s at start-up and
+    the coordinator declared every rank dead (T = 3 s). While a rank's progress says it is
+    starting, a silence up to its start-up bound (--distributed-timeout-minutes) is allowed;
+    once it committed an iteration (the marker gone), T + GRACE again. Control: rank 1 has
+    settled and falls silent at the same moment."""
+    from recover_patches.collectives.progress_marks import ProgressMarks
+    clock = Clock()
+    live = Liveness(5.0, 7.0, clock)
+    marks = {0: ProgressMarks(), 1: ProgressMarks()}
+    marks[1].settle()
+    for r in marks:
+        live.watch(r, startup=60.0)
+        marks[r].mark(0, "connect", 1, None)
+        live.observe(r, f"1 {marks[r].line()}")
+    assert marks[0].line().endswith("starting") and not marks[1].line().endswith("starting")
+    clock.now = 6.0  # both silent since 0
+    assert [r for r, _ in live.silent()] == [1]
+    clock.now = 61.0
+    assert [r for r, _ in live.silent()] == [0, 1]
