@@ -29,8 +29,8 @@ class WeightGather:
                                for b in range(len(layout.buckets))]
         self._before: Callable[[], None] = lambda: None  # fault injection point
         self._overlap = False  # --overlap-param-gather: a step only starts the all-gathers
-        # by bucket: (the work, the gathered buffer, this rank's chunk, the group)
-        self._pending: dict[int, tuple[dist.Work | None, torch.Tensor, torch.Tensor, object]] = {}
+        # by bucket: (the work, the gathered buffer, this rank's chunk, where it sits in it)
+        self._pending: dict[int, tuple[dist.Work | None, torch.Tensor, torch.Tensor, int]] = {}
         self._failure: PeerFailure | None = None
 
     def watch(self, before: Callable[[], None], overlap_with: torch.nn.Module | None) -> None:
@@ -50,7 +50,8 @@ class WeightGather:
 
     def start(self, chunks: Iterable[torch.Tensor], groups: Sequence) -> None:
         for b, mine in enumerate(chunks):
-            self._pending[b] = (*self.all_gather(mine, groups[b], async_op=True), mine, groups[b])
+            at = 0 if groups[b] is None else groups[b].rank() * mine.numel()
+            self._pending[b] = (*self.all_gather(mine, groups[b], async_op=True), mine, at)
 
     def finish_bucket(self, b: int) -> None:
         """Wait for bucket b's all-gather, if one is under way, and take its weights."""
@@ -59,7 +60,7 @@ class WeightGather:
         entry = self._pending.pop(b, None)
         if entry is None:
             return
-        work, whole, mine, group = entry
+        work, whole, mine, at = entry
         if work is not None:
             try:
                 work.wait()
@@ -69,7 +70,6 @@ class WeightGather:
             # this rank's own range from what it sent, not from the gather's output: an aborted
             # gather (NCCL: its wait had returned) leaves that half-written, and with fp32 weights
             # the range is the optimizer's only copy of its main params, which a recovery keeps
-            at = group.rank() * mine.numel()
             whole[at:at + mine.numel()].copy_(mine)
         s = self.layout.buckets[b][0]
         with torch.no_grad():
