@@ -254,7 +254,7 @@ class ParallelGroups:
         ends the meeting at once (its members leave: none would come)."""
         unit = self.topology.unit_ranks(self.coord.replica)
         return apply_all([(g, g.meet(epoch, g.members, key, fate=unit))
-                       for g in self.resilient_groups() if set(g.members) <= set(unit)])
+                          for g in self.resilient_groups() if set(g.members) <= set(unit)])
 
     def pg_collection(self) -> ProcessGroupCollection:
         pgs = ProcessGroupCollection()

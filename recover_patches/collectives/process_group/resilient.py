@@ -347,7 +347,7 @@ class ResilientProcessGroup(Operations):
             departures.announce(self.membership.store, self._prefix)
         # Set aside only an idle backend: a work in flight with a dead member never ends, and
         # the compute stream waits for it, so every host read would hang until the shrink (H200)
-        unfinished = self.watchdog.forget(inner)  # the last ones issued (or fewer: unswept)
+        unfinished = self.watchdog.forget(inner)  # the last ones issued that had not succeeded
         self._cut_short.update(list(self._recent)[-unfinished:] if unfinished else ())
         if unfinished == 0 and retire and backends.can_shrink(inner):
             self._parent = Retired(inner, self.members, self._prefix)
