@@ -16,7 +16,7 @@ class Executed(Protocol):
     ids: list[int]
     tokens: int
     loss_sum: Any  # a float, or a device tensor read once by the reduction
-    measures: Any  # None, or a device tensor summed over the ids (MoE's aux losses, [P])
+    measures: Any  # None, or a device tensor summed over the ids (MoE's auxiliary losses)
 
 class ReplicaStep(Protocol):
     """This rank's part of one replica, phase by phase, as the transaction drives it. Each
