@@ -51,7 +51,8 @@ def launch(out: Path, name: str, layout, iters: int, faults: list[str], timeout:
             *[a for f in faults for a in ("--inject-fault", f)]]
     start = time.monotonic()
     run = bounded_launch(tp * pp * dp * cp, args, run_dir / "metrics.jsonl", timeout=timeout,
-                         env={"NCCL_DEBUG": "INFO", "RECOVER_COUNT_SYNCS": str(run_dir)},
+                         env={"NCCL_DEBUG": "INFO", "RECOVER_COUNT_SYNCS": str(run_dir),
+                              "RECOVER_STACKS_BEFORE_FENCE": "1"},  # a declared rank's stacks
                          launcher_args=[],  # the coordinator on: in-job recovery
                          script=(str(REPO / "scripts/gpu/shared_gpu_rank.py"),
                                  str(REPO / "pretrain_gpt_recover.py")))
