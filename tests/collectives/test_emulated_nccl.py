@@ -27,9 +27,10 @@ def sync_opts():
     return opts
 
 
-def run_ranks(*bodies, store=None, rules: bool = True):
+def run_ranks(*bodies, store=None, rules: bool = True, one_process: bool = False):
     """Run body(rank, communicator, results) on a thread per rank; the communicators connect
-    first (collectively). Returns (results, communicators)."""
+    first (collectively). Each rank stands for a process (a driver lock of its own) unless
+    `one_process`. Returns (results, communicators)."""
     store = store or dist.HashStore()
     results: dict = {}
     comms: dict[int, EmulatedCommunicator] = {}
@@ -39,6 +40,8 @@ def run_ranks(*bodies, store=None, rules: bool = True):
         try:
             if rules:
                 host_reads.enter()
+            if not one_process:
+                streams.own_driver()
             comms[rank] = EmulatedCommunicator(dist.PrefixStore("c/", store), rank, len(bodies))
             comms[rank].eager_connect_single_device()
             bodies[rank](rank, comms[rank], results)
@@ -333,8 +336,8 @@ def test_destroying_an_event_waits_while_another_thread_waits_in_a_host_read():
         comm.allreduce([torch.ones(1)], sync_opts())  # the read can end: so can the destroy
         other.join(BOUND)
         out["destroyed"] = time.monotonic()
-    threads, out, _, errors = run_ranks(reader, late)
+    threads, out, _, errors = run_ranks(reader, late, one_process=True)
     join(threads, errors)
     assert out["destroy blocked"] and out["destroyed"] >= out["read"] - 0.05
     destroy_one()  # control: no thread waits in a read
-    assert destroyed[-1] < 0.1 and streams.DRIVER.synchronizing_threads() == 0
+    assert destroyed[-1] < 0.1 and streams.driver().synchronizing_threads() == 0

@@ -283,6 +283,49 @@ def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_co
         shut(groups)
 
 
+def test_a_survivor_reading_behind_an_asynchronous_collective_is_released_by_the_epoch():
+    """Found on an H200 (a (2,2,2) job, the DP partner of a killed rank): the training thread
+    read the reduction's tail behind an asynchronous all-reduce stuck on the dead member. The
+    epoch watcher, ending that backend, let go of the group's reference to the work, and the
+    watchdog of another finished one: destroying a WorkNCCL destroys its future's CUDA events,
+    and both threads waited for the driver's lock the read held. No abort came; the rank was
+    declared stuck and the job lost it. A work is let go of on the thread that issued it."""
+    from recover_patches.collectives import emulated_nccl
+    from recover_patches.collectives.emulated_nccl import host_reads
+
+    world, watchdog = FakeWorld(), Watchdog(background=False)
+    groups = build_together(world, "dp.tp0.stage1", [(0, 1)] * 2, watchdog=watchdog,
+                            backend=emulated_nccl.install(host_thread=False), timeout=60.0)
+    communicator = groups[0]._inner
+    issued, out = threading.Event(), {}
+
+    def survivor() -> None:
+        host_reads.enter()
+        reduced = torch.ones(1)
+        handle = dist.all_reduce(reduced, group=groups[0], async_op=True)  # member 1 never posts
+        handle.wait()  # the stream waits; the host goes on
+        del handle  # the training loop keeps no handle: the group and the watchdog hold the work
+        issued.set()
+        start = time.monotonic()
+        reduced.tolist()
+        out["read took"] = time.monotonic() - start
+    reader = threading.Thread(target=survivor, daemon=True)
+    reader.start()
+    try:
+        assert issued.wait(5.0)
+        time.sleep(0.3)  # inside the read's synchronize
+        verdict = threading.Thread(target=world.declare_dead, args=({1},), daemon=True)
+        verdict.start()
+        verdict.join(5.0)
+        reader.join(5.0)
+        assert not verdict.is_alive(), "the epoch watcher is stuck letting go of the work"
+        assert not reader.is_alive() and out["read took"] < 5.0
+    finally:
+        if reader.is_alive():
+            communicator.abort()
+        shut(groups)
+
+
 def test_a_meeting_ends_at_once_when_an_epoch_kills_a_rank_of_its_fate():
     """A replica's members mend its groups before rolling forward; a member whose replica broke
     leaves instead, so one still meeting would wait the build bound (60 s in a (2,2,2) job under

@@ -73,10 +73,12 @@ def _memory(tensors) -> list:
 
 
 class EmulatedWork:
-    """The work of an asynchronous operation."""
+    """The work of an asynchronous operation. It holds a CUDA event, as WorkNCCL's future does:
+    letting go of the last reference destroys it, under the driver's lock (`streams.Event`)."""
 
     def __init__(self, op: DeviceOp):
         self._op = op
+        self._future_event = streams.Event([op])
 
     def is_completed(self) -> bool:
         return self._op.finished.is_set()

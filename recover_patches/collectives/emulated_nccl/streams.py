@@ -9,9 +9,10 @@ decides *when* things happen (the data moves in `communicator.py`).
     it without waiting -- synchronous collectives and `work.wait()` -- and a host read
     (`host_read()`) blocks the thread until every one of them finished, as `.item()` does after
     a stuck NCCL kernel. `event()` is a CUDA event recorded on it.
-  * The driver's context lock (`DRIVER`): a host read waiting on the device holds it, and
-    destroying an event on another thread waits until that read returns, as cudaEventDestroy
-    waited for cudaStreamSynchronize on an H200 (torch 2.11, driver 580).
+  * The driver's context lock (`driver()`, one per process): a host read waiting on the device
+    holds it, and destroying an event on another thread waits until that read returns, as
+    cudaEventDestroy waited for cudaStreamSynchronize on an H200 (torch 2.11, driver 580).
+    Tests that run several ranks as threads of one process give each its own (`own_driver()`).
   * Single-queue mode (CUDA_DEVICE_MAX_CONNECTIONS=1): every stream of the process feeds one
     hardware queue, so an operation waits for everything queued before it on *any* stream.
 """
@@ -156,7 +157,18 @@ class DriverLock:
             return len(self._syncing)
 
 
-DRIVER = DriverLock()
+DRIVER = DriverLock()  # the process's
+
+
+def driver() -> DriverLock:
+    """The calling thread's driver lock: the process's, unless `own_driver()` gave it one."""
+    return getattr(_local, "driver", None) or DRIVER
+
+
+def own_driver() -> None:
+    """The calling thread stands for a process of its own (a rank, in a test that runs ranks as
+    threads): its reads hold, and its events wait for, a driver lock no other rank shares."""
+    _local.driver = DriverLock()
 
 
 class Event:
@@ -164,18 +176,17 @@ class Event:
     point it was recorded at; its destruction (the last reference let go) takes the driver's
     lock, as cudaEventDestroy does."""
 
-    __slots__ = ("_marks",)
+    __slots__ = ("_marks", "_driver")
 
     def __init__(self, marks: list[DeviceOp]):
-        self._marks = marks
+        self._marks, self._driver = marks, driver()  # the context it was created in
 
     def query(self) -> bool:
         return all(op.finished.is_set() for op in self._marks)
 
     def __del__(self) -> None:
-        driver = DRIVER  # None at interpreter shutdown
-        if driver is not None:
-            driver.destroy_event()
+        if DRIVER is not None:  # None at interpreter shutdown
+            self._driver.destroy_event()
 
 
 class ComputeStream:
@@ -203,7 +214,7 @@ class ComputeStream:
         the driver's lock while it waits."""
         if not self.snapshot():
             return
-        with DRIVER.synchronizing():
+        with driver().synchronizing():
             while self.pending:
                 self.pending[0].finished.wait()
                 self.pending.pop(0)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PythonCallbackWork
 from torch.distributed.distributed_c10d import GroupName
 
-from recover_patches.collectives import backends, rendezvous
+from recover_patches.collectives import backends, device_events, rendezvous
 from recover_patches.collectives.rendezvous import Regroup, Retired
 from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
 from recover_patches.collectives.process_group import departures, registry
@@ -231,6 +231,8 @@ class ResilientProcessGroup(Operations):
             work = start(inner) or self._kind.stream_work()
         except RuntimeError as e:
             raise self._fail(op, str(e), peer) from e
+        if not self.host_waits:  # the watchdog and the epoch watcher let go of it: destroyed here
+            work = device_events.owned(work)
         if not self.host_waits:  # one lane per stream: collectives, and p2p per peer
             self.watchdog.track(inner, work, self.timeout,
                                 lambda reason: self._expire(inner, op, peer, reason),
