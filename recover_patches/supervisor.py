@@ -6,13 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import select
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from recover_patches.collectives import stacks
 from recover_patches.collectives.node_beats import NodeBeatRelay
 
 logger = logging.getLogger(__name__)
@@ -200,28 +199,8 @@ class Supervisor:
             if dead.get(r.rank, -1) >= r.incarnation and (r.rank, r.incarnation) not in self.fenced:
                 self.fenced.add((r.rank, r.incarnation))
                 logger.info(f"{r.name} declared dead by the coordinator: SIGKILL")
-                if os.environ.get("RECOVER_STACKS_BEFORE_FENCE"):
-                    _dump_stacks(r)
+                stacks.of_rank(r.pid, f"{r.name} before its fence")
                 os.kill(r.pid, signal.SIGKILL)
-
-
-def _dump_stacks(r: Rank) -> None:
-    """Diagnosis (RECOVER_STACKS_BEFORE_FENCE=1, the GPU harness): a rank declared stuck may be
-    healthy and only blocked, and once SIGKILLed its stacks are gone. Its Python stacks go to its
-    stderr (faulthandler on SIGUSR2), its native ones to this log where `py-spy` is on the PATH.
-    A stopped rank takes the SIGUSR2 only if continued, and py-spy still reads it."""
-    try:
-        os.kill(r.pid, signal.SIGUSR2)
-    except ProcessLookupError:
-        return
-    if shutil.which("py-spy"):
-        try:
-            dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(r.pid)],
-                                  timeout=20, capture_output=True, text=True)
-            logger.info(f"{r.name}'s stacks before its fence:\n{dump.stdout}{dump.stderr}")
-        except subprocess.TimeoutExpired:
-            logger.info(f"{r.name}'s stacks: py-spy took over 20 s")
-    time.sleep(1.0)  # the faulthandler's write
 
 
 def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from recover_patches.collectives import stacks
 from recover_patches.collectives import protocol as P
 from recover_patches.collectives.bounded_call import BoundedCaller
 from recover_patches.collectives.counted_store import CountedStore, OpCounter
@@ -394,4 +395,5 @@ class MembershipClient:
                 or taken != self.incarnation:  # another process of this slot re-forms its replica
             # Fenced: the job moved on without us. Going on could only corrupt its state.
             logger.error(f"rank {self.rank} was declared dead in epoch {epoch}: exiting")
+            stacks.of_self(f"rank {self.rank}, declared dead")
             os._exit(1)
