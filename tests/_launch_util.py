@@ -85,22 +85,25 @@ def base_env() -> dict[str, str]:
 
 def dump_stacks(pgid: int, wait: float = 3.0) -> str:
     """Every thread's Python stack of each rank in the launcher's process group, into the rank's
-    stderr (faulthandler on SIGUSR2); returned, each rank's native stacks where `py-spy` is on
-    the PATH."""
-    ranks = []
+    stderr (faulthandler on SIGUSR2); returned, the native stacks of every process of the group
+    (the launcher and its coordinator too) where `py-spy` is on the PATH."""
+    ranks, group = [], []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            pid = int(stat.parent.name)  # not the launcher: the group's leader, no handler
-            if int(fields[2]) == pgid and pid != pgid and b"pretrain_gpt_recover" in \
-                    (stat.parent / "cmdline").read_bytes():
-                ranks.append(pid)
+            pid = int(stat.parent.name)
+            if int(fields[2]) != pgid:
+                continue
+            group.append(pid)  # the launcher and its coordinator too: a hang at exit is theirs
+            if pid != pgid and b"pretrain_gpt_recover" in (stat.parent / "cmdline").read_bytes():
+                ranks.append(pid)  # (not the launcher: the group's leader, no handler)
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
     native = []
     for pid in ranks:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR2)
+    for pid in sorted(group):
         if shutil.which("py-spy"):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 native.append(subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],

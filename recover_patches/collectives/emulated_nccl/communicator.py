@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 # start-up's bound use it); once per process
 FIRST_CONNECT_ENV = "RECOVER_EMULATE_NCCL_FIRST_CONNECT_SECONDS"
 _first_connect = threading.Lock()
+# How a lost member shows (docs/NCCL.md 8.1): "silent" (default; IB, NVLink): its operations
+# just never finish; "socket" (NCCL over sockets, as on the shared-GPU harness): they also read
+# as failed at once, with REMOTE_ERROR, while the stream behind them stays stuck until the abort
+TRANSPORT_ENV = "RECOVER_EMULATE_NCCL_TRANSPORT"
 INIT_TIMEOUT = timedelta(seconds=60)  # = TORCH_NCCL_NONBLOCKING_TIMEOUT under ReCoVer
 FOREVER = timedelta(days=1)  # an NCCL operation has no timeout of its own
 SUCCESS, COMM_ERROR = 0, 2  # WorkResult's integers, as ProcessGroupNCCL's future holds them
@@ -61,10 +65,11 @@ class ResultFuture:
         self._op = op
 
     def done(self) -> bool:
-        return self._op.published()
+        return self._op.published() or self._op.remote_error is not None
 
     def value(self) -> int:
-        return SUCCESS if self._op.failure is None else COMM_ERROR
+        op = self._op
+        return SUCCESS if op.failure is None and op.remote_error is None else COMM_ERROR
 
 
 def _memory(tensors) -> list:
@@ -80,14 +85,15 @@ class EmulatedWork:
         self._op = op
         self._future_event = streams.Event([op])
 
-    def is_completed(self) -> bool:
-        return self._op.finished.is_set()
+    def is_completed(self) -> bool:  # WorkNCCL's: its kernel ended, or its communicator failed
+        return self._op.finished.is_set() or self._op.remote_error is not None
 
     def get_future_result(self) -> ResultFuture:
         return ResultFuture(self._op)
 
     def exception(self):
-        return None if self._op.failure is None else RuntimeError(self._op.failure)
+        error = self._op.failure or self._op.remote_error
+        return None if error is None else RuntimeError(error)
 
     def wait(self, timeout=None) -> bool:
         """The current stream waits for it; the host goes on."""
@@ -107,6 +113,7 @@ class EmulatedCommunicator:
         self._streams: dict[int | None, streams.Stream] = {}
         self._pairs: dict[tuple[int, int], Gloo] = {}  # p2p, one per direction
         self.extra_communicators = 0  # made by an eager connect of a connected backend
+        self._reports_remote_errors = os.environ.get(TRANSPORT_ENV, "silent") == "socket"
 
     # --- what ReCoVer's layer 1 asks of a backend ----------------------------------------
     supports_shrinking = True  # ncclCommShrink (NCCL >= 2.27)
@@ -247,6 +254,9 @@ class EmulatedCommunicator:
             if not self._wait(op, work):
                 return  # aborted meanwhile
         except Exception:  # noqa: BLE001 -- a transport error is a member gone: stuck
+            if self._reports_remote_errors:  # at once, the kernel still stuck (`DeviceOp.report`)
+                self._error = ErrorType.REMOTE_ERROR
+                op.report("NCCL error: remote process exited or there was a network error")
             return self._stuck(op, "the transport failed")
         op.finish()
 

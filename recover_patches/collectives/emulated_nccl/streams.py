@@ -44,6 +44,7 @@ class DeviceOp:
         self.wake = threading.Event()  # set by the transport's completion or by an abort
         self.failure: str | None = None
         self.finished_at: float | None = None
+        self.remote_error: str | None = None  # reported while the stream stays stuck (`report`)
 
     def run(self) -> None:
         """On the stream's worker, once: the transport (unless an abort ended it first). The
@@ -60,6 +61,13 @@ class DeviceOp:
         self.failure, self.finished_at = failure, time.monotonic()
         self.finished.set()
         self.wake.set()
+
+    def report(self, error: str) -> None:
+        """The transport lost a member (NCCL over sockets: "Connection closed by remote peer"):
+        the work reads as failed at once, as torch's watchdog marks it from the communicator's
+        async error, but the kernel -- and the stream behind it -- waits for the abort, as an
+        H200's host read did behind an all-reduce whose peer had exited."""
+        self.remote_error = error
 
     def published(self) -> bool:
         return self.finished_at is not None and \
