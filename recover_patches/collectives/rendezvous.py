@@ -39,11 +39,16 @@ class MembersMissing(Exception):
 
 def meet(store, prefix: str, me: int, members: Sequence[int], timeout: float, *,
          dirty: bool = True, parent: str | None = None,
-         newer_epoch: Callable[[], bool] = lambda: False) -> Meeting:
+         newer_epoch: Callable[[], bool] = lambda: False, issued: int = 0) -> Meeting:
     """Count in at `prefix` and wait for every member. `dirty`: this member cannot keep the
-    backend. `parent`: the rendezvous prefix of a retired backend this member could shrink."""
+    backend. `parent`: the rendezvous prefix of a retired backend this member could shrink.
+    `issued`: operations this member issued on the backend; a backend is kept only if every
+    member issued as many (NCCL matches by order: one extra operation on one member, cut short
+    or taken on a path the others did not take, would pair every later one wrongly)."""
     if dirty:  # before the count: whoever sees the count complete sees the flag too
         store.set(f"{prefix}dirty", "1")
+    else:
+        store.add(f"{prefix}issued/{issued}", 1)
     if parent is not None:
         store.add(f"{prefix}parent/{parent}", 1)
     store.set(f"{prefix}arrived/{me}", "1")
@@ -60,7 +65,8 @@ def meet(store, prefix: str, me: int, members: Sequence[int], timeout: float, *,
                                  timeout)
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
-    rebuild = dirty or store.check([f"{prefix}dirty"])
+    rebuild = dirty or store.check([f"{prefix}dirty"]) or \
+        store.add(f"{prefix}issued/{issued}", 0) != len(members)
     shrink = rebuild and parent is not None and \
         store.add(f"{prefix}parent/{parent}", 0) == len(members)
     return Meeting(rebuild, shrink)

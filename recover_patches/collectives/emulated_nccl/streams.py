@@ -29,6 +29,7 @@ from contextlib import contextmanager
 # How long after an operation finished its result becomes readable (ProcessGroupNCCL's watchdog
 # publishes WorkResult on its next loop, up to 100 ms later; a short delay keeps the rule visible)
 PUBLISH_DELAY = 0.005
+WORKER_PREFIX = "emulated-nccl-"  # the stream workers' thread names
 
 
 class DeviceOp:
@@ -113,10 +114,10 @@ class Stream:
         if single_queue():
             with _shared_lock:
                 if _shared is None:
-                    _shared = _Queue("emulated-nccl-queue")
+                    _shared = _Queue(f"{WORKER_PREFIX}queue")
             self._queue = _shared
         else:
-            self._queue = _Queue(f"emulated-nccl-{name}")
+            self._queue = _Queue(f"{WORKER_PREFIX}{name}")
 
     def enqueue(self, op: DeviceOp) -> None:
         self._queue.put(op)
@@ -155,7 +156,14 @@ class DriverLock:
                 self._cond.notify_all()
 
     def destroy_event(self) -> None:
-        """Blocks while another thread synchronizes (unbounded, as the driver's lock)."""
+        """Blocks while another thread synchronizes (unbounded, as the driver's lock). Not on the
+        emulation's own threads, which stand for the device and NCCL's internals, not the host:
+        its stream workers, and gloo's C++ threads running its completion callbacks (Python's
+        garbage collector ran there and freed a work's event: that thread, waiting, kept every
+        later operation of its communicator from completing, on one member only)."""
+        thread = threading.current_thread()
+        if isinstance(thread, threading._DummyThread) or thread.name.startswith(WORKER_PREFIX):
+            return
         me = threading.get_ident()
         with self._cond:
             self._cond.wait_for(lambda: not set(self._syncing) - {me})

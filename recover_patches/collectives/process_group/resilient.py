@@ -64,6 +64,7 @@ class ResilientProcessGroup(Operations):
         # waits had returned, and what ran after them read what the abort left): `broke`
         self._recent: deque[str] = deque(maxlen=64)
         self._cut_short: set[str] = set()
+        self._sequence = 0  # operations issued on the backend (NCCL's SeqNum), named on a failure
         self._attempts: dict[tuple[int, str], int] = {}
         self._prefix = ""  # the rendezvous that built the backend: names it to every member
         self._left = departures.probe(membership.store, "")  # its departures (one per backend)
@@ -157,7 +158,7 @@ class ResilientProcessGroup(Operations):
         try:
             meeting = rendezvous.meet(
                 self.membership.store, prefix, self.membership.rank, members, self.build_timeout,
-                dirty=dirty, parent=parent,
+                dirty=dirty, parent=parent, issued=self._sequence,
                 newer_epoch=lambda: self._kills_a_member(epoch, watched))
         except rendezvous.NewerEpoch:  # nothing is decided: a clean backend stays clean
             raise PeerFailure(epoch, self.membership.dead_ranks() - dead, f"{self.label}.rebuild",
@@ -192,7 +193,7 @@ class ResilientProcessGroup(Operations):
         with self._cond:
             self._inner, self._failure, self._latched = inner, None, None
             self.members, self._prefix = plan.members, plan.prefix
-            self._cut_short = set()
+            self._cut_short, self._sequence = set(), 0
             self._left = departures.probe(self.membership.store, plan.prefix)
         self._register()
         if self._kills_a_member(plan.epoch, plan.members):  # while we were connecting
@@ -227,15 +228,15 @@ class ResilientProcessGroup(Operations):
             raise self._fail(op, "the group's epoch is over", peer)
         ready = None if self.host_waits else self._kind.ready_probe()
         self._recent.append(op)
+        self._sequence += 1
         try:  # no work: it ran in stream order (NCCL, async_op=False); watch the stream instead
             work = start(inner) or self._kind.stream_work()
         except RuntimeError as e:
             raise self._fail(op, str(e), peer) from e
-        if not self.host_waits:  # the watchdog and the epoch watcher let go of it: destroyed here
-            work = device_events.owned(work)
-        if not self.host_waits:  # one lane per stream: collectives, and p2p per peer
-            self.watchdog.track(inner, work, self.timeout,
-                                lambda reason: self._expire(inner, op, peer, reason),
+        if not self.host_waits:  # one lane per stream: collectives, and p2p per peer; the work
+            work = device_events.owned(work)  # is destroyed on this thread, not the watchdog's
+            self.watchdog.track(inner, work, self.timeout, lambda reason, n=self._sequence:
+                                self._expire(inner, op, peer, f"{reason} (operation {n})"),
                                 lane=peer, ready=ready, left=self._left)
         issued = _Op(work)
         del work
