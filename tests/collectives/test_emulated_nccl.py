@@ -341,3 +341,41 @@ def test_destroying_an_event_waits_while_another_thread_waits_in_a_host_read():
     assert out["destroy blocked"] and out["destroyed"] >= out["read"] - 0.05
     destroy_one()  # control: no thread waits in a read
     assert destroyed[-1] < 0.1 and streams.driver().synchronizing_threads() == 0
+
+
+def test_the_emulations_own_threads_destroy_events_without_waiting_for_the_driver():
+    """The stream workers and gloo's callback threads stand for the device and NCCL, not the
+    host: the garbage collector, run on gloo's thread, freed a work's event there and waited
+    for a host read, and that communicator's later operations never completed on that member.
+    Control: a thread of the host's (the epoch watcher's kind) still waits."""
+    waited: dict[str, float] = {}
+
+    def destroy_on(name: str) -> None:
+        event = streams.Event([])  # made on the reading thread's side: a work's, say
+        def drop() -> None:
+            nonlocal event
+            start = time.monotonic()
+            del event
+            waited[name] = time.monotonic() - start
+        thread = threading.Thread(target=drop, name=name, daemon=True)
+        thread.start()
+        thread.join(0.5)
+
+    def reader(rank, comm, out):
+        t = torch.ones(1)
+        comm.allreduce([t], sync_opts())  # member 1 posts only after the destroys were tried
+        out["reading"] = True
+        t.tolist()
+
+    def late(rank, comm, out):
+        while not out.get("reading"):
+            time.sleep(0.01)
+        time.sleep(0.2)  # the reader is inside its synchronize
+        destroy_on(f"{streams.WORKER_PREFIX}r0-None")
+        destroy_on("recover-membership")
+        out["host thread waited"] = "recover-membership" not in waited
+        comm.allreduce([torch.ones(1)], sync_opts())
+    threads, out, _, errors = run_ranks(reader, late, one_process=True)
+    join(threads, errors)
+    assert waited[f"{streams.WORKER_PREFIX}r0-None"] < 0.1
+    assert out["host thread waited"]

@@ -60,6 +60,30 @@ def test_a_clean_group_is_kept_and_one_dirty_member_makes_every_member_rebuild()
         shut(groups)
 
 
+def test_a_backend_is_kept_only_if_every_member_issued_as_many_operations_on_it():
+    """NCCL matches operations by order, and a wait returns at once: a member that issued (and
+    waited for) one operation the others never issued leaves no trace but its count. Kept,
+    that backend would pair every later operation wrongly; the meeting compares the counts."""
+    from recover_patches.collectives import emulated_nccl
+    from recover_patches.collectives.emulated_nccl import host_reads
+
+    world = FakeWorld()
+    groups = build_together(world, "tp.replica0.stage0", [(0, 1)] * 2,
+                            backend=emulated_nccl.install(host_thread=False), timeout=60.0)
+    try:
+        def one_more() -> None:
+            host_reads.enter()
+            dist.all_reduce(torch.ones(1), group=groups[0], async_op=True).wait()
+        extra = threading.Thread(target=one_more, daemon=True)
+        extra.start()
+        extra.join(5.0)
+        assert not groups[0].dirty  # waited for: nothing else tells
+        assert regroup_all(groups, 0, (0, 1), "recover/1") == ["rebuilt", "rebuilt"]
+        assert regroup_all(groups, 0, (0, 1), "recover/2") == ["kept", "kept"]  # control
+    finally:
+        shut(groups)
+
+
 def test_an_operation_issued_and_not_waited_makes_the_group_dirty():
     world = FakeWorld()
     groups = build_together(world, "pp.replica0.tp0", [(0, 1), (0, 1)], backend="gloo")
