@@ -234,7 +234,7 @@ class ResilientProcessGroup(Operations):
         except RuntimeError as e:
             raise self._fail(op, str(e), peer) from e
         if not self.host_waits:  # one lane per stream: collectives, and p2p per peer; the work
-            work = device_events.owned(work)  # is destroyed on this thread, not the watchdog's
+            work = None if work is None else device_events.owned(work)  # dies on this thread
             self.watchdog.track(inner, work, self.timeout, lambda reason, n=self._sequence:
                                 self._expire(inner, op, peer, f"{reason} (operation {n})"),
                                 lane=peer, ready=ready, left=self._left)
