@@ -35,6 +35,16 @@ def _logging_as_pytest_found_it():
         logger.propagate = True
 
 
+@pytest.fixture(autouse=True)
+def _a_driver_lock_of_its_own():
+    """The emulated NCCL's driver lock is the process's, and every test here shares the process:
+    each test is a process of its own to the emulation, so no thread a test left waiting in a
+    host read can hold a later test's destructors."""
+    from recover_patches.collectives.emulated_nccl import streams
+    streams.DRIVER = streams.DriverLock()
+    yield
+
+
 @pytest.fixture(scope="module")
 def one_rank_group(tmp_path_factory):
     """A 1-rank gloo default group for the module (in-process save/load: their barriers and DCP

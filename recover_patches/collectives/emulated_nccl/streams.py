@@ -18,6 +18,7 @@ decides *when* things happen (the data moves in `communicator.py`).
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import queue
@@ -162,8 +163,9 @@ class DriverLock:
         garbage collector ran there and freed a work's event: that thread, waiting, kept every
         later operation of its communicator from completing, on one member only)."""
         thread = threading.current_thread()
-        if isinstance(thread, threading._DummyThread) or thread.name.startswith(WORKER_PREFIX):
-            return
+        if isinstance(thread, threading._DummyThread) or thread.name.startswith(WORKER_PREFIX) \
+                or getattr(_local, "collecting", False):  # nor the garbage collector's frees:
+            return  # cycles of the emulation's own objects, freed under any lock of any thread
         me = threading.get_ident()
         with self._cond:
             self._cond.wait_for(lambda: not set(self._syncing) - {me})
@@ -237,6 +239,13 @@ class ComputeStream:
 
 
 _local = threading.local()
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    _local.collecting = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
 
 
 def current() -> ComputeStream:
