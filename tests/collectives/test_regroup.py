@@ -266,16 +266,14 @@ def test_torch_can_list_a_resilient_groups_configuration():
     assert not any(g in registry for g in groups)
 
 
-def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_collective():
-    """Found on an H200 (a (1,2,2) job, a rank stopped in the DP reduction; emulated here with
-    the driver's lock): the training thread waited in a host read for an all-reduce stuck on
-    the stopped member. The epoch watcher, ending that backend, first let go of the watchdog's
-    event of the all-reduce, and cudaEventDestroy waited for the lock the read held: the abort
-    that would have ended the read never came, and the rank hung with its training done."""
+def _a_read_behind_a_stuck_all_reduce_is_released_by_the_epoch(issue) -> None:
+    """A survivor issues an all-reduce member 1 never joins (`issue(tensor, group)`), then
+    reads the result on the host; the epoch declaring member 1 dead must end the backend and
+    release the read. A watchdog of its own, swept by no thread: the epoch watcher holds the
+    last references to what the survivor issued."""
     from recover_patches.collectives import emulated_nccl
     from recover_patches.collectives.emulated_nccl import host_reads
 
-    # a watchdog of its own, swept by no thread: the epoch watcher holds the last references
     world, watchdog = FakeWorld(), Watchdog(background=False)
     groups = build_together(world, "dp.tp0.stage1", [(0, 1)] * 2, watchdog=watchdog,
                             backend=emulated_nccl.install(host_thread=False), timeout=60.0)
@@ -285,7 +283,7 @@ def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_co
     def survivor() -> None:
         host_reads.enter()
         reduced = torch.ones(1)
-        dist.all_reduce(reduced, group=groups[0])  # member 1 never posts its side
+        issue(reduced, groups[0])
         issued.set()
         start = time.monotonic()
         reduced.tolist()  # a host read: it waits until the stuck all-reduce ends
@@ -307,6 +305,16 @@ def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_co
         shut(groups)
 
 
+def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_collective():
+    """Found on an H200 (a (1,2,2) job, a rank stopped in the DP reduction; emulated here with
+    the driver's lock): the training thread waited in a host read for an all-reduce stuck on
+    the stopped member. The epoch watcher, ending that backend, first let go of the watchdog's
+    event of the all-reduce, and cudaEventDestroy waited for the lock the read held: the abort
+    that would have ended the read never came, and the rank hung with its training done."""
+    _a_read_behind_a_stuck_all_reduce_is_released_by_the_epoch(
+        lambda t, group: dist.all_reduce(t, group=group))
+
+
 def test_a_survivor_reading_behind_an_asynchronous_collective_is_released_by_the_epoch():
     """Found on an H200 (a (2,2,2) job, the DP partner of a killed rank): the training thread
     read the reduction's tail behind an asynchronous all-reduce stuck on the dead member. The
@@ -314,40 +322,9 @@ def test_a_survivor_reading_behind_an_asynchronous_collective_is_released_by_the
     watchdog of another finished one: destroying a WorkNCCL destroys its future's CUDA events,
     and both threads waited for the driver's lock the read held. No abort came; the rank was
     declared stuck and the job lost it. A work is let go of on the thread that issued it."""
-    from recover_patches.collectives import emulated_nccl
-    from recover_patches.collectives.emulated_nccl import host_reads
-
-    world, watchdog = FakeWorld(), Watchdog(background=False)
-    groups = build_together(world, "dp.tp0.stage1", [(0, 1)] * 2, watchdog=watchdog,
-                            backend=emulated_nccl.install(host_thread=False), timeout=60.0)
-    communicator = groups[0]._inner
-    issued, out = threading.Event(), {}
-
-    def survivor() -> None:
-        host_reads.enter()
-        reduced = torch.ones(1)
-        handle = dist.all_reduce(reduced, group=groups[0], async_op=True)  # member 1 never posts
-        handle.wait()  # the stream waits; the host goes on
-        del handle  # the training loop keeps no handle: the group and the watchdog hold the work
-        issued.set()
-        start = time.monotonic()
-        reduced.tolist()
-        out["read took"] = time.monotonic() - start
-    reader = threading.Thread(target=survivor, daemon=True)
-    reader.start()
-    try:
-        assert issued.wait(5.0)
-        time.sleep(0.3)  # inside the read's synchronize
-        verdict = threading.Thread(target=world.declare_dead, args=({1},), daemon=True)
-        verdict.start()
-        verdict.join(5.0)
-        reader.join(5.0)
-        assert not verdict.is_alive(), "the epoch watcher is stuck letting go of the work"
-        assert not reader.is_alive() and out["read took"] < 5.0
-    finally:
-        if reader.is_alive():
-            communicator.abort()
-        shut(groups)
+    def issue(t, group) -> None:  # the stream waits, the host goes on, and no handle is kept:
+        dist.all_reduce(t, group=group, async_op=True).wait()  # the group and watchdog hold it
+    _a_read_behind_a_stuck_all_reduce_is_released_by_the_epoch(issue)
 
 
 def test_a_meeting_ends_at_once_when_an_epoch_kills_a_rank_of_its_fate():
