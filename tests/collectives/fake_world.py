@@ -4,8 +4,8 @@ regroup logic of ResilientProcessGroup runs between real members without startin
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
@@ -86,11 +86,36 @@ class FakeMembership:
 
 
 def together(calls: Sequence, timeout: float = 20.0) -> list:
-    """Run one call per member at once (each member is a thread); their results, in order.
-    The first exception is raised after all calls ended."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [f.result(timeout) for f in futures]
+    """Run one call per member at once, each on a thread of its own; their results, in order.
+    The first exception is raised after all calls ended; TimeoutError if one has not ended
+    within `timeout` seconds.
+
+    A thread of its own, never a pool's: a rank's thread is its compute stream under the
+    emulated NCCL, and a pool thread done with one member's asynchronous call took the next
+    member's, queueing that member's collective behind the first one's on one stream: the two
+    waited for each other (the suite's "swept_down_to(0)" failure)."""
+    results: list = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as error:  # noqa: BLE001 -- handed to the caller
+            errors[i] = error
+    threads = [threading.Thread(target=run, args=(i,), name=f"member-{i}", daemon=True)
+               for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in threads):
+        raise TimeoutError(f"{sum(t.is_alive() for t in threads)} of {len(calls)} calls had "
+                           f"not ended after {timeout:g}s")
+    first = next((error for error in errors if error is not None), None)
+    if first is not None:
+        raise first
+    return results
 
 
 def build_together(world: FakeWorld, name: str, members_of: Sequence[Sequence[int]], *,

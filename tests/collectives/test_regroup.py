@@ -379,3 +379,12 @@ def test_a_break_names_the_operations_it_cut_short_until_the_rebuild():
         assert not groups[0].broke("allgather")  # a new backend: nothing cut short yet
     finally:
         shut(groups)
+
+
+def test_together_runs_each_member_on_a_thread_of_its_own():
+    """A member's thread is its compute stream under the emulated NCCL: two members sharing one
+    queue each other's collectives on it and wait for each other. Calls that return at once
+    are the case a thread pool served on fewer threads than members."""
+    for _ in range(20):
+        threads = together([threading.current_thread] * 3)  # held: no id is reused
+        assert len({id(thread) for thread in threads}) == 3
