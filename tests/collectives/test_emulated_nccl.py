@@ -379,3 +379,35 @@ def test_the_emulations_own_threads_destroy_events_without_waiting_for_the_drive
     join(threads, errors)
     assert waited[f"{streams.WORKER_PREFIX}r0-None"] < 0.1
     assert out["host thread waited"]
+
+
+def test_a_closed_streams_worker_ends_its_operation_before_the_process_exits(tmp_path):
+    """A daemon thread still running when Python finalizes is ended wherever it next takes the
+    GIL -- inside a gloo work's destructor it aborted the process (status 134) after a run that
+    passed. So the exit waits, bounded, for the workers of closed streams. Control: the same
+    operation on a stream never closed is cut off by the exit."""
+    import subprocess
+    import sys
+    script = """
+import sys, threading, time
+from recover_patches.collectives.emulated_nccl import streams
+started = threading.Event()
+def slow(op):
+    started.set()
+    time.sleep(0.5)
+    open(sys.argv[1], "w").write("ended")
+    op.finish()
+stream = streams.Stream("exit-test")
+stream.enqueue(streams.DeviceOp("slow", slow, []))
+started.wait(5)
+if sys.argv[2] == "close":
+    stream.close()
+"""
+    ended = {}
+    for mode in ("close", "keep"):
+        mark = tmp_path / mode
+        done = subprocess.run([sys.executable, "-c", script, str(mark), mode], timeout=60,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        ended[mode] = mark.exists()
+    assert ended == {"close": True, "keep": False}

@@ -326,7 +326,10 @@ def _slow_first_connect() -> None:
 
 def _drop_in_background(transports: list) -> None:
     """gloo's destructor waits for its operations in flight -- here, for one whose peer never
-    posts, as long as its timeout: never on the thread that aborted (it releases the GIL)."""
+    posts, until that peer's side closes: never on the thread that aborted (it releases the
+    GIL). The process's exit waits a little for it (`streams.end_before_exit`)."""
     box = list(transports)
     transports.clear()
-    threading.Thread(target=box.clear, name="emulated-nccl-drop", daemon=True).start()
+    thread = threading.Thread(target=box.clear, name="emulated-nccl-drop", daemon=True)
+    streams.end_before_exit(thread)
+    thread.start()

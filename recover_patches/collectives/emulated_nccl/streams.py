@@ -18,6 +18,7 @@ decides *when* things happen (the data moves in `communicator.py`).
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import os
@@ -81,21 +82,46 @@ class _Queue:
 
     def __init__(self, name: str):
         self._items: queue.SimpleQueue[DeviceOp | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
 
     def put(self, op: DeviceOp | None) -> None:
         """An operation, or None: the worker ends once it reaches it."""
         self._items.put(op)
 
     def _loop(self) -> None:
-        worker, name = threading.current_thread(), self._thread.name
+        worker, name = threading.current_thread(), self.thread.name
         while (op := self._items.get()) is not None:
             worker.name = f"{name}: {op.label}"  # a stuck rank's stacks name what it waits for
             for earlier in op.after:
                 earlier.finished.wait()
             op.run()
             worker.name = name
+
+
+# Threads of the emulation that are ending (a closed stream's worker, a dropped transport's):
+# the process's exit waits for them, bounded. A daemon thread still running when Python
+# finalizes is ended inside whatever C++ destructor it was in when it next takes the GIL --
+# a gloo work's, dropped as an aborted operation returns -- and a destructor cannot be
+# unwound: "terminate called without an active exception", status 134, after a run that passed.
+_ending: list[threading.Thread] = []
+_ending_lock = threading.Lock()
+EXIT_GRACE_SECONDS = 10.0  # bounded: a transport whose peer was stopped, not killed, never ends
+
+
+def end_before_exit(thread: threading.Thread) -> None:
+    with _ending_lock:
+        _ending[:] = [t for t in _ending if t.is_alive()] + [thread]
+
+
+@atexit.register
+def _join_ending() -> None:
+    deadline = time.monotonic() + EXIT_GRACE_SECONDS
+    with _ending_lock:
+        ending = list(_ending)
+    for thread in ending:
+        if thread.ident is not None:  # started
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 _shared: _Queue | None = None
@@ -128,6 +154,7 @@ class Stream:
         the single-queue mode serves every communicator and stays)."""
         if self._queue is not _shared:
             self._queue.put(None)
+            end_before_exit(self._queue.thread)
 
 
 class DriverLock:
