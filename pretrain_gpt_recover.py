@@ -130,11 +130,11 @@ def _parse(argv: list[str] | None) -> tuple:
 def _check_inputs(args, layout) -> tuple:
     """User errors first, before any process group exists or anything is written: the tokenizer,
     the data, the fault specs, --load. One line and exit 2 each."""
-    from megatron.training.arguments_errors import UserError
+    from megatron.training.errors import UserError
     from megatron.training.checkpointing import Checkpointer
-    from megatron.training.config_io import CheckpointConfig, DataConfig, TokenizerConfig
-    from megatron.training.datasets import validate_data
-    from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+    from megatron.training.config.io import CheckpointConfig, DataConfig, TokenizerConfig
+    from megatron.training.data.datasets import validate_data
+    from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:
         tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
@@ -168,8 +168,8 @@ def _join_membership(args, incarnation: int):
                         "recovery is off; start with `python -m recover_patches.launch` to enable "
                         "it")
         return None
-    from megatron.training.config_io import FtConfig
-    from megatron.training.ft_timeouts import recover_timeout
+    from megatron.training.config.io import FtConfig
+    from megatron.training.checkpointing.ft_timeouts import recover_timeout
     from recover_patches.collectives import nccl_env
     from recover_patches.collectives.membership import MembershipClient
     refused = nccl_env.conflicts(os.environ)  # a rank started without our launcher
@@ -194,11 +194,11 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
     """Groups, model, optimizer, buffers and the trainer around them; with recovery on, the
     commit agreement and growing back."""
     from megatron.training.config import ScheduleConfig, StepConfig, TrainingConfig
-    from megatron.training.config_io import DataConfig, TensorBoardConfig, WandbConfig
-    from megatron.training.datasets import build_datasets
+    from megatron.training.config.io import DataConfig, TensorBoardConfig, WandbConfig
+    from megatron.training.data.datasets import build_datasets
     from megatron.training.metrics import MetricsWriter
-    from megatron.training.optimizer_setup import build_scheduler
-    from megatron.training.replica_parts import build_stages, link_for, replica_vote
+    from megatron.training.optimizer.setup import build_scheduler
+    from megatron.training.step.parts import build_stages, link_for, replica_vote
     from megatron.training.collective_backend import host_sync_counter
     from megatron.training.training import Trainer
     from recover_patches.recovery.agreement import StoreAgreement
@@ -247,11 +247,11 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     from megatron.training.collective_backend import resilient_groups
     from megatron.training.initialize import build_groups, init_default_group, torch_group_factory
     from megatron.training.config import ModelConfig, OptimizerSetup
-    from megatron.training.config_rules import model_chunks_of
+    from megatron.training.config.rules import model_chunks_of
     from megatron.training.model import build_model
-    from megatron.training.optimizer_setup import build_optimizer
-    from megatron.training.tokenizer import padded_vocab_size
-    from megatron.training.replica_parts import build_grad_buffer
+    from megatron.training.optimizer.setup import build_optimizer
+    from megatron.training.data.tokenizer import padded_vocab_size
+    from megatron.training.step.parts import build_grad_buffer
     from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
 
@@ -293,7 +293,7 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
 
 
 def _startup_notes(args, layout, model, grads, topology) -> None:
-    from megatron.training.config_rules import megatron_differences
+    from megatron.training.config.rules import megatron_differences
     from megatron.training.model import memory_note
     memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
         topology.dp // args.num_distributed_optimizer_instances
@@ -307,7 +307,7 @@ def _train(args, trainer, membership, incarnation: int) -> int:
     spares; anything that ends the job early is one line and its exit status."""
     import torch
 
-    from megatron.training.run_exit import TrainingStopped
+    from megatron.training.checkpointing.stopping import TrainingStopped
     from recover_patches.recovery.iteration import ReplicaLost
     spare, load = incarnation > 0, True
     try:
@@ -354,7 +354,7 @@ def _stopping(err: Exception, args, trainer, membership) -> int:
     """How the job ends early: one line and the exit status (the process exits at once where
     peers may still hold sockets to it). Anything else is a crash and is raised again."""
     from megatron.training.checkpointing import CheckpointError
-    from megatron.training.weight_check import WeightMismatch
+    from megatron.training.step.weight_check import WeightMismatch
     from megatron.training.rerun import ResultRejected, ResultReproduced
     from recover_patches.collectives.errors import PeerFailure
     from recover_patches.recovery.agreement import RecoveryStalled

@@ -28,10 +28,10 @@ from typing import Optional, Sequence
 
 # megatron-core warns on import that it found no GPU-only libraries: irrelevant for data work.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-from megatron.training import preprocess_data  # noqa: E402
+from megatron.training.tools import preprocess as preprocess_data  # noqa: E402
 
-from megatron.training.config_io import TokenizerConfig  # noqa: E402
-from megatron.training.tokenizer import EOD_TOKEN  # noqa: E402
+from megatron.training.config.io import TokenizerConfig  # noqa: E402
+from megatron.training.data.tokenizer import EOD_TOKEN  # noqa: E402
 
 DATA_NAME = "stdlib"
 # 4096 ids: small enough that a tiny GPT's output layer is cheap on CPU and its loss falls within

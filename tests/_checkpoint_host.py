@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.training.checkpoint_state import TrainingState
+from megatron.training.checkpointing.state import TrainingState
 
 
 class OneProcessHost:

@@ -12,7 +12,7 @@ import pytest
 from megatron.training.arguments import (
     ArgumentError, global_batch_size_at, parse_and_validate, parse_args, validate_args)
 from megatron.training.config import RunLayout, params_dtype_of
-from megatron.training.config_rules import model_chunks_of
+from megatron.training.config.rules import model_chunks_of
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "scripts" / "configs"
 ARRAY_NAMES = ("MODEL_ARGS", "PARALLEL_ARGS", "BATCH_ARGS", "OPT_ARGS", "DATA_ARGS", "CKPT_ARGS",
@@ -443,7 +443,7 @@ def test_checkpoint_flags_taken():
 
 def test_strictness_choices_are_megatron_cores():
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    from megatron.training.arguments_flags_checkpoint import STRICTNESS
+    from megatron.training.arguments.flags.checkpoint import STRICTNESS
     assert set(STRICTNESS) == {s.value for s in StrictHandling}
 
 
@@ -490,8 +490,8 @@ def test_megatron_test_config_flags_are_taken_or_refused_in_one_line(flags, caps
 
 
 def test_huggingface_tokenizer_flags_reach_the_tokenizer(tmp_path):
-    from megatron.training.config_io import TokenizerConfig
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.config.io import TokenizerConfig
+    from megatron.training.data.tokenizer import build_tokenizer
     from tests.test_preprocess import write_hf_tokenizer
 
     model = write_hf_tokenizer(tmp_path / "hf")
@@ -535,7 +535,7 @@ def test_a_changed_schedule_on_resume_follows_megatrons_flags():
     import torch
 
     from megatron.training.config import ScheduleConfig
-    from megatron.training.optimizer_setup import build_scheduler
+    from megatron.training.optimizer.setup import build_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 

@@ -15,15 +15,16 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megatron.training.arguments import parse_and_validate
-from megatron.training.checkpoint_dist import CHECKPOINT_VERSION, model_sharded
+from megatron.training.checkpointing.format import CHECKPOINT_VERSION
+from megatron.training.checkpointing.torch_dist import model_sharded
 from megatron.training.checkpointing import (LATEST_FILE, CheckpointError, Checkpointer,
                                              find_resume_point, read_latest)
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
-from megatron.training.config_io import CheckpointConfig
+from megatron.training.config.io import CheckpointConfig
 from megatron.training.model import build_model
-from megatron.training.optimizer_setup import build_optimizer, build_scheduler
-from megatron.training.checkpoint_state import TrainState
+from megatron.training.optimizer.setup import build_optimizer, build_scheduler
+from megatron.training.checkpointing.state import TrainState
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Topology
 from tests._checkpoint_host import OneProcessHost
@@ -253,7 +254,7 @@ def test_ckpt_step_loads_that_iteration_and_a_missing_checkpoint_can_be_an_error
 def test_assume_constant_structure_plans_once_and_still_resumes_exactly(tmp_path, monkeypatch):
     """--ckpt-assume-constant-structure: the second save exchanges only its write results (the
     plan is reused: one all-gather instead of two), and what it wrote loads back exactly."""
-    from megatron.training import checkpoint_dist
+    from megatron.training.checkpointing import torch_dist as checkpoint_dist
     gathers: list[int] = []
     original = checkpoint_dist.ShardedWrite._all_gather
 
@@ -278,7 +279,7 @@ def test_assume_constant_structure_plans_once_and_still_resumes_exactly(tmp_path
 
 
 def test_a_new_writing_group_plans_again():
-    from megatron.training.checkpoint_dist import SavePlans
+    from megatron.training.checkpointing.torch_dist import SavePlans
     plans = SavePlans()
     plans.keep((0, 1), (["plan"], "metadata"))
     assert plans.get((0, 1)) == (["plan"], "metadata") and plans.get((2, 3)) is None
@@ -315,7 +316,7 @@ def test_an_async_save_whose_writers_changed_is_abandoned(tmp_path, sharing, cap
 
 def test_replicas_share_a_positions_items_evenly_and_alike():
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-    from megatron.training.checkpoint_writers import assign_items, item_bytes
+    from megatron.training.checkpointing.writers import assign_items, item_bytes
 
     def tensor(key: str, n: int) -> list:
         return [ShardedTensor.from_rank_offsets(key, torch.zeros(n))]

@@ -11,10 +11,10 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron.training.checkpoint_dist import checkpoint_state, model_sharded
-from megatron.training.checkpoint_dist_optimizer import content_metadata
+from megatron.training.checkpointing.torch_dist import checkpoint_state, model_sharded
+from megatron.training.checkpointing.reshardable import content_metadata
 from megatron.training.checkpointing import LATEST_FILE, Checkpointer
-from megatron.training.config_io import CheckpointConfig
+from megatron.training.config.io import CheckpointConfig
 from tests.test_checkpoint_dist import GPTTrainer, make_args, run
 @pytest.fixture(autouse=True)
 def _one_rank(one_rank_group):  # conftest's: save/load coordinate on the default group

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from megatron.training.checkpoint_files import integrity_failure
+from megatron.training.checkpointing.files import integrity_failure
 from megatron.training.checkpointing import CheckpointError, Checkpointer
-from megatron.training.config_io import CheckpointConfig
+from megatron.training.config.io import CheckpointConfig
 from tests.test_checkpoint_dist import GPTTrainer, make_args, run
 
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron.training.arguments import parse_and_validate
 from megatron.training.checkpointing import LATEST_FILE, Checkpointer, read_latest
-from megatron.training.config_io import CheckpointConfig
+from megatron.training.config.io import CheckpointConfig
 from megatron.training.replication import foreign_copy, replication_cliques
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT, launch

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import parse_and_validate
-from megatron.training.checkpoint_dist import load_common
+from megatron.training.checkpointing.torch_dist import load_common
 from megatron.training.checkpointing import LATEST_FILE, find_resume_point, read_latest
-from megatron.training.config_io import CheckpointConfig
+from megatron.training.config.io import CheckpointConfig
 from recover_patches.topology import Topology
 from tests._launch_util import TINY_GPT, Run, launch
 

@@ -21,9 +21,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import (
     LATEST_FILE, CheckpointError, Checkpointer, TrainingStopped, find_resume_point, iter_dir_name,
     rank_dir_name, read_latest, writer_rank)
-from megatron.training.config_io import CheckpointConfig
+from megatron.training.config.io import CheckpointConfig
 from megatron.training.optimizer import MainParamsAdamW
-from megatron.training.checkpoint_state import TrainState
+from megatron.training.checkpointing.state import TrainState
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
 from tests._checkpoint_host import OneProcessHost

@@ -11,8 +11,8 @@ from megatron.training.arguments import parse_and_validate
 from megatron.training.config import (BatchSchedule, ModelConfig, OptimizerSetup, RunLayout,
                                       ScheduleConfig, StepConfig, TrainingConfig,
                                       transformer_config)
-from megatron.training.config_io import CheckpointConfig, DataConfig
-from megatron.training.config_rules import megatron_differences
+from megatron.training.config.io import CheckpointConfig, DataConfig
+from megatron.training.config.rules import megatron_differences
 from tests._launch_util import TINY_GPT
 
 
@@ -134,7 +134,7 @@ def test_the_rerun_and_profiling_configs_check_themselves():
 def test_wsd_holds_the_peak_then_anneals_over_its_last_iterations(style, coeff_at_half):
     """--lr-decay-style WSD over 10 iterations, the last 4 annealing: megatron-core's scheduler,
     against the shape written out here (stable until 6, half-way at 8, --min-lr at 10)."""
-    from megatron.training.optimizer_setup import build_scheduler
+    from megatron.training.optimizer.setup import build_scheduler
     args = flags("--lr", "1.0", "--min-lr", "0.1", "--lr-decay-style", "WSD",
                  "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", style)
     gbs = args.global_batch_size

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.arguments_errors import ArgumentError
+from megatron.training.errors import ArgumentError
 from tests._launch_util import TINY_GPT, launch
 from tests.test_parallel_equivalence import PRECISIONS, TOLERANCE, assert_same_trajectory
 

@@ -1,5 +1,5 @@
-"""[O] Context parallelism's CPU attention (`megatron/training/context_parallel.py`,
-`context_parallel_comm.py`) against full causal attention of one process: Megatron's chunking
+"""[O] Context parallelism's CPU attention (`megatron/training/model/context_parallel/__init__.py`,
+`model/context_parallel/comm.py`) against full causal attention of one process: Megatron's chunking
 (rank r holds chunks r and 2C-1-r), and each `cp_comm_type`: the K/V all-gather and its
 gradient's reduce-scatter, the p2p ring, the a2a head exchange, at CP 2 and CP 4 (a2a: CP 2) in
 one gloo job of 4 ranks,
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.training.context_parallel import (context_parallel_attention, cp_chunks,
+from megatron.training.model.context_parallel import (context_parallel_attention, cp_chunks,
                                                 split_for_cp_rank)
-from megatron.training.context_parallel_comm import ring_attention, ulysses_attention
+from megatron.training.model.context_parallel.comm import ring_attention, ulysses_attention
 from tests.gloo_ranks import run_ranks
 
 SEQ, BATCH, HEADS, KV_HEADS, DIM = 16, 2, 4, 2, 8

@@ -10,9 +10,9 @@ import torch
 
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from megatron.training.config_io import DataConfig
-from megatron.training.datasets import DataError, build_datasets, validate_data
-from megatron.training.tokenizer import NullTokenizer
+from megatron.training.config.io import DataConfig
+from megatron.training.data.datasets import DataError, build_datasets, validate_data
+from megatron.training.data.tokenizer import NullTokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -249,8 +249,7 @@ def test_cache_is_published_atomically_and_reused(prefix, tmp_path, monkeypatch)
     assert tokens(cached) == tokens(built)
 
     # A rank that loses the publishing race keeps its arrays in memory and leaves no staging dir.
-    from megatron.training import datasets
-
+    from megatron.training.data import datasets
     datasets._publish_entry(str(cache / entries[0]), (numpy.zeros(1),) * 3)
     assert sorted(p.name for p in cache.iterdir()) == entries
     assert numpy.load(cache / entries[0] / "document_index.npy").shape != (1,)
@@ -281,7 +280,7 @@ def test_mock_data_items_have_seq_length_tokens():
 
 
 def test_a_per_split_file_without_every_split_is_one_error(tmp_path):
-    from megatron.training.arguments_errors import ArgumentError
+    from megatron.training.errors import ArgumentError
     table = tmp_path / "splits.json"
     table.write_text(json.dumps({"train": ["a"], "valid": ["b"]}))
     with pytest.raises(ArgumentError) as err:
@@ -293,7 +292,7 @@ def test_a_blend_built_on_threads_reads_the_same_samples(tmp_path, monkeypatch):
     """--num-dataset-builder-threads: the prefixes are built on that many threads (counted), in
     blend order, so the samples are those of a serial build."""
     import threading
-    from megatron.training import datasets
+    from megatron.training.data import datasets
     low = make_prefix(tmp_path, "low", documents_in_range(0))
     high = make_prefix(tmp_path, "high", documents_in_range(500))
     threads: set[str] = set()

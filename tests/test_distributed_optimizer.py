@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.training.distributed_optimizer import ShardedAdamW
+from megatron.training.optimizer.distributed import ShardedAdamW
 from megatron.training.optimizer import MainParamsAdamW
-from megatron.training.optimizer_shards import ShardDomain, bucket_ranges
+from megatron.training.optimizer.shards import ShardDomain, bucket_ranges
 from recover_patches.recovery.grad_buffer import GradBuffer, Scatter, flat_layout
 from recover_patches.recovery.reduce import Totals
 from tests.gloo_ranks import run_ranks

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.arguments_errors import ArgumentError
-from megatron.training.shard_sums import fixed_point_norm
+from megatron.training.errors import ArgumentError
+from megatron.training.optimizer.sums import fixed_point_norm
 from recover_patches.recovery.fixed_point import (LIMIT_BITS, TARGET_BITS, FixedPointScales,
                                                   loss_quantum)
 from recover_patches.pipeline.loss import on_grid
@@ -234,7 +234,7 @@ def test_a_kill_in_any_phase_leaves_no_trace_in_the_bits(pipeline_reference, tmp
     last stage) dies in `phase` of iteration 3; the survivor's run is bitwise the failure-free
     DP 1 run. (In `ack`: rank 2's ack, with rank 3, fails while rank 0's, with rank 1,
     completes; rank 2 must still join replica 0's exchange, or rank 0 waits there until the
-    settle gives up on it and the survivors are fenced: `commit_vote.py`.)"""
+    settle gives up on it and the survivors are fenced: `step/commit_vote.py`.)"""
     run = launch(4, [*EXACT, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                      "--num-distributed-optimizer-instances", "2", "--recover-balance", "even",
                      "--inject-fault", f"kill:rank=3,iter=3,phase={phase}"],

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from megatron.training.execute_clock import ExecuteClock
+from megatron.training.step.execute_clock import ExecuteClock
 
 
 class FakeEvent:

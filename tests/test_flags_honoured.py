@@ -10,8 +10,8 @@ import re
 from megatron.training.arguments import build_parser, parse_and_validate
 from megatron.training.config import (ModelConfig, OptimizerSetup, RunLayout, ScheduleConfig,
                                       StepConfig, TrainingConfig)
-from megatron.training.config_rules import megatron_differences
-from megatron.training.config_io import (CheckpointConfig, DataConfig, TensorBoardConfig,
+from megatron.training.config.rules import megatron_differences
+from megatron.training.config.io import (CheckpointConfig, DataConfig, TensorBoardConfig,
                                          TokenizerConfig, WandbConfig)
 from tests._launch_util import REPO, TINY_GPT
 

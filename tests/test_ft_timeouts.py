@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from megatron.training import ft_timeouts
+from megatron.training.checkpointing import ft_timeouts
 from megatron.training.checkpointing import Checkpointer
-from megatron.training.config_io import CheckpointConfig, FtConfig
-from megatron.training.ft_timeouts import TimeoutRecorder, recover_timeout
+from megatron.training.config.io import CheckpointConfig, FtConfig
+from megatron.training.checkpointing.ft_timeouts import TimeoutRecorder, recover_timeout
 from tests.test_checkpoint_dist import GPTTrainer, make_args, run
 
 

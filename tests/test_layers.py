@@ -1,4 +1,4 @@
-"""The import contract of the runtime's packages (DESIGN §2): dependencies point one way.
+"""The import contract of the runtime's packages: dependencies point one way.
 
     megatron/training  ->  recover_patches  ->  megatron.core / torch
     inside recover_patches:  collectives (layer 1)  <-  recovery (layer 2)  <-  workload (layer 3)
@@ -147,3 +147,124 @@ def test_runtime_files_and_functions_stay_readable():
     assert not long_functions, long_functions
     assert long_files - LONG_FILES == set(), sorted(long_files - LONG_FILES)
     assert LONG_FILES - long_files == set(), f"now short, delete from LONG_FILES: {LONG_FILES - long_files}"
+
+
+# --- megatron/training: its packages (and its few top-level modules) and whom each may use ------
+TRAINING = "megatron.training"
+# Bottom to top. A unit is a sub-package or a top-level module of megatron.training; it may import
+# itself and the units listed here, nothing else of megatron.training (recover_patches and
+# megatron.core are below all of them). Adding a dependency is a design change: say why here.
+TRAINING_USES: dict[str, set[str]] = {
+    "errors": set(),  # the user-mistake exception shape every front-end check raises
+    "replication": set(), "profiling": set(), "straggler": set(),
+    "rerun": set(),  # Megatron's rerun state machine
+    # the typed configuration reads the feature configs of rerun, profiling and the straggler log
+    "config": {"errors", "profiling", "rerun", "straggler"},
+    "arguments": {"errors", "config", "replication"},
+    "data": {"errors", "config"},
+    "model": {"errors", "config"},
+    "optimizer": {"errors", "config"},
+    "initialize": {"optimizer"},  # the distributed optimizer's shard domains are a group's
+    "collective_backend": {"initialize"},
+    "checkpointing": {"errors", "config", "initialize", "model", "optimizer"},
+    "metrics": {"config"},
+    "step": {"errors", "config", "initialize", "model", "optimizer", "rerun", "checkpointing"},
+    "tools": {"errors", "config", "arguments", "data"},
+    "training": {"config", "initialize", "checkpointing", "metrics", "optimizer", "profiling",
+                 "step", "straggler"},
+}
+# Known exceptions (importer module, imported module), each with why it stands; only shrinks.
+TRAINING_KNOWN: set[tuple[str, str]] = set()
+
+
+def training_unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if module.startswith(TRAINING + ".") and len(parts) > 2 else None
+
+
+def training_violation(importer: str, imported: str) -> str | None:
+    mine, theirs = training_unit(importer), training_unit(imported)
+    if mine is None or theirs is None or mine == theirs:
+        return None
+    if mine not in TRAINING_USES:
+        return f"{mine} is not in the contract (add it to TRAINING_USES)"
+    return None if theirs in TRAINING_USES[mine] else f"{mine} may not use {theirs}"
+
+
+def training_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted((REPO / "megatron" / "training").rglob("*.py"))}
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one member (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next((w for w in edges if w not in index or w in stack), None)
+            if nxt is not None:
+                if nxt in index:
+                    low[node] = min(low[node], index[nxt])
+                else:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = stack[stack.index(node):]
+                del stack[stack.index(node):]
+                if len(members) > 1:
+                    loops.append(sorted(members))
+    return loops
+
+
+def training_graph() -> dict[str, set[str]]:
+    modules = training_modules()
+    return {name: {imported for imported in imports_of(path) if imported in modules
+                   and imported != name} for name, path in modules.items()}
+
+
+def test_megatron_training_packages_import_one_way():
+    found = {(importer, imported): why for importer, imports in training_graph().items()
+             for imported in imports
+             if (why := training_violation(importer, imported)) is not None}
+    new = {pair: why for pair, why in found.items() if pair not in TRAINING_KNOWN}
+    assert not new, "\n".join(f"{a} imports {b}: {why}" for (a, b), why in new.items())
+    gone = TRAINING_KNOWN - set(found)
+    assert not gone, f"no longer violated, delete from TRAINING_KNOWN: {sorted(gone)}"
+
+
+def test_megatron_training_has_no_import_loops_and_its_contract_has_an_order():
+    assert import_loops(training_graph()) == []
+    assert import_loops(TRAINING_USES) == []
+    top = [path.stem if path.suffix else path.name
+           for path in (REPO / "megatron" / "training").iterdir()
+           if (path.suffix == ".py" and path.stem != "__init__") or (path / "__init__.py").exists()]
+    assert sorted(top) == sorted(TRAINING_USES), "every unit of megatron.training has a row"
+
+
+def test_the_training_contract_sees_what_it_forbids():
+    """Negative controls: a use the contract does not list, an upward one, a loop."""
+    assert "may not use" in training_violation("megatron.training.config.io",
+                                               "megatron.training.arguments.refused")
+    assert "may not use" in training_violation("megatron.training.model",
+                                               "megatron.training.step.replica")
+    assert "not in the contract" in training_violation("megatron.training.newcomer",
+                                                       "megatron.training.config")
+    assert training_violation("megatron.training.step.replica",
+                              "megatron.training.optimizer") is None
+    assert training_violation("megatron.training.checkpointing.state",
+                              "megatron.training.checkpointing.torch_dist") is None
+    assert import_loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_loops({"a": {"b"}, "b": set()}) == []

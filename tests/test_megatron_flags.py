@@ -10,10 +10,10 @@ import re
 import pytest
 
 from megatron.training.arguments import build_parser, parse_and_validate
-from megatron.training.arguments_megatron import (FACTS, UNCLASSIFIED, is_megatrons_default,
+from megatron.training.arguments.refused import (FACTS, UNCLASSIFIED, is_megatrons_default,
                                                   megatron_flags, refusal_of)
-from megatron.training.config_rules import megatron_differences
-from megatron.training.megatron_flag_table import DIFFERENCES, REFUSED_BY_THE_CHECKS, flag_table
+from megatron.training.config.rules import megatron_differences
+from megatron.training.tools.flag_table import DIFFERENCES, REFUSED_BY_THE_CHECKS, flag_table
 from tests._launch_util import REPO, TINY_GPT
 
 PARSER = build_parser()
@@ -110,4 +110,4 @@ def test_any_other_value_of_a_refused_flag_stops_the_run(given, capsys):
 def test_the_flag_table_is_current():
     written = (REPO / "docs" / "megatron_flags.md").read_text()
     assert written == flag_table(), \
-        "regenerate: python -m megatron.training.megatron_flag_table > docs/megatron_flags.md"
+        "regenerate: python -m megatron.training.tools.flag_table > docs/megatron_flags.md"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.training.config_io import TensorBoardConfig
+from megatron.training.config.io import TensorBoardConfig
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line
 from tests._launch_util import TINY_GPT, launch
 

@@ -11,9 +11,9 @@ import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.arguments_errors import ArgumentError
+from megatron.training.errors import ArgumentError
 from megatron.training.checkpointing import LATEST_FILE
-from megatron.training.replica_parts import aux_loss_scaling
+from megatron.training.step.parts import aux_loss_scaling
 from tests._launch_util import TINY_GPT, launch
 
 ITERS = 4
@@ -162,7 +162,7 @@ def test_transformer_engines_moe_kernels_are_taken_and_change_no_result():
     unfused modules compute the same, so they are taken (not refused), with a start-up line
     each, and the model megatron-core builds is the one built without them."""
     from megatron.training.config import transformer_config
-    from megatron.training.config_rules import megatron_differences
+    from megatron.training.config.rules import megatron_differences
     plain = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE]), 2)
     fused = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE, *KERNELS]), 2)
     assert all(getattr(fused, flag[2:].replace("-", "_")) for flag in KERNELS)
@@ -228,7 +228,7 @@ def test_the_router_meter_takes_one_microbatchs_counts_and_the_bias_moves_by_the
     meter zeroes them before it), carried split at 256 (exact in the float32 tail), summed over
     TP rows, and each layer's bias moves by the rate towards the layer's mean count, as
     megatron-core's get_updated_expert_bias moves it."""
-    from megatron.training.moe_metrics import RouterMeter, RouterReport
+    from megatron.training.model.moe_metrics import RouterMeter, RouterReport
 
     class Router(torch.nn.Module):
         def __init__(self):

@@ -14,12 +14,12 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron.training.arguments import parse_and_validate
 from megatron.training.config import ModelConfig
-from megatron.training.config_io import DataConfig, TokenizerConfig
-from megatron.training.datasets import build_datasets
+from megatron.training.config.io import DataConfig, TokenizerConfig
+from megatron.training.data.datasets import build_datasets
 from megatron.training.initialize import build_groups, torch_group_factory
 from megatron.training.model import build_model
-from megatron.training.replica_parts import build_stages
-from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.training.step.parts import build_stages
+from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
 from recover_patches.pipeline.p2p import StageLink
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.pipeline.schedule import run_1f1b

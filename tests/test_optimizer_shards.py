@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from megatron.training.optimizer_shards import (ShardLost, instance_positions, plan_transfers,
+from megatron.training.optimizer.shards import (ShardLost, instance_positions, plan_transfers,
                                                 shard_range)
 
 

@@ -1,4 +1,4 @@
-"""megatron.training.preprocess_data (scripts/preprocess_data.py, recover-preprocess) and scripts/prepare_demo_data.py: round trips, atomic output, bad input."""
+"""megatron.training.tools.preprocess (scripts/preprocess_data.py, recover-preprocess) and scripts/prepare_demo_data.py: round trips, atomic output, bad input."""
 
 import importlib
 import json
@@ -15,7 +15,7 @@ sys.path.insert(0, str(SCRIPTS))
 prepare_demo_data = importlib.import_module("prepare_demo_data")
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron.training import preprocess_data  # noqa: E402
+from megatron.training.tools import preprocess as preprocess_data  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +45,7 @@ def test_jsonl_round_trip(tmp_path):
             "--json-keys", "text", *bpe_flags(vocab_file, merge_file)]
     assert preprocess_data.main(argv) == 0
 
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(bpe_args(vocab_file, merge_file))
     non_empty = [t for t in TEXTS if t]  # an empty document is skipped
@@ -243,7 +243,7 @@ def test_keep_newlines_keeps_them(tmp_path):
     prefix = tmp_path / "nl"
     assert preprocess_data.main(["--input", str(source), "--output-prefix", str(prefix),
                                  "--keep-newlines", *bpe_flags(vocab_file, merge_file)]) == 0
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(bpe_args(vocab_file, merge_file))
     decoded = [tokenizer.detokenize(d) for d in read_back(f"{prefix}_text_document")]

@@ -86,7 +86,7 @@ def test_with_the_check_an_injected_error_is_a_spike_not_a_nan():
 
 
 def test_megatrons_comparison_and_its_summary_line():
-    from megatron.training.rerun_stats import DeterminismStats, relative_difference
+    from megatron.training.rerun.stats import DeterminismStats, relative_difference
     assert relative_difference(2.0, 2.0) == 0.0
     assert relative_difference(float("nan"), float("nan")) == 0.0
     assert relative_difference(float("nan"), 1.0) == float("inf")
@@ -102,7 +102,7 @@ def test_megatrons_comparison_and_its_summary_line():
 
 
 def test_report_stats_re_runs_one_replica_per_iteration_turn_by_turn():
-    from megatron.training.rerun_stats import compare_once
+    from megatron.training.rerun.stats import compare_once
     assignment = {0: [0, 1], 1: [2, 3], 2: [4, 5]}
     for iteration, (compared, validator) in [(6, (0, 1)), (7, (1, 2)), (8, (2, 0))]:
         host = FakeHost([4.0, 4.0])

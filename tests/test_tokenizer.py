@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.config_io import TokenizerConfig
-from megatron.training.tokenizer import (
+from megatron.training.config.io import TokenizerConfig
+from megatron.training.data.tokenizer import (
     EOD_TOKEN,
     NullTokenizer,
     TokenizerError,

@@ -1,9 +1,9 @@
-"""The distributed optimizer's weight all-gathers (`megatron/training/weight_gather.py`)."""
+"""The distributed optimizer's weight all-gathers (`megatron/training/optimizer/distributed/weight_gather.py`)."""
 from __future__ import annotations
 
 import torch
 
-from megatron.training.weight_gather import WeightGather
+from megatron.training.optimizer.distributed.weight_gather import WeightGather
 from recover_patches.recovery.grad_buffer import flat_layout
 
 

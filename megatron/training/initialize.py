@@ -15,7 +15,7 @@ from typing import Callable, Sequence, cast
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron.training.optimizer_shards import ShardDomain, Sharding
+from megatron.training.optimizer.shards import ShardDomain, Sharding
 from recover_patches.collectives import Regrouped, ResilientGroup
 from recover_patches.collectives.rendezvous import apply_all
 from recover_patches.pipeline.interleaved import Kind

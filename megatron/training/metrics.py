@@ -12,7 +12,7 @@ from typing import IO
 import torch
 
 from megatron.training.config import ModelConfig
-from megatron.training.config_io import TensorBoardConfig, WandbConfig
+from megatron.training.config.io import TensorBoardConfig, WandbConfig
 
 
 def log_line(rec: dict, train_iters: int, skipped_since_last_line: int = 0) -> str:

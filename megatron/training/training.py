@@ -16,18 +16,18 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.checkpoint_state import TrainingState, TrainState
+from megatron.training.checkpointing.state import TrainingState, TrainState
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.config import ModelConfig, StepConfig, TrainingConfig
 from megatron.training.initialize import ParallelGroups
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import Optimizer
 from megatron.training.profiling import Profiler
-from megatron.training.replica_parts import pad_for_unit
-from megatron.training.replica_step import GPTReplicaStep
+from megatron.training.step.parts import pad_for_unit
+from megatron.training.step.replica import GPTReplicaStep
 from megatron.training.straggler import straggler_line
-from megatron.training.state_transfer import receive_state, send_state
-from megatron.training.weight_check import corrupt_a_weight, weight_fingerprint
+from megatron.training.step.state_transfer import receive_state, send_state
+from megatron.training.step.weight_check import corrupt_a_weight, weight_fingerprint
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.faults import FaultInjector
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink

@@ -25,7 +25,7 @@ the DP groups among the survivors, re-plan *only the ids the broken replicas own
 on top of the gradients already accumulated, and reduce again.
 Nothing is rolled back, no survivor recomputes its own microbatches, and a failure during recovery
 simply starts the next round. What a replica does in each phase is one object, a `ReplicaStep`
-(`parts.py`; its implementation: `megatron/training/replica_step.py`), so this file shows the
+(`parts.py`; its implementation: `megatron/training/step/replica.py`), so this file shows the
 whole order.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the iteration transaction drives (`iteration.py`): this rank's part of its replica,
-phase by phase (`ReplicaStep`; implemented by `megatron/training/replica_step.py`), and the
+phase by phase (`ReplicaStep`; implemented by `megatron/training/step/replica.py`), and the
 coordinator store's part of a recovery (`Agreement`; `agreement.py`)."""
 from __future__ import annotations
 

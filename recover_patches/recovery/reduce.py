@@ -26,7 +26,7 @@ class Totals:
     # a GPU (read on the host once, after the reduction), a float after it
     loss_sum: float | torch.Tensor
     # what the stage's meter measured, summed over the microbatches ([P]: MoE's auxiliary
-    # losses per layer; `moe_metrics.py`); None without a meter
+    # losses per layer; `model/moe_metrics.py`); None without a meter
     measures: torch.Tensor | None = None
 
     @classmethod

@@ -10,7 +10,7 @@ A failure-free round touches no store. After its data-parallel reduction a rank
 
 Why this is safe. A rank's exchange returns only if every rank of its replica entered it having
 completed its ack (a rank whose ack failed enters it too, so that its replica does not wait for
-it there, but with a mark that makes the exchange raise on every rank: `commit_vote.py`); an ack completes only if every rank of that DP group
+it there, but with a mark that makes the exchange raise on every rank: `step/commit_vote.py`); an ack completes only if every rank of that DP group
 entered it, i.e. completed its reduction. The replica holds one rank at every position, so a
 completed exchange anywhere means every rank of the job held its full sum. Conversely, a live
 rank that failed before its ack (status NOTHING: it holds no full sum) kept its position's ack

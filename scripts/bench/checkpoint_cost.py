@@ -33,10 +33,10 @@ from megatron.training.arguments import parse_and_validate  # noqa: E402
 from megatron.training.checkpointing import Checkpointer  # noqa: E402
 from megatron.training.initialize import build_groups, torch_group_factory  # noqa: E402
 from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig  # noqa: E402
-from megatron.training.config_io import CheckpointConfig  # noqa: E402
+from megatron.training.config.io import CheckpointConfig  # noqa: E402
 from megatron.training.model import build_model  # noqa: E402
-from megatron.training.optimizer_setup import build_optimizer, build_scheduler  # noqa: E402
-from megatron.training.checkpoint_state import TrainingState, TrainState  # noqa: E402
+from megatron.training.optimizer.setup import build_optimizer, build_scheduler  # noqa: E402
+from megatron.training.checkpointing.state import TrainingState, TrainState  # noqa: E402
 from recover_patches.pipeline.rng import install_rng_tracker  # noqa: E402
 from recover_patches.topology import Topology  # noqa: E402
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.training.context_parallel import context_parallel_attention  # noqa: E402
-from megatron.training.context_parallel_comm import ring_attention, ulysses_attention  # noqa: E402
+from megatron.training.model.context_parallel import context_parallel_attention  # noqa: E402
+from megatron.training.model.context_parallel.comm import ring_attention, ulysses_attention  # noqa: E402
 
 KINDS = {"allgather": context_parallel_attention, "p2p": ring_attention, "a2a": ulysses_attention}
 

@@ -22,7 +22,7 @@ from etp_schedule import FailureSchedule
 
 REPO = Path(__file__).resolve().parents[2]
 RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
-LATEST_FILE = "latest_checkpointed_iteration.txt"  # written by megatron/training/checkpointing.py
+LATEST_FILE = "latest_checkpointed_iteration.txt"  # written by megatron/training/checkpointing/__init__.py
 POLL_SECONDS = 0.05
 
 

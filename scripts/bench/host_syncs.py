@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 from tests._launch_util import TINY_GPT, launch  # noqa: E402
 
 LAYOUTS = [(1, 1, 2), (1, 2, 2), (2, 2, 2)]
-KINDS = {"reduction_tail.py": "commit", "commit_vote.py": "commit",
+KINDS = {"reduction_tail.py": "commit", "step/commit_vote.py": "commit",
          "global_grad_norm": "Megatron's (grad norm)", "_share_loss_and_times": "Megatron's (loss)",
          "stage.py": "host copy (no device sync on a GPU)"}
 START_UP = ("init_parameters_by_name", "_get_param_groups")

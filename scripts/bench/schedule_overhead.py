@@ -111,16 +111,16 @@ def build_arms(bench: argparse.Namespace):
     import torch.distributed as dist
 
     from megatron.training.arguments import parse_and_validate
-    from megatron.training.config_io import DataConfig, TokenizerConfig
-    from megatron.training.datasets import build_datasets
+    from megatron.training.config.io import DataConfig, TokenizerConfig
+    from megatron.training.data.datasets import build_datasets
     from megatron.training.initialize import build_groups, torch_group_factory
     from megatron.training.metrics import MetricsWriter
     from megatron.training.config import (ModelConfig, OptimizerSetup, ScheduleConfig,
                                           StepConfig, TrainingConfig)
     from megatron.training.model import build_model
-    from megatron.training.optimizer_setup import build_optimizer, build_scheduler
-    from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.replica_parts import build_grad_buffer, build_stages, link_for
+    from megatron.training.optimizer.setup import build_optimizer, build_scheduler
+    from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
+    from megatron.training.step.parts import build_grad_buffer, build_stages, link_for
     from megatron.training.training import Trainer
     from recover_patches.faults import FaultInjector
     from recover_patches.pipeline.rng import install_rng_tracker

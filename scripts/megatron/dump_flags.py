@@ -1,7 +1,7 @@
 """Write the facts file of Megatron-LM's GPT flags: every option of its current parser with its
 dest, default, value count and argument group, and the commit it was read from.
 
-    python scripts/megatron/dump_flags.py /path/to/Megatron-LM > megatron/training/megatron_lm_flags.json
+    python scripts/megatron/dump_flags.py /path/to/Megatron-LM > megatron/training/arguments/refused/megatron_lm_flags.json
 
 It imports Megatron-LM's own `megatron.training.arguments` from that checkout (its megatron.core
 too) and asks its parser, so nothing is transcribed by hand. Kernels that need triton are stubbed
@@ -21,7 +21,7 @@ from unittest import mock
 
 import typing_extensions
 
-SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py (add_megatron_arguments)"
+SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments/__init__.py (add_megatron_arguments)"
 # Modules that import triton at their top; the parser never calls into them.
 _TRITON_KERNELS = ("megatron.core.transformer.moe.ops.paged_stash", "megatron.core.ssm.ops")
 

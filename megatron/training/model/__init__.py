@@ -1,0 +1,350 @@
+"""megatron-core's GPTModel built for ReCoVer: CPU-capable attention plugged in through the layer
+spec, pipeline stages through pre/post_process, and parameters initialised by *global* name so every
+TP x PP x DP layout starts from the same weights as a single-process run.
+
+Precision: the model is cast to the training dtype (bf16/fp16) as Megatron's `Float16Module` does
+(`module.bfloat16()`: torch norms are built in fp32 whatever `params_dtype` says). The wrapper
+itself is not used: its other jobs are casting first-stage float inputs (ours are token ids) and
+last-stage outputs to fp32 (the loss does that), and it would nest every state-dict key under
+`module.`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+from typing import cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings import rotary_pos_embedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_layer_local_spec)
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+from megatron.training.config import ModelConfig
+from megatron.training.model.context_parallel import (context_parallel_attention,
+                                                pos_emb_on_this_cp_rank)
+from megatron.training.model.context_parallel.comm import ring_attention, ulysses_attention
+from megatron.training.model.moe_cpu import use_host_alltoall
+from recover_patches.pipeline.rng import derive_seed
+
+logger = logging.getLogger(__name__)
+
+
+CP_ATTENTION = {"allgather": context_parallel_attention, "p2p": ring_attention,
+                "a2a": ulysses_attention}
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention with `torch.nn.functional.scaled_dot_product_attention`.
+
+    megatron-core's DotProductAttention allocates its score buffer on CUDA; this module takes the
+    same constructor arguments (it is plugged in as the spec's `core_attention`) and runs anywhere.
+    Attention dropout draws from the model-parallel RNG stream: heads are sharded across TP ranks.
+    """
+
+    # --attention-backend: which SDPA kernels may run (torch picks among them); auto: any.
+    KERNELS = {AttnBackend.flash: [SDPBackend.FLASH_ATTENTION],
+               AttnBackend.fused: [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+               AttnBackend.unfused: [SDPBackend.MATH], AttnBackend.local: [SDPBackend.MATH]}
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        # read by megatron-core's default sharded_state_dict (a torch_dist checkpoint): it has no
+        # parameters, but without a group of its own it would look up the global TP group
+        self.tp_group = None if pg_collection is None else pg_collection.tp
+        cp = None if pg_collection is None else pg_collection.cp  # [O]: this replica's sequence
+        self.cp_group = cp if cp is not None and cp.size() > 1 else None  # split over CP ranks
+        # megatron-core passes this layer's --cp-comm-type (transformer-engine's names)
+        self.cp_attention = CP_ATTENTION[cp_comm_type or "p2p"]
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+        kernels = self.KERNELS.get(config.attention_backend)
+        self.kernels = contextlib.nullcontext if kernels is None else (lambda: sdpa_kernel(kernels))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("attention bias / packed sequences need transformer_engine")
+        dropout = self.dropout if self.training else 0.0
+        rng = get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        if self.cp_group is not None:  # causal over the whole sequence (no mask: refused)
+            with rng, self.kernels():
+                return self.cp_attention(query, key, value, self.cp_group, self.softmax_scale,
+                                         dropout)
+        # megatron: [seq, batch, heads, head_dim]; sdpa: [batch, heads, seq, head_dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked out
+        with rng, self.kernels():
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+class RecoverGPTModel(GPTModel):
+    """GPTModel whose tied-embedding set-up does not call `.cuda()`.
+
+    With PP > 1 the stock set-up zeroes the last stage's copy of the word embeddings and all-reduces
+    it on CUDA. Here both copies get identical values from `init_parameters_by_name`, and the
+    trainer all-reduces their gradients over the embedding group each step.
+    """
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if not self.share_embeddings_and_output_weights:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if self.config.pipeline_model_parallel_size > 1:
+            weight.tied_embedding_copy = True  # grads summed over the embedding group
+            weight.tied_embedding_is_duplicate = not self.pre_process  # count it once in norms
+
+    def tie_embeddings_and_output_weights_state_dict(self, sharded_state_dict, output_layer_weight_key,
+                                                     first_stage_word_emb_key, metadata=None) -> None:
+        """megatron-core's (the last stage's output weight is saved as a copy of the first
+        stage's embedding), with the DP part of the replica id taken from metadata's group: the
+        stock one reads parallel_state's global group, which ReCoVer does not set up."""
+        if not self.post_process or self.pre_process:
+            return
+        group = metadata["dp_cp_group"]
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=self.shared_embedding_or_output_weight(), key=first_stage_word_emb_key,
+            replica_id=(1, 0, dist.get_rank(group)), allow_shape_mismatch=True,
+            tp_group=self.tp_group, dp_cp_group=group)
+
+
+class TorchNorm:
+    """torch LayerNorm / RMSNorm for the local spec, like megatron-core's WrappedTorchNorm, which
+    refuses sequence parallelism only because nothing would sum the norms' gradients over TP.
+    Here the params say so (`sequence_parallel`), and the step sums them
+    (`optimizer.sync_sequence_parallel_grads`). A per-head q/k norm sees only this TP rank's heads,
+    so its gradient is partial whenever TP > 1."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        per_head = hidden_size != config.hidden_size
+        partial = config.tensor_model_parallel_size > 1 if per_head else config.sequence_parallel
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", partial)
+        return norm
+
+
+def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | None,
+               pp_rank: int):
+    """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
+    loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules."""
+    te = implementation == "transformer_engine"  # a GPU with TE installed (checked before)
+    if config.num_moe_experts:  # [P] megatron-core's dense / MoE layers by --moe-layer-freq
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                           normalization=config.normalization,
+                                           vp_stage=vp_stage, pp_rank=pp_rank)
+        for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and MoE specs
+            _recover_modules(spec, config, te)
+        if not te:
+            block.layer_norm = TorchNorm
+        return block
+    if te:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        _recover_modules(spec, config, te)
+        return spec
+    spec = get_gpt_layer_local_spec(normalization=config.normalization,
+                                    qk_layernorm=config.qk_layernorm)
+    _recover_modules(spec, config, te)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
+        layer_norm=TorchNorm)
+
+
+def _recover_modules(spec, config: TransformerConfig, te: bool) -> None:
+    """ReCoVer's attention and norms in a megatron-core layer spec (with transformer-engine,
+    only the attention with CP: not run on a GPU yet)."""
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    if te:
+        if config.context_parallel_size > 1:
+            attention.core_attention = SDPACoreAttention
+        return
+    attention.core_attention = SDPACoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
+    if config.qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = TorchNorm
+
+
+class DeviceMemoryBuffer:
+    """megatron-core's GlobalMemoryBuffer (the all-gather scratch of sequence parallelism) on a
+    given device: the stock one allocates on `torch.cuda.current_device()`."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+        numel = math.prod(tensor_shape)
+        held = self.buffer.get((name, dtype))
+        if held is None or held.numel() < numel:
+            held = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+        return held[:numel].view(*tensor_shape)
+
+
+class ModelChunks(torch.nn.ModuleList):
+    """A pipeline rank's model chunks (the interleaved schedule): chunk c is virtual stage
+    c * PP + rank. Parameters, `state_dict` and `modules()` span every chunk, so the optimizer,
+    the gradient buffer and state transfer take it like one model; checkpoints store each chunk
+    under Megatron's key (`checkpoint_keys`)."""
+
+
+def model_chunks(model: torch.nn.Module) -> list[RecoverGPTModel]:
+    """The model chunks of `build_model`'s result, in virtual-stage order."""
+    chunks = list(model) if isinstance(model, ModelChunks) else [model]
+    return cast(list[RecoverGPTModel], chunks)
+
+
+def checkpoint_keys(model: torch.nn.Module) -> list[str]:
+    """Megatron's checkpoint keys of a rank's model, one per chunk: "model", or "model0",
+    "model1", ... with an interleaved schedule."""
+    chunks = model_chunks(model)
+    return ["model"] if len(chunks) == 1 else [f"model{c}" for c in range(len(chunks))]
+
+
+def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection,
+                pp_stage: int, tp_rank: int, device: torch.device | str = "cpu"
+                ) -> torch.nn.Module:
+    """This rank's GPTModel, or its `ModelChunks` with an interleaved schedule."""
+    m, config = model_config, model_config.transformer
+    parallel_state._GLOBAL_MEMORY_BUFFER = DeviceMemoryBuffer(device)
+    if not torch.cuda.is_available():
+        # megatron-core's sequence-parallel mappings allocate their outputs on
+        # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
+        # those allocations into CPU ones and nothing else (CUDA stays unavailable).
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    if config.context_parallel_size > 1:
+        # rope's table is cut to this CP rank's chunks by a megatron-core function that moves its
+        # index with `.cuda()`; the module reads it by name at each call, so the CPU-capable one
+        # of the same meaning goes there (the only way in: it is not a constructor argument)
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    if config.num_moe_experts and not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1's router reads this name when transformer-engine is absent too
+        # (its import failed, so the name is undefined); None is the value its check expects
+        moe_utils.te_general_gemm = None
+    if config.num_moe_experts and not torch.cuda.is_available():
+        use_host_alltoall()  # megatron-core's alltoall dispatcher asks for a CUDA stream
+    vp = m.model_chunks
+    first, last = pp_stage == 0, pp_stage == config.pipeline_model_parallel_size - 1
+    chunks = [
+        RecoverGPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(m.implementation, config, vp_stage, pp_stage),
+            vocab_size=m.padded_vocab_size,
+            max_sequence_length=m.max_sequence_length,
+            pre_process=first and not vp_stage,
+            post_process=last and vp_stage in (None, (vp or 1) - 1),
+            parallel_output=True,
+            share_embeddings_and_output_weights=m.share_embeddings,
+            position_embedding_type=m.position_embedding_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=m.rotary_base,
+            rope_scaling=m.rope_scaling,
+            rope_scaling_factor=m.rope_scaling_factor,
+            seq_len_interpolation_factor=m.rope_interpolation,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        ) for vp_stage in ([None] if vp is None else range(vp))]
+    for chunk in chunks:
+        init_parameters_by_name(chunk, seed=m.seed, std=config.init_method_std,
+                                num_layers=config.num_layers,
+                                tp_size=config.tensor_model_parallel_size, tp_rank=tp_rank,
+                                gated=config.gated_linear_unit)
+    model = chunks[0] if vp is None else ModelChunks(chunks)
+    if pg_collection.ep.rank() > 0:  # [P]: the unit's first replica counts its dense weights
+        for param in model.parameters():
+            setattr(param, "unit_duplicate", getattr(param, "allreduce", True))  # not an expert
+    return model.to(device=device, dtype=config.params_dtype)
+
+
+def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_shards: int = 1
+                ) -> None:
+    """Start-up line: bytes per parameter of weights, fp32 main weights, Adam, gradient buffers;
+    main weights and Adam divided over `optimizer_shards` (--use-distributed-optimizer)."""
+    n = sum(p.numel() for p in model.parameters())
+    weight = next(model.parameters()).element_size()
+    main = (0 if weight == 4 else 4) / optimizer_shards  # fp32: the main weights are the model's
+    adam = 8 / optimizer_shards
+    sharded = f", main weights and Adam over {optimizer_shards} shards" if optimizer_shards > 1 else ""
+    logger.info(f"{n} parameters on this rank: {weight} (weights) + {main:g} (fp32 main weights)"
+                f" + {adam:g} (Adam) + {grad_bytes_per_param} (gradient buffers: local + "
+                f"out-of-place reduced; Megatron's DDP keeps one, 4) = "
+                f"{weight + main + adam + grad_bytes_per_param:g} bytes per parameter{sharded}")
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_SCALED_INIT = ("linear_proj.weight", "linear_fc2.weight")  # Megatron's output_layer_init_method
+
+
+def global_parameter_name(model: GPTModel, local_name: str) -> str:
+    """The parameter's name in the unsplit model: global layer index, tied copies share a name."""
+    match = _LAYER.match(local_name)
+    if match:
+        layer = model.decoder.layers[int(match.group(1))]
+        rest = local_name[match.end():]
+        expert = _EXPERT.match("." + rest)
+        if expert:  # [P]: with expert parallelism, local expert i is global expert offset + i
+            rest = (f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(expert[1])]}."
+                    + rest[expert.end() - 1:])
+        return f"decoder.layers.{layer.layer_number - 1}." + rest
+    if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return local_name
+
+
+@torch.no_grad()
+def init_parameters_by_name(model: GPTModel, *, seed: int, std: float, num_layers: int,
+                            tp_size: int, tp_rank: int, gated: bool = False) -> None:
+    """Draw each parameter's *full* tensor from a generator keyed by (seed, global name), then keep
+    this TP rank's shard. Constant-initialised parameters (norm weights, biases) keep megatron's
+    values. The result does not depend on TP, PP or DP -- the basis of parallel equivalence."""
+    for local_name, param in model.named_parameters():
+        if param.numel() == 0 or bool((param == param.reshape(-1)[0]).all()):
+            continue
+        name = global_parameter_name(model, local_name)
+        scaled = name.endswith(_SCALED_INIT)
+        sigma = std / math.sqrt(2.0 * num_layers) if scaled else std
+        full_shape = list(param.shape)
+        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        if split:
+            full_shape[param.partition_dim] *= tp_size
+        generator = torch.Generator().manual_seed(derive_seed(seed, *name.encode()))
+        # drawn in fp32 on the CPU whatever the training dtype and device: a bf16 model starts
+        # from the fp32 model's weights, rounded
+        full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, sigma, generator=generator)
+        if split:
+            dim = param.partition_dim
+            if gated and ".linear_fc1." in name:
+                # a gated MLP's fc1 is [gate; up], and each TP rank holds [gate shard; up shard]
+                full = torch.cat([half.chunk(tp_size, dim=dim)[tp_rank]
+                                  for half in full.chunk(2, dim=dim)], dim=dim)
+            else:
+                full = full.chunk(tp_size, dim=dim)[tp_rank]
+        param.copy_(full)
