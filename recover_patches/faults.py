@@ -1,4 +1,4 @@
-"""Deterministic fault injection (DESIGN §10). Off unless asked for.
+"""Deterministic fault injection (design.md §15). Off unless asked for.
 
 Spec (flag ``--inject-fault``, repeatable; or env RECOVER_INJECT_FAULT, ';'-separated):
     kind:rank=R,iter=I,phase=P[,microbatch=K]

@@ -15,7 +15,7 @@ rank and a final summary. SIGINT/SIGTERM to the launcher is forwarded to the ran
 followed by SIGKILL after ``--term-grace`` seconds (or at once on a second signal).
 
 Coordinator (default on; ``--no-coordinator`` gives a plain torchrun-like launcher). Node 0 forks
-the membership coordinator (DESIGN §5) before the ranks, unless RECOVER_COORDINATOR is already set
+the membership coordinator (design.md §6) before the ranks, unless RECOVER_COORDINATOR is already set
 (a coordinator started by hand, e.g. under SLURM). Ranks get RECOVER_COORDINATOR and
 RECOVER_JOB_TOKEN. The launcher reports every child's exit to the coordinator the moment it sees
 it, and SIGKILLs any of its children the coordinator has declared dead (a hung rank is fenced, so
@@ -29,7 +29,7 @@ Replacements (``--max-replacements K``, needs the coordinator): when a rank of t
 (a signal, or an exit status other than 0, 2 and 3) before the job declared completion, the
 launcher forks a new process for the same rank and GPU (RECOVER_INCARNATION = previous + 1), at
 most K times in the job's life. It registers as a spare and joins when its replica can be
-re-formed (DESIGN §15).
+re-formed (design.md §11).
 
 Standby nodes (``--standby``, needs a running coordinator): the launcher starts
 ``--nproc-per-node`` processes without a rank (RECOVER_STANDBY names each). Each waits until the

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a standby node: start only processes that wait to take over the slots of "
                         "dead ranks (needs a running coordinator)")
     # torchrun's rendezvous flags: with etcd, every node's launcher can run the coordinator and
-    # one is elected ([U], collectives/failover.py); "static" is node 0's coordinator, as before
+    # one is elected (collectives/failover.py); "static" is node 0's coordinator, as before
     p.add_argument("--rdzv-backend", "--rdzv_backend", choices=("static", "etcd"), default="static")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                    help="etcd members' client addresses, h1:2379,h2:2379,h3:2379")
@@ -131,7 +131,7 @@ def lease_ttl(args: argparse.Namespace) -> int:
 
 def script_recover_timeout(args: argparse.Namespace) -> float:
     """The training script's --recover-timeout (T; 10 s by default, as the script's): how long
-    a node cut off from the job's majority goes on before it fences its ranks ([U])."""
+    a node cut off from the job's majority goes on before it fences its ranks."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # (`--recover off`)
     parser.add_argument("--recover-timeout", "--recover_timeout", type=float, default=10.0)
     try:

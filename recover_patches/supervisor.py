@@ -60,7 +60,7 @@ class Supervisor:
         self.kill_deadline: float | None = None
         self.stop_signal: int | None = None
         self.fenced: set[tuple[int, int]] = set()  # (rank, incarnation)
-        self.cut_off: str | None = None  # why this node fenced itself ([U]), once it did
+        self.cut_off: str | None = None  # why this node fenced itself, once it did
 
     def live(self) -> list[Rank]:
         return [r for r in self.ranks.values() if r.status is None]

@@ -4,10 +4,10 @@ Megatron's default order (`tp-cp-ep-dp-pp`: tp fastest, then cp, then dp, then p
 rank = tp + TP*cp + TP*CP*dp + TP*CP*DP*pp; with `dp_last` (Megatron's --use-tp-pp-dp-mapping,
 `tp-cp-ep-pp-dp`) pp before dp: rank = tp + TP*cp + TP*CP*pp + TP*CP*PP*dp, so a replica's ranks
 are contiguous (a node then tends to hold whole replicas). A *replica* is one complete model
-copy but for its experts: the TP*CP*PP ranks sharing a dp index (DESIGN §3); its CP ranks ([O])
+copy but for its experts: the TP*CP*PP ranks sharing a dp index (design.md §3); its CP ranks
 hold the same weights and split each sequence, as its TP ranks split each layer. Expert
-parallelism ([P], Megatron's `ep` inside `dp`) splits the experts over EP consecutive replicas, a
-*unit*: replica r is expert rank r % EP of unit r // EP, and a unit fails as one (DESIGN §3).
+parallelism (Megatron's `ep` inside `dp`) splits the experts over EP consecutive replicas, a
+*unit*: replica r is expert rank r % EP of unit r // EP, and a unit fails as one (design.md §3).
 Pure arithmetic, no torch: every rank computes the same answers.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ class Topology:
         return [self.rank(t, replica, pp, cp) for t in range(self.tp)]
 
     def cp_ranks(self, tp: int, replica: int, pp: int) -> list[int]:
-        """The ranks that split this replica's sequences at this (tp, pp) place ([O])."""
+        """The ranks that split this replica's sequences at this (tp, pp) place."""
         return [self.rank(tp, replica, pp, c) for c in range(self.cp)]
 
     def pp_ranks(self, tp: int, replica: int, cp: int = 0) -> list[int]:

@@ -1,4 +1,4 @@
-"""A slow, lossy link in user space, for a kernel without the netem qdisc ([U]).
+"""A slow, lossy link in user space, for a kernel without the netem qdisc.
 
 `python tests/lossy_link.py NODE_END BRIDGE_END DELAY LOSS SEED` creates two TAP devices in its
 network namespace and relays every Ethernet frame between them. A frame the node sends (read on

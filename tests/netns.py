@@ -1,4 +1,4 @@
-"""Hosts with real addresses on this machine ([U]): one network namespace per "node", each joined
+"""Hosts with real addresses on this machine: one network namespace per "node", each joined
 to a bridge by a veth pair (iproute2), so every node has its own address (10.R.0.i) and its own
 link (the bridge holds 10.R.0.254 for the test itself). Processes run inside a namespace with
 `ip netns exec`; `kill_host` kills every process of one namespace (launcher, coordinator, ranks,

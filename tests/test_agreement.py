@@ -169,7 +169,7 @@ class NoDelete:
 
 
 def test_store_keys_stay_flat_over_many_iterations():
-    """Issue [R] item 6: votes and barriers of finished iterations are deleted, so a long run does
+    """Votes and barriers of finished iterations are deleted, so a long run does
     not grow the coordinator's store (negative control: the same run without the cleanup grows)."""
     from concurrent.futures import ThreadPoolExecutor
 

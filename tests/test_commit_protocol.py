@@ -1,4 +1,4 @@
-"""Issue [Q]: the commit protocol of `recover_patches/recovery/settle.py`, checked exhaustively on
+"""The commit protocol of `recover_patches/recovery/settle.py`, checked exhaustively on
 small jobs -- every way a round's three collectives can end on every rank, every point at which
 one or two ranks can die, and every order in which the survivors (and the dead, before dying)
 report and the coordinator declares the dead -- with the real `settle.report` and `settle.poll`

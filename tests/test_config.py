@@ -1,4 +1,4 @@
-"""The typed configuration ([T] item 3): built once from the validated flags, frozen, checked
+"""The typed configuration: built once from the validated flags, frozen, checked
 where declared, and the conversion writes nothing back into the flags."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""[O] Context parallelism trains along the single-process trajectory: each replica's sequences
+"""Context parallelism trains along the single-process trajectory: each replica's sequences
 split over CP ranks (Megatron's chunks, ReCoVer's all-gather attention), the loss and token
 counts summed over CP, the gradients reduced over DP x CP. Layouts (TP, PP, CP, DP) of four ranks,
 fp32 within reduction-order noise and bf16 within its rounding (`test_parallel_equivalence`'s

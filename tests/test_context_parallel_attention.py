@@ -1,4 +1,4 @@
-"""[O] Context parallelism's CPU attention (`megatron/training/model/context_parallel/__init__.py`,
+"""Context parallelism's CPU attention (`megatron/training/model/context_parallel/__init__.py`,
 `model/context_parallel/comm.py`) against full causal attention of one process: Megatron's chunking
 (rank r holds chunks r and 2C-1-r), and each `cp_comm_type`: the K/V all-gather and its
 gradient's reduce-scatter, the p2p ring, the a2a head exchange, at CP 2 and CP 4 (a2a: CP 2) in

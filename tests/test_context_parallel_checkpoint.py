@@ -1,4 +1,4 @@
-"""[O] torch_dist checkpoints with context parallelism: CP ranks hold the same weights, so they
+"""torch_dist checkpoints with context parallelism: CP ranks hold the same weights, so they
 share a save as replicas do, and a checkpoint loads at another CP size. CP 2 x DP 2 saves (four
 writers), CP 1 resumes it and saves with one writer, CP 2 x DP 2 resumes that: every resumed
 iteration has the losses of the uninterrupted CP 2 run (within reduction-order noise), and the

@@ -1,4 +1,4 @@
-"""[X] --recover-exact-reduction: microbatch gradients summed as fixed-point integers, the loss on
+"""--recover-exact-reduction: microbatch gradients summed as fixed-point integers, the loss on
 a grid and the norm in fixed point, so a run's bits depend on neither the DP size, nor the
 balance, nor any failure. In one process: the buffer's sums and the norm are the same bits for
 any order and split (and differ without the representation), the exponents follow the largest

@@ -1,4 +1,4 @@
-"""[I] 5: layer 3 reads compute time, not the host's enqueue time: on a GPU a span is timed by
+"""NCCL: layer 3 reads compute time, not the host's enqueue time: on a GPU a span is timed by
 CUDA events and read only once the device passed its end (fake events here: no GPU)."""
 from __future__ import annotations
 

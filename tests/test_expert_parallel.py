@@ -1,5 +1,5 @@
-"""[P] Expert parallelism: EP consecutive replicas (a unit) split the experts, and the unit is
-the recovery unit (DESIGN §3). EP 2 of DP 2, EP 2 of DP 4, EP 2 with TP 2 + SP and EP 2 with an
+"""Expert parallelism: EP consecutive replicas (a unit) split the experts, and the unit is
+the recovery unit (design.md §3). EP 2 of DP 2, EP 2 of DP 4, EP 2 with TP 2 + SP and EP 2 with an
 interleaved PP 2 follow one process (fp32, 1e-5), with megatron-core's allgather and alltoall
 token dispatchers. In DP 6 at EP 2 a rank killed in the dispatcher's all-to-all and then one
 killed in a backward each cost their unit, whose microbatches the other units compute in the

@@ -1,4 +1,4 @@
-"""Losing the node that runs the coordinator ([U]): two "nodes" (one launcher each, one rank each,
+"""Losing the node that runs the coordinator: two "nodes" (one launcher each, one rank each,
 DP 2) on this host elect the coordinator through three real etcd members (`--rdzv-backend
 etcd`). After iteration 1 the etcd member the nodes talk to first is killed: nothing changes
 (no epoch, node 0 still leads). Node 0's whole launcher session (launcher, coordinator, rank 0) is

@@ -84,7 +84,7 @@ BRANCHES = [validated(),
             validated("--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
                       "local", "--replication", "--replication-jump", "1",
                       "--replication-factor", "1"),
-            validated("--num-experts", "4", "--disable-bias-linear")]  # [P] the MoE fields
+            validated("--num-experts", "4", "--disable-bias-linear")]  # the MoE fields
 
 
 def read_by_the_entry_point() -> set[str]:

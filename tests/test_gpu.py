@@ -45,7 +45,7 @@ def test_half_precision_trains_and_tracks_fp32(tmp_path, precision):
 
 @pytest.fixture
 def recovery_env(monkeypatch):
-    """What the launcher gives every rank before any group exists ([I] 1)."""
+    """What the launcher gives every rank before any group exists."""
     from recover_patches.collectives import nccl_env
     for key, value in nccl_env.required().items():
         monkeypatch.setenv(key, value)
@@ -67,7 +67,7 @@ def test_nccl_size_one_group_reduces_and_aborts(recovery_env):
 
 @pytest.mark.timeout(180)
 def test_a_member_missing_at_connect_fails_the_build_within_its_bound(recovery_env):
-    """[I] 3 on a real communicator: member 1 never comes; the build gives up at its deadline
+    """NCCL: on a real communicator: member 1 never comes; the build gives up at its deadline
     and aborts the communicator, instead of hanging at the group's first operation."""
     import time
 
@@ -85,7 +85,7 @@ def test_a_member_missing_at_connect_fails_the_build_within_its_bound(recovery_e
 def test_a_resilient_nccl_group_leaves_the_host_free_and_times_only_what_could_start(
         recovery_env):
     """wait() only makes the stream wait; device time queued *before* a collective does not
-    count against its deadline ([I] 5: the CUDA-event ready probe)."""
+    count against its deadline (the CUDA-event ready probe)."""
     import time
 
     from recover_patches.collectives import backends

@@ -1,4 +1,4 @@
-"""[I] 6: several NCCL ranks on one GPU (scripts/gpu/multirank.py --quick): at (2,1,2) the
+"""NCCL: several NCCL ranks on one GPU (scripts/gpu/multirank.py --quick): at (2,1,2) the
 failure-free losses equal one process's, and a rank of replica 1 SIGKILLed in backward is
 survived with the same losses while replica 0 keeps its tensor-parallel communicator.
 Skipped without CUDA (see conftest); the full harness is scripts/gpu/multirank.sh."""

@@ -1,4 +1,4 @@
-"""Growing back end to end (DESIGN §15): a replacement process for a killed rank, and the surviving
+"""Growing back end to end (design.md §11): a replacement process for a killed rank, and the surviving
 ranks of its replica waiting as spares, re-form the replica at an iteration boundary; a donor
 replica hands over its live state. The trajectory stays the failure-free one, every replica's
 weights stay bitwise equal (checked every iteration), and a join that loses its donor is retried.

@@ -1,4 +1,4 @@
-"""The launcher's etcd rendezvous flags ([U]), checked before anything starts: torchrun's names,
+"""The launcher's etcd rendezvous flags, checked before anything starts: torchrun's names,
 each refusal one message naming the flag and the fix (the launcher exits 2 with it)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue [R]: faults that used to stop the whole job cost one replica now.
+"""Faults that used to stop the whole job cost one replica now.
 
 * a live hang: the rank sleeps 10x --recover-timeout inside forward while its heartbeat thread
   beats on; the others time out, report waiting for it, and the coordinator declares it dead for
@@ -38,7 +38,7 @@ def reference(tmp_path_factory):
 
 
 def test_a_failure_free_iteration_touches_no_store(reference):
-    """Issue [Q]: ranks beat to their launcher, which forwards one beat per node, and the commit
+    """Ranks beat to their launcher, which forwards one beat per node, and the commit
     rides in the collectives (an ack and an exchange), so a failure-free iteration makes no
     operation on the coordinator's store. The first record also carries the start-up's group
     rendezvous."""
@@ -59,7 +59,7 @@ def assert_failure_free_trajectory(run, reference) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_kills_between_the_reduction_and_the_step_keep_the_trajectory(reference, tmp_path):
-    """Issue [Q], (1,1,4): rank 1 dies before its ack at iteration 2, rank 3 as soon as its
+    """(1,1,4): rank 1 dies before its ack at iteration 2, rank 3 as soon as its
     reduction returned at iteration 3 -- every survivor's ack fails after its reduction completed,
     so all hold their sums, settle commits and each rolls forward (no recomputation); rank 2 dies
     after committing iteration 4, before its step -- the others committed too and meet its loss in
@@ -80,7 +80,7 @@ def test_kills_between_the_reduction_and_the_step_keep_the_trajectory(reference,
 @pytest.mark.timeout(300)
 def test_a_kill_between_ack_and_exchange_commits_on_one_replica_and_not_the_other(reference,
                                                                                    tmp_path):
-    """Issue [Q], (1,2,2) (replica 0: ranks 0, 2; replica 1: ranks 1, 3): rank 3 dies after its
+    """(1,2,2) (replica 0: ranks 0, 2; replica 1: ranks 1, 3): rank 3 dies after its
     ack at iteration 3. Replica 0's exchange completes (committed by the collectives); rank 1's
     fails, it holds its sum and waits in settle until replica 0's ranks report their commit (on
     meeting the failure in iteration 4), then rolls forward and leaves with its broken replica."""
@@ -100,7 +100,7 @@ def test_a_live_hang_is_fenced_and_survived(reference, tmp_path, layout, victim)
     run = run_job(tmp_path, layout, "--inject-fault", slow)
     records = assert_failure_free_trajectory(run, reference)
     assert [r["iteration"] for r in records if r["recoveries"]] == [3]
-    if layout == "2,1,2":  # [I] 4: replica 0's TP group never saw replica 1's failure
+    if layout == "2,1,2":  # NCCL: replica 0's TP group never saw replica 1's failure
         (recovery,) = records[2]["recoveries"]  # rank 0's record
         assert "tp.replica0.stage0" in recovery["groups_kept"], recovery
         assert "dp.tp0.stage0" in recovery["groups_rebuilt"], recovery

@@ -74,7 +74,7 @@ def test_log_line_has_megatrons_fields():
 
 
 def test_moe_losses_follow_the_lm_loss_in_megatrons_format_and_tags(tmp_path):
-    """[P] Megatron-LM prints each tracked auxiliary loss right after the lm loss (' {}: {:.6E}
+    """MoE: Megatron-LM prints each tracked auxiliary loss right after the lm loss (' {}: {:.6E}
     |') and writes it under its own name; per-layer values go to TensorBoard only."""
     losses = {"load_balancing_loss": 1.0061, "z_loss": 1.9369, "moe/z_loss_layer_0": 0.5}
     line = log_line({**record(3, 4.0), "moe_losses": losses}, 10)

@@ -79,7 +79,7 @@ def test_bf16_trajectory_survives_a_kill_and_drop_does_not(tmp_path):
         i = r["iteration"]
         assert r["microbatches"] == M and r["id_sum"] == sum(range((i - 1) * M, i * M)), r
     assert recs[2]["recoveries"] and recs[-1]["live_replicas"] == [0]
-    kept = recs[2]["recoveries"][0]["groups_kept"]  # [I] 4: replica 0's pipeline was intact
+    kept = recs[2]["recoveries"][0]["groups_kept"]  # NCCL: replica 0's pipeline was intact
     assert "pp.replica0.tp0" in kept and "dp.tp0.stage0" not in kept, recs[2]["recoveries"]
     assert drift(recovered) <= BF16_TOLERANCE
     assert drift(dropped) > 100 * BF16_TOLERANCE
@@ -100,7 +100,7 @@ def test_replicas_hold_bitwise_equal_weights_and_a_corrupted_one_is_caught(tmp_p
     recs = train_records(healthy)
     assert [r.get("weights_checked_after") for r in recs] == [None, None, 2, None, 4, None]
     assert recs[-1]["live_replicas"] == [0, 1, 3]  # rank 5 = replica 2's second TP rank
-    (recovery,) = recs[2]["recoveries"]  # [I] 4: rank 0's TP group outlived replica 2's failure
+    (recovery,) = recs[2]["recoveries"]  # NCCL: rank 0's TP group outlived replica 2's failure
     assert "tp.replica0.stage0" in recovery["groups_kept"], recovery
     # rank 3 is replica 1's second TP rank; its weight changes before iteration 3's reduction
     corrupted = launch(8, [*flags, *faults("corrupt:rank=3,iter=3,phase=dp_reduce")],

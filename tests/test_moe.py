@@ -1,4 +1,4 @@
-"""[P] Mixture of experts, first part: megatron-core's MoE layer (router, allgather token
+"""Mixture of experts, first part: megatron-core's MoE layer (router, allgather token
 dispatcher, SequentialMLP experts) in ReCoVer's GPT, every replica holding every expert (expert
 parallelism is refused by name for now). DP 2, TP 2 with SP, and PP 2 follow one process's
 trajectory (fp32, 1e-5), with the load-balancing and z-losses on; a rank killed in its backward

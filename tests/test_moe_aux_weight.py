@@ -1,4 +1,4 @@
-"""[P] The auxiliary losses' weight, end to end in one process: ReCoVer sums each microbatch's
+"""MoE: the auxiliary losses' weight, end to end in one process: ReCoVer sums each microbatch's
 token losses and divides the reduced gradient by the iteration's tokens, and sets megatron-core's
 aux-loss gradient scale to a microbatch's nominal tokens before each backward. The resulting
 gradient must equal Megatron-LM's: each microbatch's mean token loss over M, with the aux scale

@@ -1,10 +1,11 @@
-"""The pipeline's p2p designs under NCCL's rules (`tests/nccl_p2p_model.py`), issue [J].
+"""The pipeline's p2p designs under NCCL's rules (`tests/nccl_p2p_model.py`).
 
 What the executors really call is recorded (`run_interleaved`, `run_1f1b` with a recording link
 and stages that compute nothing), then turned into each rank's NCCL operations the way a design
 posts them, and run under the model: every list length 0..3P+1, PP 1-4, V 1-3, with the group
 size each length runs with. Negative control: the interleaved schedule over one communicator per
-pair of ranks with tags (ReCoVer's design before [J]) deadlocks or swaps tensors under the rules.
+pair of ranks with tags (ReCoVer's design before the channels) deadlocks or swaps tensors under
+the rules.
 """
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def per_direction(src: int, dst: int, kind: Kind) -> object:
 
 
 def without_posts(logs):
-    """The executor before [J]: no receive posted ahead."""
+    """The executor before the p2p channels: no receive posted ahead."""
     return [[event for event in log if event[0] != "post"] for log in logs]
 
 
@@ -165,7 +166,7 @@ def outcomes(comm: Comm, logs=lambda logs: logs) -> dict[str, int]:
 
 def test_negative_control_the_design_before_breaks_under_nccls_rules():
     """Tags kept gloo right. Under NCCL, one communicator per pair of ranks (the design before
-    [J]) deadlocks: a posted send holds back the receives behind it on the pair's stream; and
+    NCCL p2p) deadlocks: a posted send holds back the receives behind it on the pair's stream; and
     one per direction would still swap tensors: an activation and a gradient between the same
     two ranks (P = 2) are matched in posting order, tags ignored."""
     before = outcomes(one_pair, without_posts)
@@ -243,7 +244,7 @@ def test_the_model_sees_a_swap_between_two_ranks():
 
 
 def test_a_dead_neighbour_is_a_peer_failure_of_the_channel():
-    """Under the fake NCCL-like backend of [I]: a receive on the forward channel from a rank that
+    """Under `fake_async`'s NCCL-like backend: a receive on the forward channel from a rank that
     died never completes; the watchdog aborts that channel's communicator and the commit raises a
     PeerFailure naming the neighbour and the channel."""
     from recover_patches.collectives import backends

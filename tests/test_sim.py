@@ -195,7 +195,7 @@ def test_cli_prints_table_and_writes_png(tmp_path):
 
 
 def test_the_recovery_model_builds_the_pause_from_the_verdict_and_the_rebuild():
-    """Issue Q: verdict (T + the excess measured at 12,500 nodes) + shrinking the groups that lost
+    """At scale: verdict (T + the excess measured at 12,500 nodes) + shrinking the groups that lost
     a member, or re-creating every communicator; a shorter pause gives recover a higher ETTR."""
     from scripts.sim.recovery_model import (MEASURED_VERDICT_EXCESS, models,
                                             with_recovery_model)

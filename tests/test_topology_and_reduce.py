@@ -37,7 +37,7 @@ def test_tp_pp_dp_mapping_keeps_each_replica_contiguous():
 @pytest.mark.parametrize("tp, cp, pp, dp", [(1, 2, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (2, 4, 2, 1),
                                             (2, 2, 2, 3)])
 def test_context_parallel_ranks_follow_megatrons_rank_generator(tp, cp, pp, dp, dp_last):
-    """[O] Every group is the one megatron-core's RankGenerator makes for Megatron's order
+    """Every group is the one megatron-core's RankGenerator makes for Megatron's order
     (`tp-cp-ep-dp-pp`, or `tp-cp-ep-pp-dp` with --use-tp-pp-dp-mapping)."""
     from megatron.core.parallel_state import RankGenerator
     t = Topology.from_world(tp * cp * pp * dp, tp, pp, dp_last=dp_last, cp=cp)

@@ -1,10 +1,10 @@
-"""Issue [C] at the trainer level: (TP, PP, DP) = (2, 2, 2) on 8 ranks, one fault per run.
+"""Kill and hang at the trainer level: (TP, PP, DP) = (2, 2, 2) on 8 ranks, one fault per run.
 
 Rank = tp + 2*replica + 4*stage: replica 0 is ranks {0, 1, 4, 5}, replica 1 is {2, 3, 6, 7}.
 For a SIGKILL in each of backward / p2p / tp_allreduce / dp_reduce, and a SIGSTOP hang in two
 phases, every run must show:
   * every survivor logs the new membership epoch naming the right dead rank ("membership epoch
-    1: dead ranks [R]", printed by each rank the moment it learns it) within 2 s; each survivor
+    1: dead ranks [3]", printed by each rank the moment it learns it) within 2 s; each survivor
     of the healthy replica also logs its own failure ("peer failure in ..."), each survivor of
     the broken replica its clean exit naming R, both within 3 s (see FAILURE_WITHIN).
     Times are taken on this test's clock, as the arrival of the job's log lines on its

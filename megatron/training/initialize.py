@@ -69,11 +69,11 @@ class ParallelGroups:
     # (kind, this rank sends) -> its channel, in creation order
     channels: dict[tuple[Kind, bool], Channel] = field(default_factory=dict)
     resilient: bool = False  # every group is a ResilientGroup (recovery on)
-    # --context-parallel-size > 1 ([O]): the ranks splitting this replica's sequences at this
+    # --context-parallel-size > 1: the ranks splitting this replica's sequences at this
     # (tp, pp), and the TP x PP ranks at this CP index (a gradient norm counts each weight once)
     context: dist.ProcessGroup | None = None
     model_parallel: dist.ProcessGroup | None = None
-    # --expert-model-parallel-size > 1 ([P]): the unit's ranks at this (tp, pp) (megatron-core's
+    # --expert-model-parallel-size > 1: the unit's ranks at this (tp, pp) (megatron-core's
     # expert-parallel group), at this stage (the dispatcher's TP x EP group), and the live
     # replicas' ranks holding this rank's experts (their gradients' reduction). `replica` then
     # spans the unit: it fails, votes and sums its norms as one
@@ -265,12 +265,12 @@ class ParallelGroups:
         pgs.embd = self.embedding
         pgs.pos_embd = None
         pgs.dp = self.dp
-        # mixture of experts ([P]) without expert parallelism: every replica holds every expert,
+        # mixture of experts without expert parallelism: every replica holds every expert,
         # tensor-parallel like the dense layers (their gradients reduced over the DP group like
         # theirs). expt_dp is read only for the experts' checkpoint replica ids: 0, as for the
         # dense weights (`checkpoint_dist.model_sharded`; `checkpoint_writers` picks who writes)
         pgs.ep, pgs.expt_tp, pgs.tp_ep = self.self_group, self.tp, self.tp
-        if self.expert is not None:  # [P]: the unit splits the experts, TP x EP ranks apiece
+        if self.expert is not None:  # MoE: the unit splits the experts, TP x EP ranks apiece
             pgs.ep, pgs.tp_ep = self.expert, self.tp_expert
         pgs.expt_dp = self.self_group
         pgs.tp_dp_cp = None  # the router's, for global_aux_loss only (refused: it spans replicas)
@@ -285,7 +285,7 @@ def p2p_channels(topology: Topology, c: Coord, make_group: GroupFactory,
     torch's own groups (no coordinator) name a group by its ranks, so two groups of the same two
     ranks would collide; gloo keeps that correct, NCCL would not (refused on a GPU)."""
     stages, by_stage = topology.pp, topology.pp_ranks(c.tp, c.replica, c.cp)
-    at = f".cp{c.cp}" if topology.cp > 1 else ""  # ([O]) each CP index has its own pipeline
+    at = f".cp{c.cp}" if topology.cp > 1 else ""  # each CP index has its own pipeline
     s = c.pp
     after, before = (s + 1) % stages, (s - 1) % stages  # wrapping: chunk c's last -> c+1's first
     mine = {(Kind.FORWARD, True): (s, after), (Kind.FORWARD, False): (before, s),
@@ -311,11 +311,11 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
     `p2p_channels`, "shared" for channels over the PP group (torch's own groups). resilient:
     `make_group` makes ResilientGroups (`resilient_group_factory`)."""
     c = topology.coord(rank)
-    at = f".cp{c.cp}" if topology.cp > 1 else ""  # ([O]) one group of each per CP index
+    at = f".cp{c.cp}" if topology.cp > 1 else ""  # one group of each per CP index
     tp = make_group(f"tp.replica{c.replica}.stage{c.pp}{at}",
                     topology.tp_ranks(c.replica, c.pp, c.cp))
     pp = make_group(f"pp.replica{c.replica}.tp{c.tp}{at}", topology.pp_ranks(c.tp, c.replica, c.cp))
-    unit = c.replica // topology.ep  # [P]: with expert parallelism the unit is the replica
+    unit = c.replica // topology.ep  # MoE: with expert parallelism the unit is the replica
     replica = (make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
                if topology.ep == 1 else make_group(f"unit{unit}", topology.unit_ranks(c.replica)))
     embedding = None
@@ -349,7 +349,7 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
         place = c.replica % size
         position = make_group(f"distopt.tp{c.tp}.stage{c.pp}.place{place}{at}",
                               topology.dp_ranks(c.tp, c.pp, range(place, topology.dp, size), c.cp))
-        if expert_dp is not None:  # [P] units lie within instances (EP divides DP / K)
+        if expert_dp is not None:  # MoE: units lie within instances (EP divides DP / K)
             expert_instance = make_group(
                 f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}.ep{c.replica % topology.ep}",
                 topology.expert_dp_ranks(c.tp, c.replica, c.pp, range(first, first + size)))

@@ -25,7 +25,7 @@ def log_line(rec: dict, train_iters: int, skipped_since_last_line: int = 0) -> s
         f"learning rate: {rec['lr']:.6E}",
         f"global batch size: {rec['global_batch_size']:5d}",
         f"lm loss: {rec['lm_loss']:.6E}",
-        # [P] MoE's auxiliary losses, by Megatron's names and format (per-layer ones: TensorBoard)
+        # MoE's auxiliary losses, by Megatron's names and format (per-layer ones: TensorBoard)
         *(f"{name}: {value:.6E}" for name, value in rec.get("moe_losses", {}).items()
           if not name.startswith("moe/")),
         f"loss scale: {rec.get('loss_scale', 1.0):.1f}",

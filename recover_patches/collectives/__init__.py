@@ -1,4 +1,4 @@
-"""Layer 1: fault-tolerant collectives, the membership coordinator, failure detection (DESIGN §5).
+"""Layer 1: fault-tolerant collectives, the membership coordinator, failure detection (design.md §6).
 
 Public names are loaded lazily so that importing `errors` (e.g. from the launcher) stays cheap.
 """

@@ -5,7 +5,7 @@ operation timeout via `set_timeout`, which really cancels a stuck operation. glo
 abort: dropping the last reference closes its sockets (peers then fail in ~20 ms), but the
 destructor waits for in-flight work up to the timeout, so it runs on a background thread.
 
-NCCL (GPU; see DESIGN §17 for what torch 2.13 does on its own): the rank's environment was set
+NCCL (GPU; see design.md §13 for what torch 2.13 does on its own): the rank's environment was set
 by `nccl_env` before any group existed. A backend is connected *inside* the rebuild's bounds:
 non-blocking init, the NCCL unique id fetched from a store client whose timeout is the operation
 timeout, the communicator created eagerly and proven by a one-element all-reduce, all on a helper

@@ -1,4 +1,4 @@
-"""Store operations that give up ([U]): a TCPStore client's answers have no timeout of their own
+"""Store operations that give up: a TCPStore client's answers have no timeout of their own
 (its `add`, `check` and `compare_set` read the reply with a plain blocking recv, and even a timed
 `wait` reads its cancellation's reply that way), so over a cut link they wait until TCP itself
 gives up, a quarter of an hour later. Nothing interrupts a blocked recv from Python: the caller

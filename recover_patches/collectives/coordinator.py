@@ -1,4 +1,4 @@
-"""The membership coordinator: a small process outside the training ranks (DESIGN §5).
+"""The membership coordinator: a small process outside the training ranks (design.md §6).
 
 It owns the TCPStore server and decides membership epochs. A rank is declared dead on evidence
 only: its launcher saw it exit (reported within milliseconds), its heartbeat went silent, or it
@@ -22,7 +22,7 @@ epoch, spares report again; a rank that has not come back `stall` seconds after 
 did is declared dead, as a silent rank would be. The launcher's store (the one the coordinator
 process serves) is the remaining single point: see README, "The coordinator".
 
-It also brings slots back (DESIGN §15, rules in `membership_state.py`): a grow epoch once a broken
+It also brings slots back (design.md §11, rules in `membership_state.py`): a grow epoch once a broken
 replica's slots all have waiting processes, and dead slots no local replacement is coming for
 handed to standby processes (`launch --standby`).
 
@@ -64,7 +64,7 @@ class CoordinatorConfig:
     token: str
     timeout: float | None = None  # the ranks' --recover-timeout; None: the first rank's
     restarted: bool = False  # a successor: rebuild the membership from the ranks that come back
-    journal: Journal | None = None  # elected ([U]): decisions made durable first, fenced
+    journal: Journal | None = None  # elected: decisions made durable first, fenced
 
 
 class Coordinator:

@@ -1,14 +1,14 @@
 """A rank's connections to the coordinator's store, counting every operation made through them.
 
 The coordinator serves every rank of the job from one store, so what one rank costs it per
-iteration is the design's scaling figure: the iteration record's `store_ops` is read from here
-(issue [Q]). The membership client opens its three connections (its own, the watcher's and the
-heartbeat's) over one `OpCounter`; the commit vote, the recovery barriers and the groups'
+iteration is the design's scaling figure: the iteration record's `store_ops` is read from here.
+The membership client opens its three connections (its own, the watcher's and the heartbeat's)
+over one `OpCounter`; the commit vote, the recovery barriers and the groups'
 rendezvous all go through the client's connection, so nothing a rank asks of the coordinator's
 store escapes the count -- except a backend's own connection set-up, which C++ makes on the
 `native` store (gloo's or NCCL's address exchange, only when a group is built or rebuilt).
 
-The main thread's connection is also bounded ([U]): over a cut link a TCPStore client's `add`,
+The main thread's connection is also bounded: over a cut link a TCPStore client's `add`,
 `check` and `compare_set` wait for TCP's own give-up (`bounded_call.py`), so each operation that
 waits for an answer runs under a `BoundedCaller` and, past its limit, fails as a lost connection
 does (`DistNetworkError`): the callers that survive a coordinator's loss then wait for the

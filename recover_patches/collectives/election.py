@@ -1,4 +1,4 @@
-"""Which launcher's coordinator decides, and the record a successor starts from ([U]).
+"""Which launcher's coordinator decides, and the record a successor starts from.
 
 Every node's launcher can run a coordinator; one leads. Leading is holding the key
 `/recover/<job>/leader`, created only if absent (a transaction on its create revision) and tied

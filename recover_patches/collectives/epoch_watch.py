@@ -1,5 +1,4 @@
-"""How a launcher learns of new membership epochs without polling the coordinator's store (issue
-[Q]).
+"""How a launcher learns of new membership epochs without polling the coordinator's store.
 
 A launcher fences the ranks an epoch declares dead. It used to read the epoch key about five
 times a second to find out: at 12,500 nodes, 62,500 reads a second, more than the node beats.

@@ -1,4 +1,4 @@
-"""An etcd cluster reached through any of its members ([U]: no single point of failure).
+"""An etcd cluster reached through any of its members (no single point of failure).
 
 etcd's v3 API through its JSON gateway (`/v3/kv/...`, served by every etcd >= 3.4 on the client
 port), with OpenStack's `etcd3gw` client. Why that client: it is maintained (OpenStack ships it),

@@ -1,11 +1,11 @@
-"""The coordinator of whichever node etcd elected ([U]: `--rdzv-backend etcd`).
+"""The coordinator of whichever node etcd elected (`--rdzv-backend etcd`).
 
 Every node's launcher holds an `ElectedCoordinator` in place of node 0's `CoordinatorHandle`:
 its `LeaderAgent` campaigns for the job's leader key (a standby node's only follows it: its
 processes, waiting for a slot, read the address file too); the winner's launcher forks a coordinator
 on its own address (`--local-addr`, a free port unless --coordinator-port), a *successor* one
 when an earlier leader ran the job, so the ranks bring their latest epoch records as they do to
-a coordinator restarted on node 0 ([R]). Every agent writes the leader's address into a file of
+a coordinator restarted on node 0. Every agent writes the leader's address into a file of
 its node (`RECOVER_COORDINATOR_FILE`), which the node's ranks and its launcher's link read when
 they connect again: losing node 0 then costs what a coordinator restart costs, plus the lease's
 TTL. A leader that loses its lease stops its coordinator before another can win (fencing).

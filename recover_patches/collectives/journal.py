@@ -1,4 +1,4 @@
-"""Where an elected coordinator keeps its decisions durable ([U]): the membership epoch it is about
+"""Where an elected coordinator keeps its decisions durable: the membership epoch it is about
 to publish, the slots it gives to standby processes and the job's completion, written to etcd
 *before* any rank or standby is told, each write fenced by the leader key's revision
 (`Election.write`). So a coordinator whose node lost the lease cannot

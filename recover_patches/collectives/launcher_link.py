@@ -45,7 +45,7 @@ class LauncherLink:
     def __init__(self, host: str, port: int, token: str, node_rank: int,
                  address_file: Path | None = None):
         self._address = (host, port, token, node_rank)
-        self._address_file = address_file  # [U]: the elected coordinator's, re-read to connect
+        self._address_file = address_file  # the elected coordinator's (etcd), re-read to connect
         self.ops = OpCounter()  # every operation on the coordinator's store, the watch's too
         self._bounded = BoundedCaller(OPERATION_WAIT, "recover-link-op")
         self.store = self._connect(START_TIMEOUT)
@@ -96,7 +96,7 @@ class LauncherLink:
         return result
 
     def _moved(self) -> bool:
-        """[U]: etcd elected a coordinator elsewhere (the old one may be cut off, not closed)."""
+        """etcd elected a coordinator elsewhere (the old one may be cut off, not closed)."""
         host, port, _, _ = self._address
         return self._address_file is not None and \
             P.current_address(self._address_file, host, port) != self.connected_to

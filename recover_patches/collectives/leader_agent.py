@@ -1,4 +1,4 @@
-"""A launcher's part in the election of the job's coordinator ([U]: every node can lead).
+"""A launcher's part in the election of the job's coordinator (every node can lead).
 
 Each launcher runs one `LeaderAgent`. Every `ttl / 3` seconds it takes one step:
   * leading: renew the lease. If the renewal fails (the lease lapsed: this node was paused or cut

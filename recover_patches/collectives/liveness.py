@@ -1,4 +1,4 @@
-"""The coordinator's evidence that a rank is alive and moving: pure bookkeeping, no I/O (DESIGN §5).
+"""The coordinator's evidence that a rank is alive and moving: pure bookkeeping, no I/O (design.md §6).
 
 Every heartbeat carries a beat counter and the rank's progress (where it is: epoch, iteration,
 phase, microbatch, and a count of its progress marks; see `MembershipClient.mark`). From these

@@ -11,7 +11,7 @@ Each has its own store connection: a TCPStore client serializes its requests, so
 would otherwise stall everyone. (A blocking pop: every timed-out store wait prints C++ warnings.)
 
 If the coordinator goes away (its process died and the node-0 launcher started a new one on the
-same port, or etcd elected one elsewhere: [U], the node's address file moves), a watcher
+same port, or etcd elected one elsewhere: the node's address file moves), a watcher
 reconnects: it registers again with what this rank knows (its latest epoch record, whether it
 waits as a spare), replaces `store`, bumps `generation` and calls the reconnect listeners (the
 agreement re-publishes its last decisions there). The main thread's store operations fail
@@ -69,7 +69,7 @@ class MembershipClient:
         self.heartbeat_timeout = self.timeouts.stall
         self._progress = ProgressMarks()  # what the heartbeat says: see mark()
         self._address = (host, port, token, source, standby)
-        self._address_file = address_file  # [U]: the elected coordinator's, re-read to connect
+        self._address_file = address_file  # the elected coordinator's (etcd), re-read to connect
         self._node_beats = node_beats  # beat into the launcher's directory, not the store
         self._beat_every = self.heartbeat_interval if node_beats is None else \
             self.heartbeat_interval / LOCAL_BEATS_PER_INTERVAL
@@ -86,7 +86,7 @@ class MembershipClient:
         self._beats = 0
         self._beat_once()
         self._reconnecting = threading.Lock()  # one reconnection at a time, from either thread
-        self._moved_seen = -1  # the generation whose coordinator was seen to move ([U])
+        self._moved_seen = -1  # the generation whose coordinator was seen to move
         self._watcher = self._thread(self._watch, "membership", 0)
         self._beater = self._thread(self._beat, "heartbeat")
 
@@ -106,7 +106,7 @@ class MembershipClient:
                     self.timeouts.operation, rejoin,
                     node=None if self._node_beats is None else self._node_beats.node,
                     startup=self._answer_within)
-        store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops,  # [U]:
+        store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops,  # bounded:
                              BoundedCaller(self._answer_within, f"recover-store-{self.rank}"))
         store.answer_within(self._answer_within, raw)  # a cut link's operations end
         self._store_client = raw
@@ -312,7 +312,7 @@ class MembershipClient:
                     return
 
     def _follow_a_moved_coordinator(self, generation: int) -> None:
-        """[U]: the node's address file names another coordinator (etcd elected a successor). Over
+        """The node's address file names another coordinator (etcd elected a successor). Over
         a cut link the old connections never fail: a new watcher reconnects now."""
         if self._address_file is None or self._moved_seen == generation:
             return

@@ -1,4 +1,4 @@
-"""What the coordinator believes about every slot: pure bookkeeping, no I/O (DESIGN §5, §15).
+"""What the coordinator believes about every slot: pure bookkeeping, no I/O (design.md §6, §11).
 
 A rank number is a *slot* (its place in the TP x PP x DP layout); the process holding it is an
 *incarnation* (0 = the one started with the job). A slot's process comes back in one of two ways:
@@ -196,7 +196,7 @@ class MembershipState:
     # --- standby processes --------------------------------------------------------------------
     def on_standby(self, standby: str) -> tuple[int, int] | None:
         """A standby waits. Returns (slot, incarnation) when a slot is already reserved for it:
-        the answer was lost with an earlier coordinator ([U]) and must be sent again."""
+        the answer was lost with an earlier coordinator and must be sent again."""
         for slot, reservation in self.reserved.items():
             if reservation.standby == standby:
                 return slot, reservation.incarnation
@@ -206,7 +206,7 @@ class MembershipState:
 
     def grant_record(self) -> list[list]:
         """Every slot's latest grant to a standby, [slot, standby, incarnation]: what an elected
-        coordinator journals before the standby hears of it ([U])."""
+        coordinator journals before the standby hears of it."""
         return [[slot, standby, k] for slot, (standby, k) in sorted(self.grants.items())]
 
     def restore_grants(self, record: list[list]) -> None:

@@ -1,4 +1,4 @@
-"""The environment that keeps torch's own NCCL machinery out of ReCoVer's recovery (DESIGN §17).
+"""The environment that keeps torch's own NCCL machinery out of ReCoVer's recovery (design.md §13).
 
 torch 2.13's ProcessGroupNCCL reads these when a group is constructed (TORCH_NCCL_NONBLOCKING_TIMEOUT
 once per process, at the first communicator), so they must be in the rank's environment before

@@ -1,7 +1,7 @@
 """One heartbeat per node: ranks beat into a node-local directory, their launcher forwards them.
 
 At 100,000 GPUs a store write per rank per heartbeat interval is 250,000 writes a second into
-the coordinator's one store (DESIGN §18, issue [Q]). Instead the launcher that started a node's
+the coordinator's one store (design.md §14). Instead the launcher that started a node's
 ranks gives them a directory (RECOVER_NODE_BEATS, on tmpfs where there is one); each rank's
 heartbeat thread replaces its own file there (`<pid>-<rank>`: "<interval> <beat> <progress>")
 instead of writing to the store, and the launcher writes every live child's latest line as one

@@ -123,7 +123,7 @@ def read_address(address_file: Path, fallback: str) -> str:
 
 
 def current_address(address_file: Path | None, host: str, port: int) -> tuple[str, int]:
-    """Where to connect: the elected coordinator's address from the node's file ([U]), else
+    """Where to connect: the elected coordinator's address from the node's file, else
     (no file, or none written yet) `host:port`."""
     if address_file is None:
         return host, port

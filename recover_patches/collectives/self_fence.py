@@ -1,4 +1,4 @@
-"""A node cut off from the job stops its own ranks ([U]: `--rdzv-backend etcd`).
+"""A node cut off from the job stops its own ranks (`--rdzv-backend etcd`).
 
 A network partition does not close connections: the cut side hears nothing and is told nothing.
 The majority side declares its ranks dead after T (`--recover-timeout`) and goes on without

@@ -1,10 +1,10 @@
-"""A standby process's wait for a slot (DESIGN §15): the one thing it does before it is a rank.
+"""A standby process's wait for a slot (design.md §11): the one thing it does before it is a rank.
 
 A standby node's launcher (`launch --standby`) starts processes with no rank: RECOVER_STANDBY
 names each one. Such a process tells the coordinator it waits, then polls its own queue until
 the coordinator gives it the slot of a dead rank (a lost node's: no local replacement is coming),
 or says the job completed or stopped. If the coordinator dies meanwhile, it waits (up to
-RECONNECT_WITHIN) for the one the node-0 launcher starts in its place, or ([U]) the one etcd
+RECONNECT_WITHIN) for the one the node-0 launcher starts in its place, or the one etcd
 elects on another node, and registers again there. With a slot it becomes that rank's
 replacement: RANK and RECOVER_INCARNATION are set in its environment and it starts as a spare,
 like a process its launcher replaced (the rest of its environment, LOCAL_RANK and so its GPU, is its own node's).
@@ -51,7 +51,7 @@ def standby_id() -> str | None:
 def wait_for_slot(standby: str, connect_timeout: float = 30.0) -> SlotAssignment | JobEnded:
     """Register as a waiting standby and poll until the coordinator decides. Needs
     RECOVER_COORDINATOR and RECOVER_JOB_TOKEN (set by the launcher); with RECOVER_COORDINATOR_FILE
-    ([U]: an elected coordinator) it follows the address that file names, from the start: a
+    (an elected coordinator) it follows the address that file names, from the start: a
     standby may come up while the coordinator it was told of is gone and etcd elects the next,
     so the first connection waits as long as a lost one does (RECONNECT_WITHIN)."""
     address, token = os.environ.get("RECOVER_COORDINATOR"), os.environ.get("RECOVER_JOB_TOKEN")

@@ -1,4 +1,4 @@
-"""Every wait of the failure path, derived from one knob: `--recover-timeout` (DESIGN §5).
+"""Every wait of the failure path, derived from one knob: `--recover-timeout` (design.md §6).
 
 T (`operation`) is how long a rank may keep its peers waiting: an operation that makes no
 progress for T fails. Everything else follows from T so that the waits agree:
@@ -28,7 +28,7 @@ GRACE = 0.5  # seconds: a waiter's report reaches the coordinator well within th
 RECONNECT_WITHIN = 60.0  # seconds ranks, launchers and standbys wait for a restarted coordinator
 MARGIN = 0.5  # seconds: the coordinator's tick, scheduling delays on a loaded machine
 MIN_OPERATION = 1.0
-OPERATION_WAIT = 2.0  # seconds: [U] over a cut link a launcher's or standby's store operation is
+OPERATION_WAIT = 2.0  # seconds: over a cut link a launcher's or standby's store operation is
 # given up after this (`bounded_call.py`)
 REPORT_WAIT = 2.0  # seconds a failure report may take (a cut link never answers: bounded_call.py)
 

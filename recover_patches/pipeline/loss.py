@@ -55,7 +55,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 def masked_loss_sum(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of the counted tokens' losses, left on the device (the token count comes from the
     host copy of the mask: reading it here would make the host wait for the GPU). Normalisation
-    by the *global* token count happens after the DP reduction (DESIGN §7)."""
+    by the *global* token count happens after the DP reduction (design.md §8)."""
     return (token_loss * loss_mask.to(token_loss.dtype)).sum()
 
 

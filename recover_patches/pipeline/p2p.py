@@ -98,7 +98,7 @@ class Channel:
 class ChunkP2P:
     """`schedule.ChunkLink` between virtual stages (chunk c of rank r is virtual stage c * P + r;
     the last rank's chunk c feeds rank 0's chunk c + 1), correct under NCCL's rules as well as
-    gloo's (issue [J]; `tests/test_p2p_nccl_rules.py` checks it under a model of NCCL).
+    gloo's (`tests/test_p2p_nccl_rules.py` checks it under a model of NCCL).
 
     NCCL ignores tags, matches a pair's messages in posting order and runs a rank's operations on
     one communicator one after another, on one stream: over one communicator per pair of ranks, a

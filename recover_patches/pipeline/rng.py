@@ -1,4 +1,4 @@
-"""Randomness that does not depend on which replica runs a microbatch (DESIGN §7).
+"""Randomness that does not depend on which replica runs a microbatch (design.md §8).
 
 Dropout for global microbatch g is drawn from generators seeded by (seed, g, pp stage) and, for the
 model-parallel stream, also the TP rank. A microbatch recomputed on another replica after a failure

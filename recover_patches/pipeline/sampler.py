@@ -1,4 +1,4 @@
-"""Microbatches addressed by global id (DESIGN §7).
+"""Microbatches addressed by global id (design.md §8).
 
 Microbatch g covers samples [g*mbs, (g+1)*mbs) of the (already shuffled) dataset, whichever replica
 runs it. Stock Megatron's sampler instead binds samples to DP ranks, which is what prevents moving

@@ -1,10 +1,10 @@
 """One pipeline stage of a GPT replica: what a forward and a backward of one microbatch mean.
 
 Every rank can compute any microbatch: data comes from the id-addressed sampler, dropout from
-generators seeded by the id (DESIGN §7), and the loss is a *sum* over tokens, normalised only after
+generators seeded by the id (design.md §8), and the loss is a *sum* over tokens, normalised only after
 the DP reduction.
 
-A negative id is a *filler* (expert parallelism, [P]): a unit's replicas run their experts
+A negative id is a *filler* (expert parallelism): a unit's replicas run their experts
 together, so one with a shorter quota than its unit's longest computes sample ~id with a loss and
 an auxiliary-loss scale of zero: its experts answer the others' tokens, it adds nothing itself.
 """
@@ -20,7 +20,7 @@ from recover_patches.pipeline.rng import DeviceRNGStatesTracker, seed_microbatch
 
 
 class ForwardMeter(Protocol):
-    """Values the model records while it runs (MoE's auxiliary losses and token counts, [P]):
+    """Values the model records while it runs (MoE's auxiliary losses and token counts):
     `start` before a microbatch's forward or backward, `take` after it; a recomputed module
     records in the backward, so the microbatch's values are the two takes' sum."""
 

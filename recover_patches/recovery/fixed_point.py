@@ -1,4 +1,4 @@
-"""--recover-exact-reduction ([X]): gradients summed as fixed-point integers, so that their sum
+"""--recover-exact-reduction: gradients summed as fixed-point integers, so that their sum
 depends on neither the order nor the grouping of the microbatches (README: "Bitwise, if you
 ask").
 

@@ -1,4 +1,4 @@
-"""Persistent main-grad buffers and the out-of-place, bucketed DP reduction (DESIGN §13).
+"""Persistent main-grad buffers and the out-of-place, bucketed DP reduction (design.md §9).
 
 One flat fp32 buffer `local` holds every parameter's accumulated gradient; `param.main_grad` is a
 view into it, and a post-accumulate-grad hook adds each microbatch's gradient there (and drops

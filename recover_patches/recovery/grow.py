@@ -1,4 +1,4 @@
-"""Growing back (DESIGN §15): spares and replacement processes re-form replicas at an iteration
+"""Growing back (design.md §11): spares and replacement processes re-form replicas at an iteration
 boundary, and a live donor replica hands them its state.
 
 Who waits: the surviving ranks of a broken replica (instead of leaving) and replacement processes

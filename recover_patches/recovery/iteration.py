@@ -1,4 +1,4 @@
-"""One training iteration as a transaction, and its recovery loop (DESIGN §4):
+"""One training iteration as a transaction, and its recovery loop (design.md §4):
 
     1. plan     layer 3 maps the M global microbatch ids to the live replicas
     2. execute  this replica runs its pipeline schedule over its quota; grads accumulate locally
@@ -65,7 +65,7 @@ class LiveReplicas:
     min_replicas: int = 1
     replicas: int = 0  # all replicas of the layout (DP): the ones not live may grow back
     dead: frozenset[int] = frozenset()  # the agreed epoch's dead ranks
-    unit_ranks: Callable[[int], list[int]] | None = None  # whose death breaks r ([P]): its unit
+    unit_ranks: Callable[[int], list[int]] | None = None  # whose death breaks r: its unit
 
     @classmethod
     def solo(cls) -> LiveReplicas:

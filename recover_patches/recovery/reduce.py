@@ -1,4 +1,4 @@
-"""The commit bookkeeping reduced with the gradients (DESIGN §4 steps 3-4): the number of
+"""The commit bookkeeping reduced with the gradients (design.md §4 steps 3-4): the number of
 microbatches, the token count, two checksums of the microbatch ids and the loss sum, and the check
 that exactly the planned ids were reduced. The reduction itself is `grad_buffer.GradBuffer.reduce`.
 """
@@ -25,7 +25,7 @@ class Totals:
     # only stages holding the loss contribute (last stage); a device tensor while accumulating on
     # a GPU (read on the host once, after the reduction), a float after it
     loss_sum: float | torch.Tensor
-    # what the stage's meter measured, summed over the microbatches ([P]: MoE's auxiliary
+    # what the stage's meter measured, summed over the microbatches (MoE's auxiliary
     # losses per layer; `model/moe_metrics.py`); None without a meter
     measures: torch.Tensor | None = None
 

@@ -1,5 +1,5 @@
 """How an iteration's commit is decided: by the collectives in a failure-free round, through the
-coordinator's store only when a failure interrupted the round (DESIGN §4 step 4, issue [Q]).
+coordinator's store only when a failure interrupted the round (design.md §4 step 4).
 
 A failure-free round touches no store. After its data-parallel reduction a rank
 

@@ -1,4 +1,4 @@
-"""Layer 3, the versatile-workload policy: microbatch quotas per live replica (DESIGN.md §6)."""
+"""Layer 3, the versatile-workload policy: microbatch quotas per live replica (design.md §7)."""
 
 from recover_patches.workload.policy import (
     PlanInputError,

@@ -1,4 +1,4 @@
-"""Layer 3: which live replica computes which microbatch ids (DESIGN.md §6).
+"""Layer 3: which live replica computes which microbatch ids (design.md §7).
 
 Every rank calls :func:`plan` with the same inputs (membership epoch + published timings) and must get
 the same answer, so everything here is pure, integer-exact where it can be, and free of set/dict
@@ -200,7 +200,7 @@ def stable_plan(ids: Sequence[int], replicas: Sequence[int],
 def unit_plan(ids: Sequence[int], replicas: Sequence[int], ep: int,
               place: Callable[[Sequence[int], Sequence[int]], Mapping[int, Sequence[int]]]
               ) -> dict[int, list[int]]:
-    """Expert parallelism ([P]): the EP replicas of a unit run every microbatch's experts
+    """Expert parallelism: the EP replicas of a unit run every microbatch's experts
     together, so `place(ids, units)` places the ids on the live units (each named by its first
     replica), and each unit's block is split over its replicas as evenly as possible (contiguous,
     in replica order). Their quotas then differ by at most one; the short ones pad (`execute`)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The real coordinator under the liveness load of N nodes x 8 ranks: one beat per node (what the
 launchers send now, `recover_patches/collectives/node_beats.py`) beside one beat per rank (what
-every rank sent before), side by side (issue [Q]).
+every rank sent before), side by side.
 
     OMP_NUM_THREADS=1 python scripts/bench/coordinator_load.py [--nodes 1000 4000 12500]
         [--recover-timeout 10] [--warmup 4] [--beaters 2] [--out runs/coordinator_load]

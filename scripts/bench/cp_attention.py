@@ -1,4 +1,4 @@
-"""[O] The CPU context-parallel attention against full causal attention: time and memory per rank
+"""The CPU context-parallel attention against full causal attention: time and memory per rank
 at CP 1 (plain full attention, what a run without CP does), 2 and 4, for each --cp-comm-type
 (allgather, p2p, a2a), one attention's forward and backward at a given sequence length.
 

@@ -10,7 +10,7 @@ budget per arm, under the same seeded schedule of SIGKILLs of a random live rank
   drop                --recover-policy drop (replica dropping: the batch shrinks)
   checkpoint_restart  --recover off: a death stops the job (exit 3); relaunched with --load
 With --replacements K the launcher of the recover and drop arms starts up to K replacement
-processes for killed ranks, which rejoin in the running job (DESIGN §15): both ReCoVer and
+processes for killed ranks, which rejoin in the running job (design.md §11): both ReCoVer and
 checkpoint-restart (which always relaunches every rank) then get their dead ranks back.
 All three failure arms get the same --save/--save-interval, set by Young/Daly
 (sqrt(2 * save time * failure interval)) from a short calibration launch, and all three are

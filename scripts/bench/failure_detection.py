@@ -17,10 +17,10 @@ on the shared CLOCK_MONOTONIC:
   rebuilt  fault -> it holds the group rebuilt over the survivors (new epoch, fresh gloo backend)
            and one all-reduce over it returned the right sum
 This is what layer 2 pays before re-planning; it excludes the store agreement/barrier of a
-training job (`recover_patches/recovery/agreement.py`). Target (issue C): rebuilt <= 0.5 s for a
+training job (`recover_patches/recovery/agreement.py`). Target: rebuilt <= 0.5 s for a
 kill. A hang (stopped or stuck) cannot be seen before its stall timeout T + 0.5 s: its times are
 printed next to the window in which the coordinator declares it (silence counts from the last beat,
-progress from the last mark seen, each up to one heartbeat interval off). Target (issue R): T + <= 1 s.
+progress from the last mark seen, each up to one heartbeat interval off). Target: T + <= 1 s.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Failure-free iteration time with the etcd rendezvous ([U]) vs node 0's coordinator, as a ratio.
+"""Failure-free iteration time with the etcd rendezvous vs node 0's coordinator, as a ratio.
 
     OMP_NUM_THREADS=1 python scripts/bench/rdzv_overhead.py [--rounds 2] [--iters 30]
 
 The same two-"node" job (two launchers on this host, one rank each, DP 2, tiny GPT) in two arms,
 interleaved round by round with the order alternating: `static` (node 0 forks the coordinator,
-as before [U]) and `etcd` (`--rdzv-backend etcd` against one local etcd member: every launcher
+as before etcd) and `etcd` (`--rdzv-backend etcd` against one local etcd member: every launcher
 runs a LeaderAgent that renews or campaigns every lease_ttl / 3 s, the elected launcher forks
 the coordinator). A failure-free iteration makes no store operation and no etcd operation in
-either arm ([Q]; etcd is touched by the launchers' agents, off the ranks), so the ratio should be
+either arm (etcd is touched by the launchers' agents, off the ranks), so the ratio should be
 1 within the machine's noise. Per-iteration time is the trainer's own `ms_per_iteration` (the
 metrics file), the first `--skip` iterations dropped; both arms must produce the same losses.
 Needs the `etcd` binary (Debian: etcd-server).

@@ -1,5 +1,5 @@
 """Kill -> training again at TP x PP x DP, split into detection / rebuild / recompute, with the
-groups nobody's failure touched kept (the default) against every group rebuilt (issue [I]).
+groups nobody's failure touched kept (the default) against every group rebuilt.
 
     OMP_NUM_THREADS=1 python scripts/bench/recovery_breakdown.py [--layout 2,2,2] [--repeats 2]
 

@@ -1,5 +1,5 @@
 """Throughput after losing f of D replicas, relative to the ideal (D-f)/D of failure-free, and the
-recovery time split into detection / rebuild / recompute (issue [D] benchmark).
+recovery time split into detection / rebuild / recompute (the recovery benchmark).
 
     OMP_NUM_THREADS=1 python scripts/bench/recovery_throughput.py --dp 2 --fail 1 --repeats 2
 

@@ -1,4 +1,4 @@
-"""Multi-rank NCCL on one GPU (issue [I] 6): 4 and 8 ranks share the GPU through
+"""Multi-rank NCCL on one GPU: 4 and 8 ranks share the GPU through
 `shared_gpu_rank.py` (own NCCL_HOSTID each, sockets over loopback).
 
     python3 scripts/gpu/multirank.py [--out runs/gpu/multirank] [--quick] [--survive-minutes 10]
@@ -14,8 +14,9 @@ NCCL communicator inits ("Init COMPLETE" with NCCL_DEBUG=INFO, all ranks) of eac
 kill run's inits minus the free run's are what its recovery created. --survive-minutes M adds
 one kill run at (2,1,2) that trains on for M minutes after the failure: torch's heartbeat
 monitor, left on, would end a survivor about 8 minutes after an NCCL error.
-Then VP = 2 (issue [J]): (1,2,2) free and kill, (1,4,1) free, against one process of the same
-8-layer model; and CP = 2 (issue [O]): (1,1,2) free and kill. --quick: only (2,1,2), free and kill; --only NAME...: those runs of the full
+Then VP = 2: (1,2,2) free and kill, (1,4,1) free, against one process of the same
+8-layer model; and CP = 2: (1,1,2) free and kill.
+--quick: only (2,1,2), free and kill; --only NAME...: those runs of the full
 plan (a short lease). Results: OUT/summary.json and one line per run on stdout;
 exit status 1 if any check failed.
 """
@@ -104,7 +105,7 @@ def summarize(run: dict, problems: list[str]) -> dict:
 
 
 VP2 = (("--num-layers", "8"), ("--num-virtual-stages-per-pipeline-rank", "2"))  # model, schedule
-CP2 = ((), ("--context-parallel-size", "2"))  # issue [O]: the same model, sequences split in two
+CP2 = ((), ("--context-parallel-size", "2"))  # the same model, sequences split in two
 
 
 def plan(quick: bool) -> list[tuple[str, tuple, list[str], tuple, tuple]]:
@@ -119,12 +120,12 @@ def plan(quick: bool) -> list[tuple[str, tuple, list[str], tuple, tuple]]:
             if not quick:
                 runs.append((f"{tag}-hang", layout,
                              [f"hang:rank={victim(layout)},iter={FAIL_AT},phase=dp_reduce"], (), ()))
-    if not quick:  # issue [J]: the interleaved schedule (VP = 2) over its p2p channels
+    if not quick:  # NCCL p2p: the interleaved schedule (VP = 2) over its p2p channels
         runs.append(("1x2x2-vp2-free", (1, 2, 2), [], *VP2))
         runs.append(("1x2x2-vp2-kill", (1, 2, 2),
                      [f"kill:rank={victim((1, 2, 2))},iter={FAIL_AT},phase=backward"], *VP2))
         runs.append(("1x4x1-vp2-free", (1, 4, 1), [], *VP2))
-        # issue [O]: CP 2 (the p2p ring over NCCL send/recv), a CP rank killed in its backward
+        # CP 2 (the p2p ring over NCCL send/recv), a CP rank killed in its backward
         runs.append(("1x1x2-cp2-free", (1, 1, 2), [], *CP2))
         runs.append(("1x1x2-cp2-kill", (1, 1, 2),
                      [f"kill:rank={victim((1, 1, 2), 2)},iter={FAIL_AT},phase=backward"], *CP2))

@@ -1,4 +1,4 @@
-"""One in-job recovery at scale from its parts (issue [Q]), instead of one assumed number.
+"""One in-job recovery at scale from its parts, instead of one assumed number.
 
 The simulator charges each failure the broken replica's share of the iteration in progress (its
 microbatches, recomputed by the survivors: `elastic.py`) plus `recovery_seconds`. Here that pause
@@ -8,16 +8,16 @@ is built as verdict + group rebuild:
   by its launcher within milliseconds; a lost node or a hang only after T + 0.5 s of silence plus
   the beat's path. The model charges every failure the lost-node case (conservative), as measured
   by `scripts/bench/coordinator_load.py` at 12,500 nodes x 8 ranks with one beat per node:
-  T + 2.46 s at the default T = 10 s (BENCHMARKS, "Issue Q"; a CPU-starved 2-core machine, so an
+  T + 2.46 s at the default T = 10 s (BENCHMARKS, "One heartbeat per node"; a CPU-starved 2-core machine, so an
   upper bound).
-* rebuild, two models of issue [I]:
+* rebuild, two models of the NCCL rebuild:
   - `kept`: the survivors keep every group that lost no member (their TP and PP groups); each
     data-parallel group that lost one is shrunk without a store bootstrap (NCCL's
     ncclCommShrink, `torch.distributed.shrink_group`): 1.4-2.0 s published for 32 to 1,024 GPUs,
-    as DESIGN §17 records it (not re-checked against its source here); 2.0 s taken, though the
+    as design.md §13 records it (not re-checked against its source here); 2.0 s taken, though the
     groups of a 100,000-GPU job are larger than the largest measured;
   - `rebuilt`: every survivor re-creates each of its communicators from a store bootstrap: 1-10 s
-    per communicator across nodes (DESIGN §17); a rank holds 4 (TP, PP, DP, embedding) and builds
+    per communicator across nodes (design.md §13); a rank holds 4 (TP, PP, DP, embedding) and builds
     them one after another: 4 x 10 s.
 The replica's state transfer on growing back is `rejoin_seconds`, not part of this pause.
 """

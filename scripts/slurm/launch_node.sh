@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One node's share of a ReCoVer job under SLURM: run once per node (srun --ntasks-per-node=1, see
 # pretrain_gpt.sbatch). It starts `python -m recover_patches.launch`, which forks this node's ranks;
-# on node 0 the launcher also starts the membership coordinator (DESIGN §5). A rank that dies does
+# on node 0 the launcher also starts the membership coordinator (design.md §6). A rank that dies does
 # not take the others down: neither the launcher nor srun (--kill-on-bad-exit=0) kills the step.
 #
 # VERIFIED ON A REAL SLURM (tests/test_slurm_real.py), three SLURM nodes on one machine, each a
@@ -29,7 +29,7 @@
 #                     generates and exports it); one node generates its own
 #   RDZV_ENDPOINT     etcd members' client addresses (h1:2379,h2:2379,h3:2379): every node's
 #                     launcher can then run the coordinator, one elected through etcd, so losing
-#                     node 0 is survived ([U]; --rdzv-backend etcd, job id recover-SLURM_JOB_ID,
+#                     node 0 is survived (--rdzv-backend etcd, job id recover-SLURM_JOB_ID,
 #                     this node's address from `hostname`); standby nodes (SPARE_NODES) follow
 #                     the elected coordinator without running for it
 #   RECOVER_LAUNCH_ARGS extra launcher flags, split on spaces (e.g. "--rdzv-conf lease_ttl=3")

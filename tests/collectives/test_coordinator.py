@@ -126,7 +126,7 @@ def launcher_sees(link: LauncherLink, dead: set[int], within: float = 2.0) -> bo
 
 
 def test_an_idle_launcher_leaves_the_store_alone_and_learns_each_epoch_at_once(coordinator):
-    """Issue [Q]: the launcher fences by the epoch's dead ranks without polling; the coordinator
+    """The launcher fences by the epoch's dead ranks without polling; the coordinator
     pushes each epoch to its queue. Idle, its reads of the dead ranks cost no store operation;
     a new epoch costs a few and reaches it within milliseconds."""
     port, clients = coordinator
@@ -298,7 +298,7 @@ def test_a_standby_gets_a_slot_over_the_store_and_a_late_replacement_finds_it_ta
 
 def test_a_standby_follows_the_address_file_past_a_coordinator_that_never_answers(
         coordinator, monkeypatch, tmp_path):
-    """[U] A standby process may come up while the coordinator it was told of is going or gone:
+    """A standby process may come up while the coordinator it was told of is going or gone:
     its launcher's address file names the successor once etcd elected one. A server that
     accepts and never answers held torch's client in its validation for good (a blocking recv)
     and the standby with it, so the successor never heard of it: each attempt is bounded, and

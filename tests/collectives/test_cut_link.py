@@ -1,4 +1,4 @@
-"""[U] A cut link answers nothing and closes nothing. In this process: the coordinator's store is
+"""A cut link answers nothing and closes nothing. In this process: the coordinator's store is
 reached through a proxy that can be cut (it then swallows every byte both ways, keeping the
 connections open), so what a partition does to a launcher's link and to a rank is seen without
 root or network namespaces (`test_netns_partition.py` has the real thing).

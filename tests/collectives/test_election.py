@@ -1,4 +1,4 @@
-"""[U] The coordinator's leadership and durable record in a real etcd cluster: one leader at a
+"""The coordinator's leadership and durable record in a real etcd cluster: one leader at a
 time, a deposed leader's writes refused (fencing by the leader key's revision), a leader whose
 node stops keeping its lease replaced after the TTL, and an etcd member's death unnoticed."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The elected coordinator's journal ([U]): an epoch is journaled before any rank can read it, a
+"""The elected coordinator's journal: an epoch is journaled before any rank can read it, a
 coordinator whose journal refuses (its node lost the lease) publishes nothing and stops, and a
 successor starts from the journal's last epoch. In-process coordinators, an in-memory journal
 (the fenced write itself is tested against etcd in `test_election.py`)."""

@@ -1,4 +1,4 @@
-"""[U] The launcher's election loop: one node leads and runs the coordinator, the others follow and
+"""The launcher's election loop: one node leads and runs the coordinator, the others follow and
 know its address; a leader whose lease lapsed stops its coordinator before anyone else could
 decide beside it; a successor starts as one (the ranks bring their state); a clean exit hands
 over at once. In memory, then against a real etcd member."""

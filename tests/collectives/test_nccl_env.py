@@ -1,4 +1,4 @@
-"""[I] 1: torch's own NCCL machinery stays out of recovery. The launcher gives every rank the
+"""NCCL: torch's own NCCL machinery stays out of recovery. The launcher gives every rank the
 environment before any group exists; a user's TORCH_NCCL_* setting that would break recovery is
 one line and exit 2, from the launcher and from the entry point."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One heartbeat per node (issue [Q]): ranks beat into their launcher's directory, the launcher
+"""One heartbeat per node: ranks beat into their launcher's directory, the launcher
 forwards the node's beats in one store write, and the coordinator's per-rank verdicts read them.
 
 The coordinator and the clients run in this process (as in test_coordinator.py); a thread plays

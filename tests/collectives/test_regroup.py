@@ -1,4 +1,4 @@
-"""Groups after a failure ([I] items 3 and 4), members as threads of this process (`fake_world`):
+"""Groups after a failure, members as threads of this process (`fake_world`):
 a rebuilt backend connects inside the rebuild's bound; a group whose members all vouch for it
 keeps its backend, one dirty member makes every member rebuild, and a group that lost a member
 is shrunk where the backend can (the fake NCCL-like backend of `fake_async`)."""
@@ -195,7 +195,7 @@ def test_a_group_busy_when_a_member_is_declared_dead_is_aborted_not_set_aside(fa
 
 
 def test_a_member_that_dies_before_first_use_fails_the_rebuild_within_its_bound(fabric):
-    """[I] 3: the communicator is created eagerly inside the rebuild: a member gone before first
+    """NCCL: the communicator is created eagerly inside the rebuild: a member gone before first
     use is a PeerFailure at the rebuild's deadline, not a hang at the group's first operation."""
     fabric.hang_connect = True
     world, bound = FakeWorld(), 0.5  # --recover-timeout
@@ -208,7 +208,7 @@ def test_a_member_that_dies_before_first_use_fails_the_rebuild_within_its_bound(
 
 
 def test_the_unique_id_exchange_waits_no_longer_than_the_rebuild(fabric):
-    """[I] 3: torch fetches the NCCL unique id with the store client's own timeout (30 s for
+    """NCCL: torch fetches the NCCL unique id with the store client's own timeout (30 s for
     our coordinator's): the backend is made on a client bounded by the operation timeout."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10),
                           wait_for_workers=False)
@@ -223,7 +223,7 @@ def test_the_unique_id_exchange_waits_no_longer_than_the_rebuild(fabric):
 
 
 def test_a_regroup_connects_its_rebuilt_communicators_concurrently(fabric):
-    """[I] 4: NCCL takes seconds per communicator; the groups a recovery rebuilds connect at
+    """NCCL takes seconds per communicator; the groups a recovery rebuilds connect at
     once, not one after another (the fake counts how many eager connects overlap)."""
     from megatron.training.initialize import build_groups
     from recover_patches.collectives.process_group import ResilientProcessGroup

@@ -1,5 +1,5 @@
 """The watchdog that bounds operations whose wait() does not block the host (NCCL), with the fake
-asynchronous NCCL-like backend of `fake_async` (no GPU needed): [I] items 2 and 5."""
+asynchronous NCCL-like backend of `fake_async` (no GPU needed)."""
 from __future__ import annotations
 
 import threading
@@ -71,7 +71,7 @@ def test_a_work_past_its_deadline_aborts_the_backend_and_latches_a_failure(group
 
 @pytest.mark.parametrize("result", [Result.COMM_ERROR, Result.TIMEOUT])
 def test_a_work_that_completes_with_an_error_is_latched_and_aborted_at_once(group, result):
-    """[I] 2: a completed NCCL work's WorkResult is read; an error is never a success."""
+    """NCCL: a completed NCCL work's WorkResult is read; an error is never a success."""
     g, backend, watchdog, _ = group
     g.timeout = 30.0  # only the result can end it in time
     allreduce(g, backend).finish(result)
@@ -109,7 +109,7 @@ class GlooLikeWork(FakeWork):
 
 
 def test_a_completed_work_whose_outcome_cannot_be_read_is_an_error():
-    """[I] 2: the TypeError of torch 2.11's binding made a failed work pass for a success."""
+    """NCCL: the TypeError of torch 2.11's binding made a failed work pass for a success."""
     now, expired = [0.0], []
     watchdog = Watchdog(clock=lambda: now[0], background=False)
     unreadable, late = GlooLikeWork(), FakeWork()
@@ -140,7 +140,7 @@ class CountingWork(FakeWork):
 
 
 def test_a_sweep_polls_only_the_head_of_each_lane():
-    """[I] 5: the works of one stream run in order: only the oldest can be the stuck one."""
+    """NCCL: the works of one stream run in order: only the oldest can be the stuck one."""
     watchdog = Watchdog(clock=lambda: 0.0, background=False)
     CountingWork.polls = 0
     for _ in range(50):
@@ -153,7 +153,7 @@ def test_a_sweep_polls_only_the_head_of_each_lane():
 
 
 def test_deadlines_are_chained_from_when_a_work_can_start():
-    """[I] 5: a work queued behind a slow one does not time out only because it waited."""
+    """NCCL: a work queued behind a slow one does not time out only because it waited."""
     now, expired = [0.0], []
     watchdog = Watchdog(clock=lambda: now[0], background=False)
     slow, queued = FakeWork(), FakeWork()
@@ -172,7 +172,7 @@ def test_deadlines_are_chained_from_when_a_work_can_start():
 
 
 def test_a_work_whose_inputs_are_not_ready_is_not_timed():
-    """[I] 5: on a GPU the probe is a CUDA event recorded when the work was enqueued (the
+    """NCCL: on a GPU the probe is a CUDA event recorded when the work was enqueued (the
     compute before it, e.g. a pipeline warm-up, may take longer than the timeout)."""
     now, expired, ready = [0.0], [], [False]
     watchdog = Watchdog(clock=lambda: now[0], background=False)

@@ -14,7 +14,7 @@ has, so a save needs no communicator of its own: over the DP group (one position
 x CP ranks), then over the positions of this rank's replica at its CP index (the replica itself
 without CP): every writer ends with every writer's part, in one order on all of them.
 
-With expert parallelism ([P]) a position's replicas hold different experts: an expert item
+With expert parallelism a position's replicas hold different experts: an expert item
 (megatron-core's `.mlp.experts.` keys, one shard per local expert) is shared out among the
 replicas holding the same experts (the expert-data-parallel group), the others as before.
 """

@@ -1,4 +1,4 @@
-"""Mixture of experts ([P]): the flags as megatron-core's TransformerConfig fields."""
+"""Mixture of experts: the flags as megatron-core's TransformerConfig fields."""
 from __future__ import annotations
 
 import argparse

@@ -165,7 +165,7 @@ def _no_effect_lines(args: argparse.Namespace) -> list[str]:
 
 
 def _moe_kernels(args: argparse.Namespace) -> tuple[tuple[bool, str, str], ...]:
-    """[P] transformer-engine's MoE kernels (Megatron-LM asks for a GPU of compute capability 8
+    """transformer-engine's MoE kernels (Megatron-LM asks for a GPU of compute capability 8
     for the grouped GEMM): megatron-core's unfused modules compute the same thing, slower."""
     return (
         (args.moe_grouped_gemm, "--moe-grouped-gemm", "the experts' products are computed one "

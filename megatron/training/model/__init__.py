@@ -68,7 +68,7 @@ class SDPACoreAttention(MegatronModule):
         # read by megatron-core's default sharded_state_dict (a torch_dist checkpoint): it has no
         # parameters, but without a group of its own it would look up the global TP group
         self.tp_group = None if pg_collection is None else pg_collection.tp
-        cp = None if pg_collection is None else pg_collection.cp  # [O]: this replica's sequence
+        cp = None if pg_collection is None else pg_collection.cp  # CP: this replica's sequence
         self.cp_group = cp if cp is not None and cp.size() > 1 else None  # split over CP ranks
         # megatron-core passes this layer's --cp-comm-type (transformer-engine's names)
         self.cp_attention = CP_ATTENTION[cp_comm_type or "p2p"]
@@ -155,7 +155,7 @@ def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | N
     """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
     loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules."""
     te = implementation == "transformer_engine"  # a GPU with TE installed (checked before)
-    if config.num_moe_experts:  # [P] megatron-core's dense / MoE layers by --moe-layer-freq
+    if config.num_moe_experts:  # megatron-core's dense / MoE layers by --moe-layer-freq
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                            normalization=config.normalization,
                                            vp_stage=vp_stage, pp_rank=pp_rank)
@@ -277,7 +277,7 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
                                 tp_size=config.tensor_model_parallel_size, tp_rank=tp_rank,
                                 gated=config.gated_linear_unit)
     model = chunks[0] if vp is None else ModelChunks(chunks)
-    if pg_collection.ep.rank() > 0:  # [P]: the unit's first replica counts its dense weights
+    if pg_collection.ep.rank() > 0:  # MoE: the unit's first replica counts its dense weights
         for param in model.parameters():
             setattr(param, "unit_duplicate", getattr(param, "allreduce", True))  # not an expert
     return model.to(device=device, dtype=config.params_dtype)
@@ -310,7 +310,7 @@ def global_parameter_name(model: GPTModel, local_name: str) -> str:
         layer = model.decoder.layers[int(match.group(1))]
         rest = local_name[match.end():]
         expert = _EXPERT.match("." + rest)
-        if expert:  # [P]: with expert parallelism, local expert i is global expert offset + i
+        if expert:  # MoE: with expert parallelism, local expert i is global expert offset + i
             rest = (f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(expert[1])]}."
                     + rest[expert.end() - 1:])
         return f"decoder.layers.{layer.layer_number - 1}." + rest

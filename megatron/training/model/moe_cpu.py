@@ -1,4 +1,4 @@
-"""megatron-core's alltoall token dispatcher on a CPU ([P]).
+"""megatron-core's alltoall token dispatcher on a CPU.
 
 The dispatcher copies its split sizes to the host on a CUDA side stream, which it creates when
 it is built, and waits for that copy at a later point. On a CPU every tensor is already on the

@@ -1,4 +1,4 @@
-"""[P] What MoE's routers record per microbatch, counted like the loss: the auxiliary losses of
+"""What MoE's routers record per microbatch, counted like the loss: the auxiliary losses of
 Megatron's log line and TensorBoard, and the token counts of the router's expert bias.
 
 megatron-core's routers record each auxiliary loss (over its coefficient) per layer in a tracker,

@@ -241,7 +241,7 @@ def sync_sequence_parallel_grads(params: Sequence[torch.Tensor],
 def is_counted(p: torch.Tensor, tp_rank: int, once_per_unit: bool = True) -> bool:
     """Whether this rank counts `p` in norms, so that the replica counts each parameter once:
     TP-replicated ones only on TP rank 0, the last stage's tied-embedding copy not at all, and
-    with expert parallelism ([P]: norms over the unit) dense ones only on its first replica
+    with expert parallelism (norms over the unit) dense ones only on its first replica
     (unless not `once_per_unit`: the distributed optimizer's shards, which split them)."""
     return not getattr(p, "tied_embedding_is_duplicate", False) \
         and not (once_per_unit and getattr(p, "unit_duplicate", False)) \

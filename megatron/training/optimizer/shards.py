@@ -8,7 +8,7 @@ instance with a live replica thus holds a whole copy, which is what lets survivo
 shards of a dead replica from another instance. All functions here are pure: every rank computes
 the same answer from the same agreed inputs.
 
-With expert parallelism ([P]) the experts' buckets are sharded apart: among the replicas of an
+With expert parallelism the experts' buckets are sharded apart: among the replicas of an
 instance that hold the same experts (one per unit; Megatron's intra-instance expert-data-parallel
 group), each holding their range of every expert bucket. So the instance still holds one whole
 copy of everything, and the holders of an expert bucket are the units.

@@ -1,4 +1,4 @@
-"""How long this replica's execute phases took, for layer 3's balance (DESIGN §4).
+"""How long this replica's execute phases took, for layer 3's balance (design.md §4).
 
 On CPU the host's clock is the compute's. On a GPU the host only enqueues kernels and runs
 ahead: timing `execute()` on the host measures enqueueing (and whatever waits happened to block

@@ -33,7 +33,7 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
     loss sums on a grid)."""
     whole = MicrobatchSampler(dataset, micro_batch_size, with_mask=data.reset_attention_mask)
     sampler: Callable[[int], dict] = whole
-    if groups.topology.cp > 1:  # [O] each CP rank computes its chunks of every sequence
+    if groups.topology.cp > 1:  # context parallel: each CP rank computes its chunks
         cp, cp_rank = groups.topology.cp, groups.coord.cp
         sampler = lambda microbatch: batch_for_cp_rank(whole(microbatch), cp, cp_rank)  # noqa: E731
     chunks = model_chunks(model)
@@ -41,7 +41,7 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
     stages = []
     # --cross-entropy-loss-fusion: megatron-core's fused kernel (it takes the TP group as given)
     fused = chunks[0].config.cross_entropy_loss_fusion
-    report = router_report(chunks[0].config)  # [P] each microbatch's router records
+    report = router_report(chunks[0].config)  # MoE: each microbatch's router records
     for c, chunk in enumerate(chunks):
         device = next(chunk.parameters()).device
         virtual = c * pp + groups.coord.pp
@@ -61,7 +61,7 @@ def build_stages(data: DataConfig, micro_batch_size: int, groups: ParallelGroups
 
 
 def aux_loss_scaling(config, tokens: int) -> Callable[[float], None] | None:
-    """[P] MoE's load-balancing and z-losses: megatron-core scales their gradient by a class-wide
+    """MoE's load-balancing and z-losses: megatron-core scales their gradient by a class-wide
     factor. The language-model loss here is a sum over tokens, divided by the iteration's tokens
     after the reduction; an auxiliary loss weighted by a microbatch's nominal `tokens` (micro
     batch x sequence) thus enters as in Megatron (a mean over the microbatches, when no token is
@@ -89,7 +89,7 @@ def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, 
     """Activations between stages: [seq (this CP rank's chunks; a TP shard of them with sequence
     parallelism), micro batch, hidden], in the training dtype; between virtual stages with model chunks."""
     t = model.transformer
-    seq = model.seq_length // t.context_parallel_size  # [O]: this CP rank's chunks
+    seq = model.seq_length // t.context_parallel_size  # context parallel: this CP rank's chunks
     seq //= t.tensor_model_parallel_size if t.sequence_parallel else 1
     shape = (seq, micro_batch_size, t.hidden_size)
     if model.model_chunks is not None:
@@ -122,7 +122,7 @@ def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
 
 
 def pad_for_unit(ids: list[int], groups: ParallelGroups, device) -> list[int]:
-    """Expert parallelism ([P]): a unit's replicas exchange tokens in every MoE layer of every
+    """Expert parallelism: a unit's replicas exchange tokens in every MoE layer of every
     microbatch, so each computes as many microbatches as the unit's longest quota, the short
     ones fillers (`stage.py`). Agreed over the unit's group (the replica group, not the
     dispatcher's: its fault-injection point stays the dispatcher's own)."""

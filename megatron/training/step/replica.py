@@ -83,7 +83,7 @@ class GPTReplicaStep:
         self.spikes = (SpikeDetector() if self.config.rerun.checks_spikes
                        and self.groups.is_last_stage else None)
         self.grad_spikes = SpikeDetector() if self.config.rerun.checks_grads else None
-        self.aux_report = router_report(self.stages[0].model.config)  # [P] MoE's records
+        self.aux_report = router_report(self.stages[0].model.config)  # MoE's records
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
@@ -104,10 +104,10 @@ class GPTReplicaStep:
                               "the last step's weight all-gather failed in this replica")
 
     def execute(self, ids: list[int]) -> ScheduleResult:
-        ids = pad_for_unit(ids, self.groups, self.device)  # [P]: the unit runs in step
+        ids = pad_for_unit(ids, self.groups, self.device)  # MoE: the unit runs in step
         self.model.train()
         calibrate_once(self.grads, lambda first: self._schedule(first, lambda *_: None),
-                       self.first_id)  # ([X]: the first exponents, before anything counts)
+                       self.first_id)  # (the first exponents, before anything counts)
         self.clock.start()
         done = self._schedule(ids, self.grads.arm)
         self.clock.stop(len(ids))
@@ -145,7 +145,7 @@ class GPTReplicaStep:
             self.weights_ready()
             fingerprint = weight_fingerprint(self.params)
         time_wire, alarm = self._measured_time(), self._alarm(local)
-        if self.groups.coord.cp:  # ([O]) the reduction spans DP x CP: a replica's CP ranks add
+        if self.groups.coord.cp:  # the reduction spans DP x CP: a replica's CP ranks add
             # their tokens and losses, its first CP rank alone its ids and its replica's slots
             local = Totals(0, local.tokens, 0, 0, local.loss_sum, local.measures)
             time_wire, fingerprint, alarm = 0.0, 0, 0.0
@@ -248,7 +248,7 @@ class GPTReplicaStep:
         tokens = max(reduced.totals.tokens, 1)
         scaler = self.optimizer.scaler
         scale = 1.0 if scaler is None else scaler.scale
-        self.grads.divide_gradients(tokens * scale)  # the global token mean: DESIGN §7
+        self.grads.divide_gradients(tokens * scale)  # the global token mean: design.md §8
         grad_norm, extra = self._norm_and_zeros(reduced, grads)
         # NCCL: a host read returns once the watchdog or an epoch aborted a stuck reduction --
         # with whatever the buffer held. A step never uses such a norm: PeerFailure instead
@@ -257,7 +257,7 @@ class GPTReplicaStep:
         if scaler is not None:
             scaler.update(overflow)
         skipped = overflow and scaler is not None  # same norm on every rank: same decision
-        skipped = fixed_point_overflow(self.grads, reduced) or skipped  # ([X]: then the same)
+        skipped = fixed_point_overflow(self.grads, reduced) or skipped  # (then the same)
         if not skipped:
             factor = clip_factor(grad_norm, self.config.clip_grad)
             if factor != 1.0:
@@ -365,7 +365,7 @@ class GPTReplicaStep:
         g = self.groups
         if not self.optimizer.shards_gradients() or len(live_replicas) < g.topology.dp:
             return None
-        dense, experts = g.optimizer_sharding()  # [P]: the experts' over their own holders
+        dense, experts = g.optimizer_sharding()  # MoE: the experts' over their own holders
         expert = None if experts is None else Scatter(experts.instance, g.position, experts.shard,
                                                       experts.shards)
         return Scatter(dense.instance, g.position, dense.shard, dense.shards, expert)

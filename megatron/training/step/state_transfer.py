@@ -1,4 +1,4 @@
-"""Live state transfer for a joining replica (DESIGN §15): what a donor rank sends the rank of
+"""Live state transfer for a joining replica (design.md §11): what a donor rank sends the rank of
 the same (tp, pp) slot in a re-formed replica, and how that rank takes it on.
 
 The state is what a checkpoint of the slot holds -- weights, fp32 main params and Adam state

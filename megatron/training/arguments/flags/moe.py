@@ -1,4 +1,4 @@
-"""Mixture of experts ([P]): Megatron-LM's MoE flags that ReCoVer honours, with Megatron's names,
+"""Mixture of experts: Megatron-LM's MoE flags that ReCoVer honours, with Megatron's names,
 meanings and defaults (megatron-core's MoE layer: router, token dispatcher, SequentialMLP
 experts). The other `--moe-*` flags stay refused by name (`arguments_megatron_reasons`)."""
 from __future__ import annotations

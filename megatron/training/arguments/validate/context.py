@@ -1,4 +1,4 @@
-"""--context-parallel-size and its flags ([O]): Megatron-LM's checks, and what ReCoVer does not
+"""--context-parallel-size and its flags: Megatron-LM's checks, and what ReCoVer does not
 combine with context parallelism yet, each refused in one line naming the flag."""
 from __future__ import annotations
 

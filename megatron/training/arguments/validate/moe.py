@@ -1,4 +1,4 @@
-"""--num-experts and its flags ([P]): Megatron-LM's checks, and what ReCoVer does not combine
+"""--num-experts and its flags: Megatron-LM's checks, and what ReCoVer does not combine
 with mixture of experts yet, each refused in one line naming the flag."""
 from __future__ import annotations
 

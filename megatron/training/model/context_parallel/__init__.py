@@ -1,4 +1,4 @@
-"""Context parallelism's attention where transformer-engine does not run ([O]): on CPU, and on a
+"""Context parallelism's attention where transformer-engine does not run: on CPU, and on a
 GPU without it. megatron-core's local layer spec refuses CP, so this is what lets a CP layout
 train here.
 

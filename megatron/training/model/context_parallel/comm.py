@@ -1,4 +1,4 @@
-"""transformer-engine's other two `cp_comm_type`s, in ReCoVer's own attention ([O]): "p2p" (its
+"""transformer-engine's other two `cp_comm_type`s, in ReCoVer's own attention: "p2p" (its
 and Megatron's default) and "a2a". Same inputs and result as `context_parallel_attention` (the
 "allgather" kind): this CP rank's two chunks of queries, keys and values in Megatron's layout,
 causal attention over the whole sequence; what differs is how the keys meet the queries.

@@ -20,7 +20,7 @@ old ranges until it has the whole new ones, so a failure during the move leaves 
 valid ranges and the next attempt plans from there.
 
 With --overlap-param-gather the step only starts the all-gathers (`optimizer/distributed/weight_gather.py`: a failed
-wait is a PeerFailure where it happens). With expert parallelism ([P]) each expert bucket is
+wait is a PeerFailure where it happens). With expert parallelism each expert bucket is
 sharded apart, over the instance's holders of those experts (`optimizer/shards.py`).
 
 Checkpoints keep the unsharded format: `state_dict()` gathers the instance's shards (every member
