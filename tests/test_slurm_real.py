@@ -213,7 +213,7 @@ def test_a_job_whose_last_replica_dies_ends_failed_with_the_launchers_status(clu
                  "--inject-fault", "kill:rank=0,iter=6,phase=backward")
     state, code = wait(cluster, job)
     out = (tmp_path / "out.txt").read_text()
-    # README's table: ranks killed (not a clean exit, a user error or a restart status) -> 1
+    # docs/failures.md's table: ranks killed (not a clean exit, a user error or a restart status) -> 1
     assert (state, code) == ("FAILED", "1:0"), out[-3000:]
     assert "injecting kill at iter 3" in out and "injecting kill at iter 6" in out
     assert "2 of 2 rank(s) failed" in out

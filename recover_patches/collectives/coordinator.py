@@ -20,7 +20,7 @@ when the first dies) begins with an empty store and rebuilds the membership from
 register again: each brings its latest epoch record, the newest is published as the current
 epoch, spares report again; a rank that has not come back `stall` seconds after the first one
 did is declared dead, as a silent rank would be. The launcher's store (the one the coordinator
-process serves) is the remaining single point: see README, "The coordinator".
+process serves) is the remaining single point: see docs/failures.md, "The coordinator".
 
 It also brings slots back (design.md §11, rules in `membership_state.py`): a grow epoch once a broken
 replica's slots all have waiting processes, and dead slots no local replacement is coming for

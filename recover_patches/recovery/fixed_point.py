@@ -1,6 +1,6 @@
 """--recover-exact-reduction: gradients summed as fixed-point integers, so that their sum
-depends on neither the order nor the grouping of the microbatches (README: "Bitwise, if you
-ask").
+depends on neither the order nor the grouping of the microbatches (docs/failures.md: "Bitwise,
+if you ask").
 
 Each microbatch's gradient enters the gradient buffer as round(g x 2^e), with one exponent e per
 parameter (not per bucket: bucket sizes follow flags and the DP size), every rank of the

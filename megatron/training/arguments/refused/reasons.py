@@ -91,7 +91,7 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
     (r"(use-pytorch-)?profile|pytorch-profiler|nvtx|record-memory|memory-snapshot|record-shapes",
      _PROFILING),
     (r"fault-injector-", own_way("is NVIDIA Resiliency Extension's fault injector",
-                                  "inject faults with ReCoVer's --inject-fault (README)")),
+                                  "inject faults with ReCoVer's --inject-fault (docs/running.md)")),
     (r"inprocess-", _FAULT_TOLERANCE),
     (r"(no-)?one-logger|app-tag-|otel-", _TELEMETRY),
     (r"(enable|disable)-msc|object-storage", not_yet(
