@@ -2,7 +2,11 @@
 raised at start-up to a one-line message and exit status 2."""
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterable
+
+logger = logging.getLogger(__name__)
 
 
 class PeerFailure(RuntimeError):
@@ -55,3 +59,22 @@ class SlotTaken(JobTokenRefused):
 
 class MembershipTimeout(CoordinatorError):
     """No newer membership epoch was announced within the wait."""
+
+
+# a backend's source location ("[/…/gloo/transport/tcp/pair.cc:553] "), and the advice gloo
+# appends to its transport errors ("This is typically caused by a remote worker crashing. …")
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+_ADVICE = re.compile(r"\.\s+This is typically caused by.*$", re.S)
+CAUSE_CHARS = 160
+
+
+def short_cause(error: BaseException | str) -> str:
+    """What a backend's error says, in one short line for ReCoVer's log: gloo's "[…/pair.cc:553]
+    Connection closed by peer [127.0.0.1]:54485. This is typically caused by … GLHF! 🏖️" reads
+    "Connection closed by peer [127.0.0.1]:54485". The raw text goes to the debug log."""
+    raw = str(error)
+    text = _ADVICE.sub("", _SOURCE_LOCATION.sub("", raw)).strip()
+    text = " ".join(text.split()) or raw.strip()
+    if text != raw.strip():
+        logger.debug(f"backend error, as raised: {raw}")
+    return text if len(text) <= CAUSE_CHARS else text[:CAUSE_CHARS - 3] + "..."

@@ -93,3 +93,22 @@ def test_sigstop_hang_is_detected_fenced_and_survived(tmp_path):
     check_survivors(results, err, [("allreduce", 2)], max_latency=OP_TIMEOUT + 1.5)
     assert "rank 2 declared dead by the coordinator: SIGKILL" in err  # the launcher fenced it
     assert code == 0, err
+
+
+def test_a_backend_error_reads_as_one_short_cause_and_the_raw_text_goes_to_the_debug_log(caplog):
+    """What the demo printed on a recovery line: gloo's source location, its advice and its
+    farewell. ReCoVer's line keeps what happened; the raw text stays in the debug log. Control:
+    a message with none of gloo's decoration is left as it is, and logs nothing."""
+    import logging
+
+    from recover_patches.collectives.errors import short_cause
+    raw = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+           "closed by peer [127.0.0.1]:54485. This is typically caused by a remote worker "
+           "crashing. Check the logs of the remote worker before reporting an error. GLHF! \U0001F3D6")
+    with caplog.at_level(logging.DEBUG, logger="recover_patches.collectives.errors"):
+        assert short_cause(RuntimeError(raw)) == "Connection closed by peer [127.0.0.1]:54485"
+        assert raw in caplog.text
+        caplog.clear()
+        assert short_cause("the group's epoch is over") == "the group's epoch is over"
+        assert caplog.text == ""
+    assert short_cause("x" * 500).endswith("...") and len(short_cause("x" * 500)) == 160

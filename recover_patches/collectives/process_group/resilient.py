@@ -13,7 +13,7 @@ from torch.distributed.distributed_c10d import GroupName
 
 from recover_patches.collectives import backends, device_events, rendezvous
 from recover_patches.collectives.rendezvous import Regroup, Retired
-from recover_patches.collectives.errors import MembershipTimeout, PeerFailure
+from recover_patches.collectives.errors import MembershipTimeout, PeerFailure, short_cause
 from recover_patches.collectives.process_group import departures, registry
 from recover_patches.collectives.process_group.operations import Operations
 from recover_patches.collectives.watchdog import WATCHDOG, Watchdog
@@ -232,7 +232,7 @@ class ResilientProcessGroup(Operations):
         try:  # no work: it ran in stream order (NCCL, async_op=False); watch the stream instead
             work = start(inner) or self._kind.stream_work()
         except RuntimeError as e:
-            raise self._fail(op, str(e), peer) from e
+            raise self._fail(op, short_cause(e), peer) from e
         if not self.host_waits:  # one lane per stream: collectives, and p2p per peer; the work
             work = None if work is None else device_events.owned(work)  # dies on this thread
             self.watchdog.track(inner, work, self.timeout, lambda reason, n=self._sequence:
@@ -258,7 +258,7 @@ class ResilientProcessGroup(Operations):
                 else:
                     work.wait()
             except RuntimeError as e:
-                outcome.append(self._fail(op, str(e), peer))
+                outcome.append(self._fail(op, short_cause(e), peer))
                 raise outcome[0] from e
             finally:
                 issued.work = None
