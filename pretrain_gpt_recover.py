@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import warnings
+from typing import Any, NamedTuple
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
 
@@ -86,13 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
         args, layout = _parse(argv)
-        tokenizer, faults, checkpointer = _check_inputs(args, layout)
+        inputs = _check_inputs(args, layout)
         incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # > 0: a replacement
         membership = _join_membership(args, incarnation)
     except _Exit as done:
         return done.status
-    trainer = _build_trainer(args, layout, membership, incarnation, tokenizer, faults,
-                             checkpointer)
+    trainer = _build_trainer(args, layout, membership, incarnation, inputs)
     return _train(args, trainer, membership, incarnation)
 
 
@@ -127,7 +127,16 @@ def _parse(argv: list[str] | None) -> tuple:
     return args, RunLayout.from_args(args, world, device)  # a standby's slot is known now
 
 
-def _check_inputs(args, layout) -> tuple:
+class _Inputs(NamedTuple):
+    """What the run reads, checked once."""
+    tokenizer: Any
+    vocab: int  # the padded vocabulary size
+    data: Any  # DataConfig
+    faults: Any  # FaultInjector
+    checkpointer: Any  # its --load validated
+
+
+def _check_inputs(args, layout) -> _Inputs:
     """User errors first, before any process group exists or anything is written: the tokenizer,
     the data, the fault specs, --load. One line and exit 2 each."""
     from megatron.training.errors import UserError
@@ -138,7 +147,8 @@ def _check_inputs(args, layout) -> tuple:
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:
         tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
-        validate_data(DataConfig.from_args(args))
+        data = DataConfig.from_args(args)
+        validate_data(data)
         faults = FaultInjector.from_specs(args.inject_fault, layout.rank)
         vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                   args.tensor_model_parallel_size)
@@ -149,7 +159,7 @@ def _check_inputs(args, layout) -> tuple:
         raise _Exit(_user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")) from None
     except FaultSpecError as err:
         raise _Exit(_user_error(str(err))) from None
-    return tokenizer, faults, checkpointer
+    return _Inputs(tokenizer, vocab, data, faults, checkpointer)
 
 
 def _join_membership(args, incarnation: int):
@@ -189,24 +199,23 @@ def _join_membership(args, incarnation: int):
     return membership
 
 
-def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults,
-                   checkpointer):
+def _build_trainer(args, layout, membership, incarnation: int, inputs: _Inputs):
     """Groups, model, optimizer, buffers and the trainer around them; with recovery on, the
     commit agreement and growing back."""
     from megatron.training.config import ScheduleConfig, StepConfig, TrainingConfig
-    from megatron.training.config.io import DataConfig, TensorBoardConfig, WandbConfig
+    from megatron.training.config.io import TensorBoardConfig, WandbConfig
     from megatron.training.data.datasets import build_datasets
     from megatron.training.metrics import MetricsWriter
     from megatron.training.optimizer.setup import build_scheduler
-    from megatron.training.step.parts import build_stages, link_for, replica_vote
+    from megatron.training.step.parts import build_stages, replica_vote, schedule_for
     from megatron.training.collective_backend import host_sync_counter
     from megatron.training.training import Trainer
     from recover_patches.recovery.agreement import StoreAgreement
 
     device, groups, tracker, model_config, model, optimizer, grads = _build_model_parts(
-        args, layout, membership, incarnation, tokenizer)
-    data = DataConfig.from_args(args)
-    train_ds, valid_ds, _ = build_datasets(data, tokenizer)
+        args, layout, membership, incarnation, inputs.vocab)
+    data = inputs.data
+    train_ds, valid_ds, _ = build_datasets(data, inputs.tokenizer)
     recovering = membership is not None and args.recover
     step = StepConfig.from_args(args, recovering=recovering)
 
@@ -219,8 +228,10 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)), grads=grads,
         train_stages=stages(train_ds, optimizer.scaler),
         valid_stages=None if valid_ds is None else stages(valid_ds),
-        link=link_for(model_config, step.micro_batch_size, groups, device), faults=faults,
-        checkpointer=checkpointer,
+        schedule=schedule_for(model_config, step.micro_batch_size, groups, device,
+                              vp_group=step.vp_group,
+                              overlap_warmup_flush=step.overlap_warmup_flush),
+        faults=inputs.faults, checkpointer=inputs.checkpointer,
         metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
                               WandbConfig.from_args(args)),
         agreement=StoreAgreement(membership, timeout=membership.timeouts.operation,
@@ -239,7 +250,7 @@ def _build_trainer(args, layout, membership, incarnation: int, tokenizer, faults
     return trainer
 
 
-def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) -> tuple:
+def _build_model_parts(args, layout, membership, incarnation: int, vocab: int) -> tuple:
     """(device, groups, RNG tracker, model config, model, optimizer, gradient buffer), with the
     start-up notes."""
     import torch
@@ -250,7 +261,6 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
     from megatron.training.config.rules import model_chunks_of
     from megatron.training.model import build_model
     from megatron.training.optimizer.setup import build_optimizer
-    from megatron.training.data.tokenizer import padded_vocab_size
     from megatron.training.step.parts import build_grad_buffer
     from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
@@ -279,8 +289,6 @@ def _build_model_parts(args, layout, membership, incarnation: int, tokenizer) ->
                           else "shared" if membership is None else "groups",
                           resilient=membership is not None)
     tracker = install_rng_tracker(device, args.seed)
-    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                              args.tensor_model_parallel_size)
     model_config = ModelConfig.from_args(args, vocab)
     model = build_model(model_config, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
@@ -353,41 +361,15 @@ def _wait_as_spare(trainer) -> None:
 def _stopping(err: Exception, args, trainer, membership) -> int:
     """How the job ends early: one line and the exit status (the process exits at once where
     peers may still hold sockets to it). Anything else is a crash and is raised again."""
-    from megatron.training.checkpointing import CheckpointError
-    from megatron.training.step.weight_check import WeightMismatch
-    from megatron.training.rerun import ResultRejected, ResultReproduced
-    from recover_patches.collectives.errors import PeerFailure
-    from recover_patches.recovery.agreement import RecoveryStalled
-    from recover_patches.recovery.grow import JobComplete, JobStopped
-    from recover_patches.recovery.iteration import StepInterrupted, TooFewReplicas
+    from megatron.training.ending import EarlyEnd, early_end
     restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
-    if isinstance(err, CheckpointError):  # found only when reading the files (a damaged archive)
+    end = early_end(err, restart_from, trainer.one_optimizer_copy, trainer.agreement is not None)
+    if end is EarlyEnd.USER_ERROR:
         return _user_error(str(err))
-    if isinstance(err, JobComplete):  # a spare never needed
-        status, line = 0, f"{err}: exiting"
-    elif isinstance(err, JobStopped):
-        status = EXIT_RESTART
-        line = f"stopping: the job stopped while this rank waited as a spare ({err})"
-    elif isinstance(err, WeightMismatch):  # every rank raises it together
-        status, line = EXIT_RESTART, f"stopping: {err}. Restart with --load {restart_from}"
-    elif isinstance(err, ResultReproduced):  # likewise (--rerun-mode validate_results)
-        status, line = EXIT_RESTART, f"stopping: {err}"
-    elif isinstance(err, (ResultRejected, StepInterrupted)):
+    if end is EarlyEnd.FENCED:
         logger.error(f"fenced: {err}")  # it exits like a dead rank: its replica is lost
         os._exit(1)
-    elif isinstance(err, (TooFewReplicas, RecoveryStalled)):  # likewise
-        reason = str(err)
-        if trainer.one_optimizer_copy:
-            reason += (" (--use-distributed-optimizer with --num-distributed-optimizer-instances "
-                       "1 keeps one copy of the optimizer state: K >= 2 survives a lost replica)")
-        status, line = EXIT_RESTART, f"stopping: {reason}. Restart with --load {restart_from}"
-    elif isinstance(err, PeerFailure):
-        where = ("outside the recoverable training iteration, e.g. in evaluation"
-                 if trainer.agreement is not None else "in-job recovery is off")
-        status = EXIT_RESTART
-        line = f"stopping: {err} ({where}). Restart with --load {restart_from}"
-    else:
-        raise err
+    status, line = end
     logger.info(line)
     if membership is not None:
         membership.close(leave=True)

@@ -20,7 +20,7 @@ class OneProcessHost:
         pass
 
     @property
-    def training(self) -> TrainingState:
+    def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
                              torch.device("cpu"))
 

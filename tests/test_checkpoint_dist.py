@@ -24,7 +24,7 @@ from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
 from megatron.training.config.io import CheckpointConfig
 from megatron.training.model import build_model
 from megatron.training.optimizer.setup import build_optimizer, build_scheduler
-from megatron.training.checkpointing.state import TrainState
+from megatron.training.checkpointing.state import Progress
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Topology
 from tests._checkpoint_host import OneProcessHost
@@ -60,7 +60,7 @@ class GPTTrainer(OneProcessHost):
                                  0, 0)
         self.optimizer = build_optimizer(self.model, OptimizerSetup.from_args(args), self.groups)
         self.scheduler = build_scheduler(self.optimizer, ScheduleConfig.from_args(args))
-        self.state, self.faults, self.metrics = TrainState(), Faults(), Metrics()
+        self.state, self.faults, self.metrics = Progress(), Faults(), Metrics()
 
     def train_step(self) -> float:
         tokens = torch.randint(0, VOCAB, (2, 33))  # the global RNG: restored by the checkpoint

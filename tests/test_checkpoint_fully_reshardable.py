@@ -45,14 +45,14 @@ def megatron_cores_layout(trainer: GPTTrainer) -> dict:
         buffers=[SimpleNamespace(param_index_map=index_map, numel_unpadded=start)],
         get_parameter_state_dp_zero=lambda **_: {0: {torch.float32: world}})
     return DistributedOptimizer.sharded_param_state_fully_reshardable(
-        stand_in, model_sharded(trainer.training), is_loading=False, metadata={})
+        stand_in, model_sharded(trainer.training_state), is_loading=False, metadata={})
 
 
 def test_the_layout_is_megatron_cores_fully_reshardable(tmp_path):
     trainer = GPTTrainer(make_args(tmp_path, *FLAGS))
     trainer.train_step()
     theirs = megatron_cores_layout(trainer)
-    ours = checkpoint_state(trainer.training, trainer.args, trainer.optimizer.state_dict(), None,
+    ours = checkpoint_state(trainer.training_state, trainer.args, trainer.optimizer.state_dict(), None,
                             fully_reshardable=True)["optimizer"]["param_state"]
     assert len(ours) == len(theirs) == len(trainer.optimizer.model_params)
     fields = ("key", "global_shape", "global_offset", "axis_fragmentations", "replica_id",

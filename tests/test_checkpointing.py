@@ -23,7 +23,7 @@ from megatron.training.checkpointing import (
     rank_dir_name, read_latest, writer_rank)
 from megatron.training.config.io import CheckpointConfig
 from megatron.training.optimizer import MainParamsAdamW
-from megatron.training.checkpointing.state import TrainState
+from megatron.training.checkpointing.state import Progress
 from recover_patches.pipeline.rng import install_rng_tracker
 from recover_patches.topology import Coord, Topology
 from tests._checkpoint_host import OneProcessHost
@@ -94,7 +94,7 @@ class TinyTrainer(OneProcessHost):
             self.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
             lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10, wd_incr_style="constant")
         self.groups = Groups()
-        self.state, self.faults, self.metrics = TrainState(), faults or Faults(), Metrics()
+        self.state, self.faults, self.metrics = Progress(), faults or Faults(), Metrics()
         self.tracker = install_rng_tracker()
         self.tracker.add("model-parallel-rng", 7)
 

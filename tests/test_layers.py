@@ -172,6 +172,7 @@ TRAINING_USES: dict[str, set[str]] = {
     "tools": {"errors", "config", "arguments", "data"},
     "training": {"config", "initialize", "checkpointing", "metrics", "optimizer", "profiling",
                  "step", "straggler"},
+    "ending": {"checkpointing", "rerun", "step"},  # how a run that cannot go on ends
 }
 # Known exceptions (importer module, imported module), each with why it stands; only shrinks.
 TRAINING_KNOWN: set[tuple[str, str]] = set()

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from megatron.training.config import BatchSchedule, TrainingConfig
-from megatron.training.training import Trainer, TrainState
+from megatron.training.training import Trainer, Progress
 
 
 class Loop:
     """What Trainer.train / finish_iteration read besides their config; records what happened."""
 
     def __init__(self, config: TrainingConfig, events: list) -> None:
-        self.config, self.state, self.events = config, TrainState(), events
+        self.config, self.state, self.events = config, Progress(), events
         self.checkpointer, self.grow, self.valid_stages, self.history = None, None, [object()], []
         # the profiler's rank and device; settle() ends start-up's bounds after the first commit
         self.groups = SimpleNamespace(rank=0, settle=lambda: None)

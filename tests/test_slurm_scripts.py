@@ -254,11 +254,12 @@ def test_launch_node_trains_the_tiny_config_on_one_fake_node(stubs, tmp_path):
     assert (tmp_path / "ckpt" / "iter_0000003").is_dir()  # tiny_cpu's CKPT_ARGS were passed
 
 
-def test_coordinator_module_runs_the_layer1_coordinator(tmp_path):
-    """`python -m recover_patches.coordinator` reaches the real command line: its own user error."""
+def test_the_coordinator_command_runs_the_layer1_coordinator(tmp_path):
+    """`python -m recover_patches.collectives.coordinator` (what `recover-coordinator` runs)
+    reaches the real command line: its own user error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RECOVER_")}
     env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run([sys.executable, "-m", "recover_patches.coordinator", "--port", "0",
-                             "--world-size", "1"], env=env, cwd=tmp_path, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "recover_patches.collectives.coordinator",
+                             "--port", "0", "--world-size", "1"], env=env, cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "no job token" in result.stderr, result.stderr

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.checkpointing.state import TrainingState, TrainState
+from megatron.training.checkpointing.state import TrainingState, Progress
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.config import ModelConfig, StepConfig, TrainingConfig
 from megatron.training.initialize import ParallelGroups
@@ -30,14 +30,13 @@ from megatron.training.step.state_transfer import receive_state, send_state
 from megatron.training.step.weight_check import corrupt_a_weight, weight_fingerprint
 from recover_patches.collectives import PeerFailure, Regrouped
 from recover_patches.faults import FaultInjector
-from recover_patches.pipeline.p2p import ChunkP2P, StageLink
 from recover_patches.recovery.agreement import StoreAgreement
 from recover_patches.recovery.grad_buffer import GradBuffer
 from recover_patches.recovery.grow import GrowBack, JoinRecord, Membership
 from recover_patches.recovery.iteration import IterationOutcome, IterationTransaction, LiveReplicas
 from recover_patches.recovery.reduce import Totals
 from recover_patches.pipeline.sampler import first_microbatch_id
-from recover_patches.pipeline.schedule import run_forward_only, run_forward_only_interleaved
+from recover_patches.pipeline.schedule import PipelineSchedule
 from recover_patches.pipeline.stage import GPTStage
 from recover_patches.workload.policy import even_plan, unit_plan
 from recover_patches.log import PLAIN
@@ -57,7 +56,7 @@ class Trainer:
     grads: GradBuffer
     train_stages: list[GPTStage]  # one per model chunk (several: the interleaved schedule)
     valid_stages: list[GPTStage] | None
-    link: StageLink | ChunkP2P
+    schedule: PipelineSchedule  # 1F1B or interleaved, chosen once (step.parts.schedule_for)
     faults: FaultInjector
     metrics: MetricsWriter
     checkpointer: Checkpointer | None = None
@@ -70,7 +69,7 @@ class Trainer:
     store_ops: Callable[[], int] | None = None  # None: no coordinator
     # the training thread's host reads so far (the emulated NCCL counts them; None: uncounted)
     host_syncs: Callable[[], int] | None = None
-    state: TrainState = field(default_factory=TrainState)
+    state: Progress = field(default_factory=Progress)
     # recent records on every rank, so a new logging rank can write what a dead one missed
     history: deque = field(default_factory=lambda: deque(maxlen=1000))
 
@@ -85,7 +84,7 @@ class Trainer:
                                  else self.config.min_replicas, replicas=topo.dp)
         self.replica = GPTReplicaStep(
             self.step_config, self.groups,
-            self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.link,
+            self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.schedule,
             self.live, iteration=lambda: self.state.iteration, hook=self.hook,
             first_id=lambda: self.microbatch_ids()[0])
         self._was_logging = False
@@ -128,7 +127,7 @@ class Trainer:
 
     # -- what checkpoints and joins read and write ----------------------------------------------
     @property
-    def training(self) -> TrainingState:
+    def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
                              self.device, self.grads.scales)
 
@@ -158,10 +157,10 @@ class Trainer:
 
     def send_state(self, replica: int) -> int:
         self.weights_ready()
-        return send_state(self.training, self.replica.timings, replica)
+        return send_state(self.training_state, self.replica.timings, replica)
 
     def receive_state(self, replica: int) -> int:
-        received, timings = receive_state(self.training, replica)
+        received, timings = receive_state(self.training_state, replica)
         self.replica.adopt_timings(timings)  # every replica plans alike from the next iteration
         self.grads.zero()  # whatever a spare had accumulated when its replica broke
         return received
@@ -378,12 +377,7 @@ class Trainer:
                 ids = list(range(first + k * m, first + (k + 1) * m))
                 mine = pad_for_unit(unit_plan(ids, self.live.live_replicas, topo.ep, even_plan).get(
                     self.groups.coord.replica, []), self.groups, self.device)
-                if isinstance(self.link, ChunkP2P):
-                    done = run_forward_only_interleaved(
-                        mine, self.valid_stages, self.link, rank=self.groups.coord.pp,
-                        stages=self.groups.topology.pp, hook=self._eval_hook)
-                else:
-                    done = run_forward_only(mine, self.valid_stages[0], self.link, self._eval_hook)
+                done = self.schedule.forward_only(mine, self.valid_stages, self._eval_hook)
                 total = total + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
         stats = total.as_tensor().to(self.device)
         if self.groups.dp.size() > 1:

@@ -363,7 +363,7 @@ def run(server: dist.TCPStore, config: CoordinatorConfig, linger: float | None,
 
 def main(argv: list[str] | None = None) -> int:
     invoked = os.path.basename(sys.argv[0])  # the `recover-coordinator` entry point or a module
-    prog = invoked if invoked == "recover-coordinator" else "python -m recover_patches.coordinator"
+    prog = invoked if invoked == "recover-coordinator" else "python -m recover_patches.collectives.coordinator"
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, required=True)

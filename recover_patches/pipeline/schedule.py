@@ -247,3 +247,47 @@ def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], li
         raise
     link.flush()
     return result
+
+
+class PipelineSchedule(Protocol):
+    """How this rank runs a list of microbatch ids through its stages, chosen once for the job
+    (`one_f_one_b` or `interleaved`): training and evaluation both ask it, and nobody asks which
+    one it is."""
+    def train(self, ids: Sequence[int], stages: Sequence[Stage], hook: PhaseHook,
+              arm: Callable[..., None]) -> ScheduleResult:
+        """Forwards and backwards; `arm` runs before the last backwards (overlapped reduction)."""
+        ...
+
+    def forward_only(self, ids: Sequence[int], stages: Sequence[Stage],
+                     hook: PhaseHook) -> ScheduleResult: ...
+
+
+@dataclass(frozen=True)
+class OneFOneB:
+    """One model chunk per rank: 1F1B."""
+    link: StageLink
+
+    def train(self, ids, stages, hook, arm) -> ScheduleResult:
+        return run_1f1b(ids, stages[0], self.link, hook, arm)
+
+    def forward_only(self, ids, stages, hook) -> ScheduleResult:
+        return run_forward_only(ids, stages[0], self.link, hook)
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """Several model chunks per rank: the interleaved 1F1B schedule over the chunks' channels."""
+    link: ChunkLink
+    rank: int  # this rank's pipeline stage
+    stages: int  # the pipeline's size
+    group: int  # --microbatch-group-size-per-virtual-pipeline-stage
+    overlap_warmup_flush: bool = False
+
+    def train(self, ids, stages, hook, arm) -> ScheduleResult:
+        return run_interleaved(ids, stages, self.link, rank=self.rank, stages=self.stages,
+                               group=self.group, hook=hook, before_backwards=arm,
+                               overlap_warmup_flush=self.overlap_warmup_flush)
+
+    def forward_only(self, ids, stages, hook) -> ScheduleResult:
+        return run_forward_only_interleaved(ids, stages, self.link, rank=self.rank,
+                                            stages=self.stages, hook=hook)

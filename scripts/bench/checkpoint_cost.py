@@ -36,7 +36,7 @@ from megatron.training.config import ModelConfig, OptimizerSetup, ScheduleConfig
 from megatron.training.config.io import CheckpointConfig  # noqa: E402
 from megatron.training.model import build_model  # noqa: E402
 from megatron.training.optimizer.setup import build_optimizer, build_scheduler  # noqa: E402
-from megatron.training.checkpointing.state import TrainingState, TrainState  # noqa: E402
+from megatron.training.checkpointing.state import TrainingState, Progress  # noqa: E402
 from recover_patches.pipeline.rng import install_rng_tracker  # noqa: E402
 from recover_patches.topology import Topology  # noqa: E402
 
@@ -61,7 +61,7 @@ class BenchTrainer:
         self.scheduler = build_scheduler(self.optimizer, ScheduleConfig.from_args(args))
         self.optimizer.step([torch.full_like(p, 1e-3, dtype=torch.float32)  # Adam state exists
                              for p in self.optimizer.model_params])
-        self.state, self.device = TrainState(iteration=1), device
+        self.state, self.device = Progress(iteration=1), device
         self.faults = self
 
     def at(self, phase, iteration, microbatch=None) -> None:  # no fault injection here
@@ -77,7 +77,7 @@ class BenchTrainer:
         return flag
 
     @property
-    def training(self) -> TrainingState:
+    def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
                              self.device)
 

@@ -120,7 +120,7 @@ def build_arms(bench: argparse.Namespace):
     from megatron.training.model import build_model
     from megatron.training.optimizer.setup import build_optimizer, build_scheduler
     from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
-    from megatron.training.step.parts import build_grad_buffer, build_stages, link_for
+    from megatron.training.step.parts import build_grad_buffer, build_stages, schedule_for
     from megatron.training.training import Trainer
     from recover_patches.faults import FaultInjector
     from recover_patches.pipeline.rng import install_rng_tracker
@@ -151,7 +151,8 @@ def build_arms(bench: argparse.Namespace):
         scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)),
         grads=build_grad_buffer(groups, optimizer, args.overlap_grad_reduce, model_a),
         train_stages=build_stages(data, args.micro_batch_size, groups, model_a, train_ds, tracker),
-        valid_stages=None, link=link_for(model_config, args.micro_batch_size, groups, "cpu"),
+        valid_stages=None, schedule=schedule_for(model_config, args.micro_batch_size, groups, "cpu",
+                              vp_group=0, overlap_warmup_flush=False),
         faults=FaultInjector([], 0), metrics=MetricsWriter(None))
     plain = PlainArm(model_b, MicrobatchSampler(train_ds, args.micro_batch_size), args, vocab)
     return args, vocab, RecoverArm(trainer), plain

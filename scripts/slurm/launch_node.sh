@@ -36,7 +36,7 @@
 #   PYTHON            interpreter with this project installed (default: python3)
 #   DRY_RUN=1         print the launcher command (shell-quoted) instead of running it
 # To keep the coordinator off the training nodes, start it yourself (RECOVER_JOB_TOKEN exported):
-#   python -m recover_patches.coordinator --port P --world-size N
+#   recover-coordinator --port P --world-size N
 # and export RECOVER_COORDINATOR=host:P: every launcher then joins it instead of starting one.
 # User errors print one line naming the setting and the fix, and exit 2 before anything starts.
 set -euo pipefail

@@ -144,7 +144,7 @@ class Checkpointer:
             state = self._read_torch_dist(host, point)
         else:
             state = self._read_torch(host, point)
-        apply_rank_state(host.training, state, self.config)
+        apply_rank_state(host.training_state, state, self.config)
         if self.rank == 0:
             logger.info(f"loaded checkpoint {point.directory} (iteration {point.iteration}), "
                         f"format {point.format.value}"
@@ -152,7 +152,7 @@ class Checkpointer:
                         f"{', weights only: --finetune' if self.config.finetune else ''}")
 
     def _read_torch(self, host: CheckpointHost, point: ResumePoint) -> dict:
-        coord = host.training.groups.coord
+        coord = host.training_state.groups.coord
         path = point.directory / rank_dir_name(coord.tp, coord.pp, self.topology.pp) / RANK_FILE
         try:
             with torch.serialization.safe_globals([argparse.Namespace]):
@@ -169,14 +169,14 @@ class Checkpointer:
         # RNG streams are per (tp, pp) position: they exist only in a checkpoint of this layout
         same_layout = (point.tp, point.pp) == (self.topology.tp, self.topology.pp)
         read_rng = same_layout and point.by_recover and config.load_rng and not config.finetune
-        template = ckd.load_template(host.training, config.load_optim and not config.finetune,
+        template = ckd.load_template(host.training_state, config.load_optim and not config.finetune,
                                      point.adam_started, rng_state() if read_rng else None,
                                      point.fully_reshardable)
 
         def error(detail: str) -> CheckpointError:
             return CheckpointError("--load", f"cannot load {point.directory} into this model "
                                    f"({detail})", "load a checkpoint of this model's shape")
-        optimizer = host.training.optimizer
+        optimizer = host.training_state.optimizer
         state = ckd.as_rank_state(ckd.load(template, point.directory, config.strictness, error),
                                   optimizer.model_params,
                                   [len(g["params"]) for g in optimizer.param_groups])
@@ -199,7 +199,7 @@ class Checkpointer:
         return state
 
     def after_iteration(self, host: CheckpointHost) -> None:
-        iteration, config = host.training.progress.iteration, self.config
+        iteration, config = host.training_state.progress.iteration, self.config
         if self.timeouts is not None:
             self.timeouts.iteration_ended()
         stop = self.exits.reason(host)
@@ -233,9 +233,9 @@ class Checkpointer:
             self._save(host, save_dir or Path(self.config.save))
         except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
             self.last_saved = None
-            return self._abandon(host.training.progress.iteration, err)
+            return self._abandon(host.training_state.progress.iteration, err)
         if self.rank == 0:  # the save's cost to training (scripts/bench/effective_throughput.py)
-            logger.info(f"checkpoint stall: iteration {host.training.progress.iteration}, "
+            logger.info(f"checkpoint stall: iteration {host.training_state.progress.iteration}, "
                         f"{(time.perf_counter() - start) * 1e3:.1f} ms"
                         f"{' (async: the write goes on in the background)' if self.async_save else ''}")
 
@@ -244,11 +244,11 @@ class Checkpointer:
                        "checkpoint stays")
 
     def _save(self, host: CheckpointHost, save_dir: Path) -> None:
-        iteration = host.training.progress.iteration
+        iteration = host.training_state.progress.iteration
         if self.last_saved == iteration:
             return
         tmp, final = save_dir / f".tmp_{iter_dir_name(iteration)}", save_dir / iter_dir_name(iteration)
-        coord, live = host.training.groups.coord, host.live_replicas
+        coord, live = host.training_state.groups.coord, host.live_replicas
         is_leader = self.rank == writer_rank(self.topology, live, 0, 0)
         is_writer = self.rank == writer_rank(self.topology, live, coord.tp, coord.pp) or (
             self.format is CkptFormat.TORCH_DIST and self.config.fully_parallel_save)
@@ -259,7 +259,7 @@ class Checkpointer:
         host.barrier(f"ckpt/{iteration}/prepared")
         host.weights_ready()
         # on every rank: the distributed optimizer gathers its instance's shards (a collective)
-        optimizer_state = host.training.optimizer.state_dict() if self.config.save_optim else None
+        optimizer_state = host.training_state.optimizer.state_dict() if self.config.save_optim else None
         self.last_saved = iteration
         pending = None
         if self.format is CkptFormat.TORCH and is_writer:
@@ -295,7 +295,7 @@ class Checkpointer:
                          is_leader: bool) -> ckd.ShardedWrite:
         """The writing replica's collective part: Megatron's layout, and DCP's write plan."""
         config = self.config
-        state = ckd.checkpoint_state(host.training, config.megatron_args, optimizer_state,
+        state = ckd.checkpoint_state(host.training_state, config.megatron_args, optimizer_state,
                                      rng_state() if config.save_rng else None,
                                      config.optimizer_fully_reshardable)
         sharded, common = ckd.sharded_and_common(state)
@@ -303,10 +303,10 @@ class Checkpointer:
             sharded = ckd.to_host(sharded)  # what the training loop waits for
         if is_leader:
             ckd.write_common(tmp, common)
-        groups = host.training.groups
+        groups = host.training_state.groups
         writers = Writers(groups.save_positions,
                           groups.dp if config.fully_parallel_save else None,
-                          is_leader, next(host.training.model.parameters()).device,
+                          is_leader, next(host.training_state.model.parameters()).device,
                           groups.expert_dp if config.fully_parallel_save else None)
         return ckd.ShardedWrite(sharded, tmp, writers, self.plans)
 
@@ -363,7 +363,7 @@ class Checkpointer:
                          optimizer_state: dict | None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / RANK_FILE, "wb") as f:
-            torch.save(rank_state(host.training, self.config, optimizer_state), f)
+            torch.save(rank_state(host.training_state, self.config, optimizer_state), f)
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(directory)
@@ -371,8 +371,8 @@ class Checkpointer:
     def _metadata(self, host: CheckpointHost) -> str:
         topo = self.topology
         return json.dumps({
-            "format": FORMAT, "iteration": host.training.progress.iteration,
-            "consumed_samples": host.training.progress.consumed_samples,
+            "format": FORMAT, "iteration": host.training_state.progress.iteration,
+            "consumed_samples": host.training_state.progress.consumed_samples,
             "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
             "live_replicas": sorted(host.live_replicas),
             "writers": {rank_dir_name(t, p, topo.pp): writer_rank(topo, host.live_replicas, t, p)

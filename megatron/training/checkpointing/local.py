@@ -80,16 +80,16 @@ class LocalCheckpoints:
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, host: CheckpointHost) -> None:
-        iteration = host.training.progress.iteration
+        iteration = host.training_state.progress.iteration
         start = time.perf_counter()
         host.weights_ready()
         try:  # the distributed optimizer gathers its shards: a collective
-            optimizer_state = host.training.optimizer.state_dict() if self.config.save_optim \
+            optimizer_state = host.training_state.optimizer.state_dict() if self.config.save_optim \
                 else None
         except PeerFailure as err:
             logger.warning(f"local checkpoint of iteration {iteration} abandoned ({err})")
             return
-        state = rank_state(host.training, self.config, optimizer_state)
+        state = rank_state(host.training_state, self.config, optimizer_state)
         self.mine.mkdir(parents=True, exist_ok=True)
         write_atomically(self.mine / f"{iter_dir_name(iteration)}.pt",
                          lambda file: torch.save(state, file))
@@ -108,8 +108,8 @@ class LocalCheckpoints:
     # -- restoring (collective, at start-up) -----------------------------------------------------
     def inventory(self, host: CheckpointHost) -> Inventory:
         """What every rank holds, and the newest iteration each (tp, pp) position has somewhere."""
-        groups = host.training.groups
-        device = host.training.device
+        groups = host.training_state.groups
+        device = host.training_state.device
         by_position = gather_object(gather_object((self.rank, sorted(self._held())), groups.dp,
                                                   device), groups.replica, device)
         held = {rank: frozenset(iters) for position in by_position for rank, iters in position}
@@ -130,7 +130,7 @@ class LocalCheckpoints:
             if self.rank == 0 and inventory.iteration is not None:
                 logger.info("local checkpoints are older than the persistent checkpoint")
             return False
-        apply_rank_state(host.training, self.read(host, inventory), self.config)
+        apply_rank_state(host.training_state, self.read(host, inventory), self.config)
         if self.rank == 0:
             peers = inventory.lacking()
             logger.info(f"loaded local checkpoint of iteration {inventory.iteration} from "
@@ -142,7 +142,7 @@ class LocalCheckpoints:
         """This rank's state at the inventory's iteration (collective over the DP group)."""
         iteration = inventory.iteration
         assert iteration is not None, "read() with nothing to restore"
-        dp = host.training.groups.dp
+        dp = host.training_state.groups.dp
         peers = dist.get_process_group_ranks(dp)
         holders = [r for r in peers if iteration in inventory.held[r]]
         lacking = [r for r in peers if r not in holders]
@@ -150,7 +150,7 @@ class LocalCheckpoints:
         data = mine.read_bytes() if self.rank in holders else None
         if lacking:  # the lowest holder sends its copy; the other holders keep their own
             sent = self._broadcast(data if self.rank == holders[0] else None, holders[0], dp,
-                                   host.training.device)
+                                   host.training_state.device)
             data = data if data is not None else sent
         assert data is not None
         with torch.serialization.safe_globals([argparse.Namespace]):  # Megatron's "args"

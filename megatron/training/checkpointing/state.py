@@ -20,7 +20,7 @@ from recover_patches.recovery.fixed_point import FixedPointScales
 
 
 @dataclass
-class TrainState:
+class Progress:
     iteration: int = 0
     consumed_samples: int = 0
     skipped_iterations: int = 0  # fp16 overflows: no optimizer step (Megatron's log line counts them)
@@ -34,7 +34,7 @@ class TrainingState:
     model: torch.nn.Module
     optimizer: Optimizer
     scheduler: OptimizerParamScheduler
-    progress: TrainState
+    progress: Progress
     groups: ParallelGroups
     device: torch.device
     grad_scales: FixedPointScales | None = None  # --recover-exact-reduction's exponents
@@ -50,7 +50,7 @@ class CheckpointHost(Protocol):
     """What checkpoints need of the running job (the Trainer): its state, who is live, the
     job-wide meeting points (resilient when recovery is on), and the hooks around a save."""
     @property
-    def training(self) -> TrainingState: ...
+    def training_state(self) -> TrainingState: ...
 
     @property
     def live_replicas(self) -> list[int]: ...

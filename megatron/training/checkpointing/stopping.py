@@ -27,7 +27,7 @@ class TermSignal:
         self.received = True
 
     def agreed(self, host: CheckpointHost) -> bool:
-        return host.any_rank(self.received, f"sigterm/{host.training.progress.iteration}")
+        return host.any_rank(self.received, f"sigterm/{host.training_state.progress.iteration}")
 
 
 class ExitConditions:
@@ -40,7 +40,7 @@ class ExitConditions:
 
     def reason(self, host: CheckpointHost) -> str | None:
         """Why every live rank exits after this iteration (the same answer on all of them)."""
-        iteration, config = host.training.progress.iteration, self.config
+        iteration, config = host.training_state.progress.iteration, self.config
         if self.term is not None and self.term.agreed(host):
             return "SIGTERM (--exit-signal-handler)"
         if config.exit_interval and iteration % config.exit_interval == 0:

@@ -1,5 +1,5 @@
 """Building one replica's parts for `replica_step.GPTReplicaStep`: its pipeline stages, its
-gradient buffer, the link between its stages and its commit vote."""
+gradient buffer, its pipeline schedule and its commit vote."""
 from __future__ import annotations
 
 from typing import Callable
@@ -18,6 +18,7 @@ from megatron.training.model.moe_metrics import RouterMeter, router_report
 from megatron.training.optimizer import LossScaler, Optimizer
 from recover_patches.pipeline.loss import vocab_parallel_cross_entropy
 from recover_patches.pipeline.p2p import ChunkP2P, StageLink
+from recover_patches.pipeline.schedule import Interleaved, OneFOneB, PipelineSchedule
 from recover_patches.pipeline.sampler import MicrobatchSampler
 from recover_patches.pipeline.stage import GPTStage
 from recover_patches.recovery.agreement import ReplicaLink
@@ -84,19 +85,23 @@ def build_grad_buffer(groups: ParallelGroups, optimizer: Optimizer, overlap: boo
                       scales=FixedPointScales(len(optimizer.model_params)) if exact else None)
 
 
-def link_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device
-             ) -> StageLink | ChunkP2P:
-    """Activations between stages: [seq (this CP rank's chunks; a TP shard of them with sequence
-    parallelism), micro batch, hidden], in the training dtype; between virtual stages with model chunks."""
+def schedule_for(model: ModelConfig, micro_batch_size: int, groups: ParallelGroups, device, *,
+                 vp_group: int, overlap_warmup_flush: bool) -> PipelineSchedule:
+    """The one place the pipeline schedule is chosen: 1F1B over the stage link, or, with model
+    chunks, the interleaved schedule over their channels. Activations between stages: [seq (this
+    CP rank's chunks; a TP shard of them with sequence parallelism), micro batch, hidden], in the
+    training dtype."""
     t = model.transformer
     seq = model.seq_length // t.context_parallel_size  # context parallel: this CP rank's chunks
     seq //= t.tensor_model_parallel_size if t.sequence_parallel else 1
     shape = (seq, micro_batch_size, t.hidden_size)
     if model.model_chunks is not None:
-        return ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp, model.model_chunks,
-                        shape, dtype=t.params_dtype, device=device)
-    return StageLink(groups.pp, groups.coord.pp, groups.topology.pp, shape, dtype=t.params_dtype,
-                     device=device)
+        return Interleaved(ChunkP2P(groups.channels, groups.coord.pp, groups.topology.pp,
+                                    model.model_chunks, shape, dtype=t.params_dtype, device=device),
+                           rank=groups.coord.pp, stages=groups.topology.pp, group=vp_group,
+                           overlap_warmup_flush=overlap_warmup_flush)
+    return OneFOneB(StageLink(groups.pp, groups.coord.pp, groups.topology.pp, shape,
+                              dtype=t.params_dtype, device=device))
 
 
 def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:

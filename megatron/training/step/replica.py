@@ -31,11 +31,10 @@ from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
 from recover_patches.collectives import PeerFailure, Regrouped
-from recover_patches.pipeline.p2p import ChunkP2P, StageLink
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
 from recover_patches.recovery.iteration import LiveReplicas
 from recover_patches.recovery.reduce import Totals
-from recover_patches.pipeline.schedule import ScheduleResult, run_1f1b, run_interleaved
+from recover_patches.pipeline.schedule import PipelineSchedule, ScheduleResult
 from recover_patches.pipeline.stage import GPTStage
 from recover_patches.workload.policy import even_plan, stable_plan, unit_plan, unit_timings
 from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
@@ -54,7 +53,7 @@ class GPTReplicaStep:
     scheduler: OptimizerParamScheduler
     grads: GradBuffer
     stages: list[GPTStage]  # one per model chunk
-    link: StageLink | ChunkP2P
+    schedule: PipelineSchedule
     live: LiveReplicas  # read here; changed only by the transaction and the join
     iteration: Callable[[], int]  # iterations completed so far
     hook: Hook
@@ -124,12 +123,7 @@ class GPTReplicaStep:
         return done
 
     def _schedule(self, ids: list[int], arm: Callable[..., None]) -> ScheduleResult:
-        if isinstance(self.link, ChunkP2P):
-            return run_interleaved(ids, self.stages, self.link, rank=self.groups.coord.pp,
-                                   stages=self.groups.topology.pp, group=self.config.vp_group,
-                                   hook=self.hook, before_backwards=arm,
-                                   overlap_warmup_flush=self.config.overlap_warmup_flush)
-        return run_1f1b(ids, self.stages[0], self.link, self.hook, arm)
+        return self.schedule.train(ids, self.stages, self.hook, arm)
 
     def _empty_cache(self, level: int) -> None:
         """--empty-unused-memory-level: 1 after the passes, 2 also after the step (Megatron's)."""
