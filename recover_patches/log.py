@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 # The packages whose loggers this configures; anything else (megatron-core, torch) keeps its own.
 PACKAGES = ("recover_patches", "megatron.training", "pretrain_gpt_recover", "__main__")
 PLAIN = {"plain": True}  # logger.info(line, extra=PLAIN): the line as is, without the prefix
+# megatron-core's notes, at import, that transformer-engine and Apex are missing and it falls back
+# to torch's kernels: true of every CPU run, four lines per process that imports it
+FALLBACK_WARNINGS = ".*(Apex|Transformer Engine).*"
+
+
+def hide_fallback_warnings() -> None:
+    """Keep megatron-core's fallback notes out of what a user reads (the launcher's preload of
+    megatron-core printed them once per launch, before any rank)."""
+    warnings.filterwarnings("ignore", message=FALLBACK_WARNINGS)
 
 
 def tag(logger_name: str) -> str:

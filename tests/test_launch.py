@@ -225,3 +225,18 @@ def test_exit_rule_with_declared_completion(caplog):
     assert "rank 1 (pid 101) failed: killed by signal SIGKILL" in err
     assert "rank 2 (pid 102) failed: exit code 1" in err
     assert "but rank(s) [2] failed outside it" in err
+
+
+def test_the_preload_keeps_megatron_cores_fallback_notes_out_of_the_launchers_output():
+    """Importing megatron-core prints four notes that transformer-engine and Apex are missing;
+    the launcher preloads it, so every launch printed them before any rank (the demo's two runs,
+    twice). Control: megatron-core's source still raises those notes."""
+    import megatron.core.optimizer as optimizer_package
+    source = Path(optimizer_package.__file__).read_text()
+    assert "Transformer Engine and Apex are not installed" in source  # the notes exist
+    env = {**os.environ, "PYTHONWARNINGS": ""}
+    preloaded = subprocess.run(
+        [sys.executable, "-c", "from recover_patches.launch import preload; "
+         "assert preload('megatron.core')"], capture_output=True, text=True, timeout=120, env=env)
+    assert preloaded.returncode == 0, preloaded.stderr
+    assert "Transformer Engine" not in preloaded.stderr and "Apex" not in preloaded.stderr
