@@ -87,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
         args, layout = _parse(argv)
-        inputs = _check_inputs(args, layout)
+        inputs = _check_inputs(args, layout)  # the run's configuration, built once
+        del args  # from here on: inputs.run (the Namespace goes on only in checkpoints)
         incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # > 0: a replacement
-        membership = _join_membership(args, incarnation)
+        membership = _join_membership(inputs.run, incarnation)
     except _Exit as done:
         return done.status
-    trainer = _build_trainer(args, layout, membership, incarnation, inputs)
-    return _train(args, trainer, membership, incarnation)
+    trainer = _build_trainer(inputs.run, membership, incarnation, inputs)
+    return _train(inputs.run, trainer, membership, incarnation)
 
 
 def _parse(argv: list[str] | None) -> tuple:
@@ -128,57 +129,57 @@ def _parse(argv: list[str] | None) -> tuple:
 
 
 class _Inputs(NamedTuple):
-    """What the run reads, checked once."""
+    """The run's configuration and what it reads, checked once."""
+    run: Any  # RunConfig
     tokenizer: Any
-    vocab: int  # the padded vocabulary size
-    data: Any  # DataConfig
     faults: Any  # FaultInjector
     checkpointer: Any  # its --load validated
 
 
 def _check_inputs(args, layout) -> _Inputs:
     """User errors first, before any process group exists or anything is written: the tokenizer,
-    the data, the fault specs, --load. One line and exit 2 each."""
+    the data, the fault specs, --load. One line and exit 2 each. The run's configuration is
+    built here, once the tokenizer says how large the vocabulary is."""
     from megatron.training.errors import UserError
     from megatron.training.checkpointing import Checkpointer
-    from megatron.training.config.io import CheckpointConfig, DataConfig, TokenizerConfig
+    from megatron.training.config.io import TokenizerConfig
+    from megatron.training.config.run import RunConfig
     from megatron.training.data.datasets import validate_data
     from megatron.training.data.tokenizer import build_tokenizer, padded_vocab_size
     from recover_patches.faults import FaultInjector, FaultSpecError
     try:
         tokenizer = build_tokenizer(TokenizerConfig.from_args(args))
-        data = DataConfig.from_args(args)
-        validate_data(data)
-        faults = FaultInjector.from_specs(args.inject_fault, layout.rank)
         vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                   args.tensor_model_parallel_size)
+        run = RunConfig.from_args(args, layout, vocab, recovering=bool(
+            args.recover and os.environ.get("RECOVER_COORDINATOR")))
+        validate_data(run.data)
+        faults = FaultInjector.from_specs(list(run.fault_tolerance.inject_fault), layout.rank)
         # validates --load before anything runs
-        checkpointer = Checkpointer(CheckpointConfig.from_args(args, vocab, layout), layout.rank,
-                                    layout.world_size)
+        checkpointer = Checkpointer(run.checkpoint, layout.rank, layout.world_size)
     except UserError as err:  # data, tokenizer, checkpoint: one line, exit 2
         raise _Exit(_user_error(f"{err.flag}: {err.message}. Fix: {err.fix}")) from None
     except FaultSpecError as err:
         raise _Exit(_user_error(str(err))) from None
-    return _Inputs(tokenizer, vocab, data, faults, checkpointer)
+    return _Inputs(run, tokenizer, faults, checkpointer)
 
 
-def _join_membership(args, incarnation: int):
+def _join_membership(run, incarnation: int):
     """The coordinator's membership client (None: no coordinator, recovery off). torch's NCCL
     settings go into the environment first: torch reads them when a group is made."""
     from recover_patches.collectives.errors import CoordinatorError, SlotTaken
-    if incarnation and not (args.recover and (args.coordinator_addr
-                                               or os.environ.get("RECOVER_COORDINATOR"))):
+    recover = run.fault_tolerance.recover  # --coordinator-addr is in the environment by now
+    if incarnation and not (recover and os.environ.get("RECOVER_COORDINATOR")):
         raise _Exit(_user_error(
             "RECOVER_INCARNATION: a replacement process needs in-job recovery (--recover on) and "
             "the coordinator. Fix: start it with `python -m recover_patches.launch "
             "--max-replacements K`"))
     if not os.environ.get("RECOVER_COORDINATOR"):
-        if args.recover:
+        if recover:
             logger.info("no coordinator (RECOVER_COORDINATOR unset, e.g. under torchrun): in-job "
                         "recovery is off; start with `python -m recover_patches.launch` to enable "
                         "it")
         return None
-    from megatron.training.config.io import FtConfig
     from megatron.training.checkpointing.ft_timeouts import recover_timeout
     from recover_patches.collectives import nccl_env
     from recover_patches.collectives.membership import MembershipClient
@@ -188,8 +189,8 @@ def _join_membership(args, incarnation: int):
     nccl_env.apply(os.environ)  # before any process group exists: torch reads it then
     try:
         membership = MembershipClient.from_env(timeout=recover_timeout(
-            FtConfig.from_args(args), args.recover_timeout, int(os.environ.get("RANK", "0"))),
-            startup=60.0 * args.distributed_timeout_minutes)
+            run.fault_tolerance.ft, run.fault_tolerance.timeout, run.layout.rank),
+            startup=run.parallel.startup_seconds)
     except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
         logger.info(f"{err}: leaving")
         raise _Exit(0) from None
@@ -199,11 +200,9 @@ def _join_membership(args, incarnation: int):
     return membership
 
 
-def _build_trainer(args, layout, membership, incarnation: int, inputs: _Inputs):
+def _build_trainer(run, membership, incarnation: int, inputs: _Inputs):
     """Groups, model, optimizer, buffers and the trainer around them; with recovery on, the
     commit agreement and growing back."""
-    from megatron.training.config import ScheduleConfig, StepConfig, TrainingConfig
-    from megatron.training.config.io import TensorBoardConfig, WandbConfig
     from megatron.training.data.datasets import build_datasets
     from megatron.training.metrics import MetricsWriter
     from megatron.training.optimizer.setup import build_scheduler
@@ -212,28 +211,27 @@ def _build_trainer(args, layout, membership, incarnation: int, inputs: _Inputs):
     from megatron.training.training import Trainer
     from recover_patches.recovery.agreement import StoreAgreement
 
-    device, groups, tracker, model_config, model, optimizer, grads = _build_model_parts(
-        args, layout, membership, incarnation, inputs.vocab)
-    data = inputs.data
+    device, groups, tracker, model, optimizer, grads = _build_model_parts(run, membership,
+                                                                         incarnation)
+    data, step, model_config = run.data, run.step, run.model
     train_ds, valid_ds, _ = build_datasets(data, inputs.tokenizer)
-    recovering = membership is not None and args.recover
-    step = StepConfig.from_args(args, recovering=recovering)
+    recovering = membership is not None and run.fault_tolerance.recover
+    assert recovering == step.recovering  # decided with the configuration, before the join
 
     def stages(dataset, scaler=None):
         return build_stages(data, step.micro_batch_size, groups, model, dataset, tracker, scaler,
                             step.exact_reduction)
     trainer = Trainer(
-        config=TrainingConfig.from_args(args), step_config=step, model_config=model_config,
+        config=run.training, step_config=step, model_config=model_config,
         groups=groups, model=model, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, ScheduleConfig.from_args(args)), grads=grads,
+        scheduler=build_scheduler(optimizer, run.schedule), grads=grads,
         train_stages=stages(train_ds, optimizer.scaler),
         valid_stages=None if valid_ds is None else stages(valid_ds),
         schedule=schedule_for(model_config, step.micro_batch_size, groups, device,
                               vp_group=step.vp_group,
                               overlap_warmup_flush=step.overlap_warmup_flush),
         faults=inputs.faults, checkpointer=inputs.checkpointer,
-        metrics=MetricsWriter(args.metrics_file, TensorBoardConfig.from_args(args),
-                              WandbConfig.from_args(args)),
+        metrics=MetricsWriter(run.metrics_file, run.tensorboard, run.wandb),
         agreement=StoreAgreement(membership, timeout=membership.timeouts.operation,
                                  verdict_wait=membership.timeouts.verdict_wait,
                                  replica=replica_vote(groups, device)) if recovering else None,
@@ -250,67 +248,61 @@ def _build_trainer(args, layout, membership, incarnation: int, inputs: _Inputs):
     return trainer
 
 
-def _build_model_parts(args, layout, membership, incarnation: int, vocab: int) -> tuple:
-    """(device, groups, RNG tracker, model config, model, optimizer, gradient buffer), with the
-    start-up notes."""
+def _build_model_parts(run, membership, incarnation: int) -> tuple:
+    """(device, groups, RNG tracker, model, optimizer, gradient buffer), with the start-up
+    notes."""
     import torch
 
     from megatron.training.collective_backend import resilient_groups
     from megatron.training.initialize import build_groups, init_default_group, torch_group_factory
-    from megatron.training.config import ModelConfig, OptimizerSetup
-    from megatron.training.config.rules import model_chunks_of
     from megatron.training.model import build_model
     from megatron.training.optimizer.setup import build_optimizer
     from megatron.training.step.parts import build_grad_buffer
     from recover_patches.pipeline.rng import install_rng_tracker
     from recover_patches.topology import Topology
 
+    layout, parallel = run.layout, run.parallel
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if layout.device == "cuda":  # Megatron's rule: one GPU per local rank
         device = torch.device("cuda", layout.local_rank)
         torch.cuda.set_device(device)
-    if args.deterministic_mode:
+    if parallel.deterministic:
         torch.use_deterministic_algorithms(True)
     # Under recovery the default group carries no training traffic: gloo, so no NCCL
     # communicator (nor torch's heartbeat monitor of group uid 0) spans a rank that may die.
-    rank, world = init_default_group("gloo" if membership is not None else
-                                     args.distributed_backend, args.distributed_timeout_minutes,
-                                     joining=incarnation > 0)
-    topology = Topology.from_world(world, args.tensor_model_parallel_size,
-                                   args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping,
-                                   cp=args.context_parallel_size,
-                                   ep=args.expert_model_parallel_size)
+    rank, world = init_default_group("gloo" if membership is not None else parallel.backend,
+                                     parallel.startup_seconds / 60, joining=incarnation > 0)
+    topology = Topology.from_world(world, parallel.tensor, parallel.pipeline,
+                                   parallel.tp_pp_dp_mapping, cp=parallel.context,
+                                   ep=parallel.expert)
     make_group = torch_group_factory if membership is None else resilient_groups(
-        args, layout, membership, incarnation == 0, topology)
-    groups = build_groups(topology, rank, make_group, args.num_distributed_optimizer_instances
-                          if args.use_distributed_optimizer else None,
-                          channels=None if model_chunks_of(args) is None
+        parallel, layout, membership, incarnation == 0, topology)
+    groups = build_groups(topology, rank, make_group, parallel.optimizer_instances,
+                          channels=None if not parallel.model_chunks
                           else "shared" if membership is None else "groups",
                           resilient=membership is not None)
-    tracker = install_rng_tracker(device, args.seed)
-    model_config = ModelConfig.from_args(args, vocab)
-    model = build_model(model_config, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
+    tracker = install_rng_tracker(device, parallel.seed)
+    model = build_model(run.model, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
-    optimizer = build_optimizer(model, OptimizerSetup.from_args(args), groups)
-    grads = build_grad_buffer(groups, optimizer, args.overlap_grad_reduce, model,
-                              args.recover_exact_reduction)
+    optimizer = build_optimizer(model, run.optimizer, groups)
+    grads = build_grad_buffer(groups, optimizer, run.optimizer.overlap_grad_reduce, model,
+                              run.step.exact_reduction)
     if rank == 0:
-        _startup_notes(args, layout, model, grads, topology)
-    return device, groups, tracker, model_config, model, optimizer, grads
+        _startup_notes(run, model, grads, topology)
+    return device, groups, tracker, model, optimizer, grads
 
 
-def _startup_notes(args, layout, model, grads, topology) -> None:
-    from megatron.training.config.rules import megatron_differences
+def _startup_notes(run, model, grads, topology) -> None:
     from megatron.training.model import memory_note
-    memory_note(model, grads.extra_bytes_per_param(), optimizer_shards=(
-        topology.dp // args.num_distributed_optimizer_instances
-        if args.use_distributed_optimizer else 1))
-    for line in megatron_differences(args, layout.device):
+    instances = run.parallel.optimizer_instances
+    memory_note(model, grads.extra_bytes_per_param(),
+                optimizer_shards=1 if instances is None else topology.dp // instances)
+    for line in run.megatron_notes:
         logger.info(line)
 
 
-def _train(args, trainer, membership, incarnation: int) -> int:
+def _train(run, trainer, membership, incarnation: int) -> int:
     """Train (a replacement first waits as a spare); a broken replica's ranks leave or wait as
     spares; anything that ends the job early is one line and its exit status."""
     import torch
@@ -328,7 +320,7 @@ def _train(args, trainer, membership, incarnation: int) -> int:
                 break
             except ReplicaLost as err:  # raised only by recovery, which needs the membership client
                 assert membership is not None
-                if not args.recover_spares:
+                if not run.fault_tolerance.spares:
                     logger.info(f"{err}; this replica is broken, leaving cleanly (the others go on)")
                     membership.close(leave=True)
                     os._exit(0)  # peers may still hold sockets to us; do not linger in teardown
@@ -337,7 +329,7 @@ def _train(args, trainer, membership, incarnation: int) -> int:
     except TrainingStopped:  # --exit-interval, --exit-duration-in-mins, the exit signal
         pass  # done: below, the job is declared complete like one that reached --train-iters
     except Exception as err:  # noqa: BLE001 -- `_stopping` re-raises what it does not know
-        return _stopping(err, args, trainer, membership)
+        return _stopping(err, run, trainer, membership)
     finally:
         trainer.metrics.close()
     if membership is not None:
@@ -358,12 +350,12 @@ def _wait_as_spare(trainer) -> None:
     trainer.finish_iteration()  # with the others: the join iteration's save/eval
 
 
-def _stopping(err: Exception, args, trainer, membership) -> int:
+def _stopping(err: Exception, run, trainer, membership) -> int:
     """How the job ends early: one line and the exit status (the process exits at once where
     peers may still hold sockets to it). Anything else is a crash and is raised again."""
     from megatron.training.ending import EarlyEnd, early_end
-    restart_from = args.load or args.save or "(no checkpoint: --save was not set)"
-    end = early_end(err, restart_from, trainer.one_optimizer_copy, trainer.agreement is not None)
+    end = early_end(err, run.restart_from, trainer.one_optimizer_copy,
+                    trainer.agreement is not None)
     if end is EarlyEnd.USER_ERROR:
         return _user_error(str(err))
     if end is EarlyEnd.FENCED:

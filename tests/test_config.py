@@ -155,3 +155,35 @@ def test_wsd_without_its_annealing_length_is_one_line(capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith(
         "pretrain_gpt_recover.py: error: --lr-wsd-decay-iters: ")
+
+
+def namespace_reads(source: str) -> dict[str, list[str]]:
+    """Per top-level function of an entry point's source: the `args.<flag>` it reads."""
+    import ast
+    found: dict[str, list[str]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = sorted(n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                                      and isinstance(n.value, ast.Name) and n.value.id == "args")
+    return found
+
+
+def test_the_run_configuration_is_built_once_and_the_entry_point_reads_it_not_the_flags():
+    """One frozen root, built after validation: past `_check_inputs` (which builds it) the entry
+    point reads `RunConfig`, never Megatron's Namespace. Control: the reader sees a read."""
+    from pathlib import Path
+
+    from megatron.training.config.run import RunConfig
+    from megatron.training.config import RunLayout
+    args = flags("--inject-fault", "kill:rank=0,iter=2,phase=forward")
+    run = RunConfig.from_args(args, RunLayout.from_args(args, 1, "cpu", environ={}), 256,
+                              recovering=False)
+    assert run.model.padded_vocab_size == run.checkpoint.megatron_args.padded_vocab_size == 256
+    assert run.fault_tolerance.inject_fault == ("kill:rank=0,iter=2,phase=forward",)
+    assert run.parallel.optimizer_instances is None and run.restart_from.startswith("(no")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.model = None  # type: ignore[misc]
+    source = (Path(__file__).resolve().parents[1] / "pretrain_gpt_recover.py").read_text()
+    reads = {name: attrs for name, attrs in namespace_reads(source).items() if attrs}
+    assert set(reads) <= {"_parse", "_check_inputs"}, reads
+    assert namespace_reads("def f(args):\n    return args.lr\n") == {"f": ["lr"]}

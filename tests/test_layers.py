@@ -165,7 +165,7 @@ TRAINING_USES: dict[str, set[str]] = {
     "model": {"errors", "config"},
     "optimizer": {"errors", "config"},
     "initialize": {"optimizer"},  # the distributed optimizer's shard domains are a group's
-    "collective_backend": {"initialize"},
+    "collective_backend": {"config", "initialize"},
     "checkpointing": {"errors", "config", "initialize", "model", "optimizer"},
     "metrics": {"config"},
     "step": {"errors", "config", "initialize", "model", "optimizer", "rerun", "checkpointing"},

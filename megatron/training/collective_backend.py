@@ -17,20 +17,22 @@ import os
 import signal
 import sys
 
+from megatron.training.config.run import ParallelConfig
+
 logger = logging.getLogger(__name__)
 
 
-def resilient_groups(args, layout, membership, connect: bool, topology):
+def resilient_groups(parallel: ParallelConfig, layout, membership, connect: bool, topology):
     """The factory of ReCoVer's groups, with the start-up line that states their bounds."""
     from megatron.training.initialize import resilient_group_factory
-    timeout, startup = membership.timeouts.operation, 60.0 * args.distributed_timeout_minutes
-    backend = group_backend(args.distributed_backend, layout)
+    timeout, startup = membership.timeouts.operation, parallel.startup_seconds
+    backend = group_backend(parallel.backend, layout)
     if backend != "gloo":
         guard_watchdog(2 * timeout)
     if layout.rank == 0:
         logger.info(f"failures are detected within --recover-timeout {timeout:g} s; start-up "
                     f"(connects, the first iteration) may take --distributed-timeout-minutes "
-                    f"{args.distributed_timeout_minutes} ({startup:g} s)")
+                    f"{startup / 60:g} ({startup:g} s)")
     return resilient_group_factory(membership, timeout, backend, connect, topology,
                                    startup=startup)
 
