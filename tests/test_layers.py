@@ -170,8 +170,10 @@ TRAINING_USES: dict[str, set[str]] = {
     "metrics": {"config"},
     "step": {"errors", "config", "initialize", "model", "optimizer", "rerun", "checkpointing"},
     "tools": {"errors", "config", "arguments", "data"},
-    "training": {"config", "initialize", "checkpointing", "metrics", "optimizer", "profiling",
-                 "step", "straggler"},
+    # the running job as checkpoints and joins see it
+    "live_job": {"checkpointing", "initialize", "metrics", "optimizer", "step"},
+    "training": {"config", "initialize", "checkpointing", "live_job", "metrics", "optimizer",
+                 "profiling", "step", "straggler"},
     "ending": {"checkpointing", "rerun", "step"},  # how a run that cannot go on ends
 }
 # Known exceptions (importer module, imported module), each with why it stands; only shrinks.

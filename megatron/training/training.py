@@ -16,19 +16,19 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training.checkpointing.state import TrainingState, Progress
+from megatron.training.checkpointing.state import Progress
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.config import ModelConfig, StepConfig, TrainingConfig
 from megatron.training.initialize import ParallelGroups
+from megatron.training.live_job import LiveJob
 from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory_scalars
 from megatron.training.optimizer import Optimizer
 from megatron.training.profiling import Profiler
 from megatron.training.step.parts import pad_for_unit
 from megatron.training.step.replica import GPTReplicaStep
 from megatron.training.straggler import straggler_line
-from megatron.training.step.state_transfer import receive_state, send_state
 from megatron.training.step.weight_check import corrupt_a_weight, weight_fingerprint
-from recover_patches.collectives import PeerFailure, Regrouped
+from recover_patches.collectives import PeerFailure
 from recover_patches.faults import FaultInjector
 from recover_patches.recovery.agreement import StoreAgreement
 from recover_patches.recovery.grad_buffer import GradBuffer
@@ -87,6 +87,9 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.schedule,
             self.live, iteration=lambda: self.state.iteration, hook=self.hook,
             first_id=lambda: self.microbatch_ids()[0])
+        self.job = LiveJob(self.live, self.replica, self.groups, self.agreement, self.faults,
+                           self.metrics, self.model, self.optimizer, self.scheduler, self.state,
+                           self.grads)  # what checkpoints and joins see of the running job
         self._was_logging = False
         self._counted: dict[str, int] = {}  # store_ops() and host_syncs() at the last record
         self._skipped_at_last_line = 0
@@ -106,64 +109,11 @@ class Trainer:
     def is_logging_rank(self) -> bool:
         return self.groups.rank == min(self.live.members())
 
-    # -- job-wide synchronisation for checkpoints, resilient when recovery is on -------------
-    def barrier(self, key: str) -> None:
-        """All ranks of the live replicas meet (PeerFailure if one dies meanwhile)."""
-        if self.agreement is None:
-            dist.barrier()
-        else:
-            self.agreement.barrier(f"sync/{key}", self.live.members(), self.live.epoch)
-
-    def any_rank(self, flag: bool, key: str) -> bool:
-        """True on every live rank iff any of them passes True."""
-        if self.agreement is None:
-            t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return bool(t.item())
-        return self.agreement.any_flag(key, self.live.members(), self.live.epoch, flag)
-
-    def weights_ready(self) -> None:
-        self.replica.weights_ready()
-
-    # -- what checkpoints and joins read and write ----------------------------------------------
-    @property
-    def training_state(self) -> TrainingState:
-        return TrainingState(self.model, self.optimizer, self.scheduler, self.state, self.groups,
-                             self.device, self.grads.scales)
-
-    @property
-    def live_replicas(self) -> list[int]:
-        return list(self.live.live_replicas)
-
-    @property
-    def membership_epoch(self) -> int:
-        return self.live.epoch
-
-    def close_metrics(self) -> None:
-        self.metrics.close()
-
     def grow_back_with(self, membership: Membership) -> None:
         """Spares and replacement processes rejoin (recovery on, with the coordinator)."""
         assert self.agreement is not None
         self.grow = GrowBack(live=self.live, agreement=self.agreement, membership=membership,
-                             replica=self, hook=self.hook, ep=self.groups.topology.ep)
-
-    # -- what a join moves (GrowBack's ReplicaState) ------------------------------------------
-    def abandon(self, phase: str) -> None:
-        self.groups.abandon(phase)
-
-    def rebuild(self, live_replicas: list[int], epoch: int, key: str) -> Regrouped:
-        return self.replica.rebuild(live_replicas, epoch, key)
-
-    def send_state(self, replica: int) -> int:
-        self.weights_ready()
-        return send_state(self.training_state, self.replica.timings, replica)
-
-    def receive_state(self, replica: int) -> int:
-        received, timings = receive_state(self.training_state, replica)
-        self.replica.adopt_timings(timings)  # every replica plans alike from the next iteration
-        self.grads.zero()  # whatever a spare had accumulated when its replica broke
-        return received
+                             replica=self.job, hook=self.hook, ep=self.groups.topology.ep)
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(live=self.live, replica=self.replica,
@@ -184,7 +134,7 @@ class Trainer:
         """The loop. load=False: a joined spare, whose state came from a live replica."""
         config = self.config
         if self.checkpointer is not None and load:
-            self.checkpointer.load(self)
+            self.checkpointer.load(self.job)
         if config.manual_gc:  # Megatron's: no automatic collection pauses inside iterations
             gc.disable()
             gc.collect()
@@ -228,7 +178,7 @@ class Trainer:
                 and self.state.iteration % config.manual_gc_interval == 0:
             gc.collect()
         if self.checkpointer is not None:
-            self.checkpointer.after_iteration(self)
+            self.checkpointer.after_iteration(self.job)
         if config.eval_interval and self.valid_stages is not None \
                 and self.state.iteration % config.eval_interval == 0:
             collect = config.manual_gc and config.manual_gc_eval
@@ -326,7 +276,7 @@ class Trainer:
         metrics record) and adopt the new membership before the next iteration."""
         failure: PeerFailure | None = None
         try:
-            self.weights_ready()
+            self.replica.weights_ready()
             loss = self._evaluate()
         except PeerFailure as err:
             if self.agreement is None:
