@@ -1,5 +1,5 @@
 """No flag is accepted and ignored: every option the parser accepts flows into a field of the
-typed configuration (`megatron/training/config*.py`: what the conversions read of a validated
+typed configuration (`megatron/training/config/`: what the conversions read of a validated
 command line is recorded), is read by the entry point itself, is refused when it asks for
 something ReCoVer cannot do, or is listed below with the reason it needs no reader."""
 from __future__ import annotations
@@ -8,11 +8,9 @@ import argparse
 import re
 
 from megatron.training.arguments import build_parser, parse_and_validate
-from megatron.training.config import (ModelConfig, OptimizerSetup, RunLayout, ScheduleConfig,
-                                      StepConfig, TrainingConfig)
+from megatron.training.config import OptimizerSetup, RunLayout
 from megatron.training.config.rules import megatron_differences
-from megatron.training.config.io import (CheckpointConfig, DataConfig, TensorBoardConfig,
-                                         TokenizerConfig, WandbConfig)
+from megatron.training.config.run import RunConfig
 from tests._launch_util import REPO, TINY_GPT
 
 # dest -> why no typed config and not the entry point reads it. Keep this list short and true: a
@@ -50,18 +48,9 @@ def read_by_the_typed_configs(args: argparse.Namespace) -> set[str]:
     """Every dest the conversions into the typed configuration read (with TensorBoard and W&B on,
     so their conversions read past the switch)."""
     recording = RecordingNamespace(args)
-    ModelConfig.from_args(recording, 256)
-    OptimizerSetup.from_args(recording)
-    ScheduleConfig.from_args(recording)
-    TrainingConfig.from_args(recording)
-    StepConfig.from_args(recording, recovering=True)
-    DataConfig.from_args(recording)
-    CheckpointConfig.from_args(recording)
-    TokenizerConfig.from_args(recording)
-    TensorBoardConfig.from_args(recording)
-    WandbConfig.from_args(recording)
-    RunLayout.from_args(recording, 1, "cpu", environ={})  # --local-rank when the env has none
-    megatron_differences(recording, "cuda")  # the start-up lines
+    layout = RunLayout.from_args(recording, 1, "cpu", environ={})  # --local-rank without env
+    RunConfig.from_args(recording, layout, 256, recovering=True)  # the root: every conversion
+    megatron_differences(recording, "cuda")  # the start-up lines a GPU run adds
     return recording._read
 
 
