@@ -14,11 +14,11 @@ from scripts.plot import pyplot  # noqa: E402  (after the path)
 # (x, y, width, height, title, files) in axes units; y grows upwards
 BOXES = {
     "entry": (0.02, 0.81, 0.96, 0.15, "pretrain_gpt_recover.py + megatron/training/",
-              "arguments*.py (Megatron's flags) -> config.py, config/io.py (typed, frozen) · "
-              "training.py (Trainer: the loop, records, evaluation)\nreplica_step.py "
-              "(GPTReplicaStep: this rank's part of a replica) · checkpointing*.py "
-              "(TrainingState, CheckpointHost)\noptimizer.py · optimizer/distributed/ · "
-              "step/state_transfer.py · model.py"),
+              "arguments/ (Megatron's flags) -> config/ (RunConfig, frozen, built once) · "
+              "training.py (Trainer: loop, records, evaluation)\nstep/ (GPTReplicaStep: "
+              "this rank's part of a replica; the schedule, chosen once) · live_job.py "
+              "(CheckpointHost, ReplicaState)\ncheckpointing/ (TrainingState) · optimizer/ "
+              "(distributed/) · model/ · data/ · step/state_transfer.py"),
     "recovery": (0.02, 0.42, 0.42, 0.30, "layer 2: recover_patches/recovery/",
                  "iteration.py: IterationTransaction\n  (plan, execute, reduce, commit, step,\n"
                  "  recovery rounds) over a ReplicaStep\ngrad_buffer.py: fp32 buckets,\n"
