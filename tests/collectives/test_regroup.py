@@ -266,11 +266,12 @@ def test_torch_can_list_a_resilient_groups_configuration():
     assert not any(g in registry for g in groups)
 
 
-def _a_read_behind_a_stuck_all_reduce_is_released_by_the_epoch(issue) -> None:
+def _read_behind_a_stuck_all_reduce_then_an_epoch(issue) -> tuple[bool, float | None]:
     """A survivor issues an all-reduce member 1 never joins (`issue(tensor, group)`), then
-    reads the result on the host; the epoch declaring member 1 dead must end the backend and
-    release the read. A watchdog of its own, swept by no thread: the epoch watcher holds the
-    last references to what the survivor issued."""
+    reads the result on the host, and an epoch declares member 1 dead. Returns whether the
+    epoch's watcher ended the backend, and how long the read took (None: still blocked after
+    5 s). A watchdog of its own, swept by no thread: the epoch watcher holds the last
+    references to what the survivor issued."""
     from recover_patches.collectives import emulated_nccl
     from recover_patches.collectives.emulated_nccl import host_reads
 
@@ -297,8 +298,7 @@ def _a_read_behind_a_stuck_all_reduce_is_released_by_the_epoch(issue) -> None:
         verdict.start()
         verdict.join(5.0)
         reader.join(5.0)
-        assert not verdict.is_alive(), "the epoch watcher is stuck ending the backend"
-        assert not reader.is_alive() and out["read took"] < 5.0
+        return not verdict.is_alive(), out.get("read took")
     finally:
         if reader.is_alive():
             communicator.abort()
@@ -311,8 +311,10 @@ def test_a_survivor_waiting_in_a_host_read_is_released_when_an_epoch_ends_its_co
     the stopped member. The epoch watcher, ending that backend, first let go of the watchdog's
     event of the all-reduce, and cudaEventDestroy waited for the lock the read held: the abort
     that would have ended the read never came, and the rank hung with its training done."""
-    _a_read_behind_a_stuck_all_reduce_is_released_by_the_epoch(
+    watcher_done, read_took = _read_behind_a_stuck_all_reduce_then_an_epoch(
         lambda t, group: dist.all_reduce(t, group=group))
+    assert watcher_done, "the epoch watcher is stuck ending the backend"
+    assert read_took is not None and read_took < 5.0
 
 
 def test_a_survivor_reading_behind_an_asynchronous_collective_is_released_by_the_epoch():
@@ -324,7 +326,9 @@ def test_a_survivor_reading_behind_an_asynchronous_collective_is_released_by_the
     declared stuck and the job lost it. A work is let go of on the thread that issued it."""
     def issue(t, group) -> None:  # the stream waits, the host goes on, and no handle is kept:
         dist.all_reduce(t, group=group, async_op=True).wait()  # the group and watchdog hold it
-    _a_read_behind_a_stuck_all_reduce_is_released_by_the_epoch(issue)
+    watcher_done, read_took = _read_behind_a_stuck_all_reduce_then_an_epoch(issue)
+    assert watcher_done, "the epoch watcher is stuck ending the backend"
+    assert read_took is not None and read_took < 5.0
 
 
 def test_a_meeting_ends_at_once_when_an_epoch_kills_a_rank_of_its_fate():
