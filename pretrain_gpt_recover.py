@@ -23,11 +23,12 @@ import sys
 import warnings
 from typing import Any, NamedTuple
 
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
+from megatron.training.errors import EXIT_RESTART, EXIT_USER_ERROR
+from recover_patches.log import configure, hide_fallback_warnings, set_level
 
-from recover_patches.log import configure, set_level
+hide_fallback_warnings()
+warnings.filterwarnings("ignore", message=".*full scope.*")  # megatron-core's own default
 
-EXIT_USER_ERROR, EXIT_RESTART = 2, 3
 logger = logging.getLogger(__name__)
 
 

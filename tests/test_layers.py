@@ -174,7 +174,7 @@ TRAINING_USES: dict[str, set[str]] = {
     "live_job": {"checkpointing", "initialize", "metrics", "optimizer", "step"},
     "training": {"config", "initialize", "checkpointing", "live_job", "metrics", "optimizer",
                  "profiling", "step", "straggler"},
-    "ending": {"checkpointing", "rerun", "step"},  # how a run that cannot go on ends
+    "ending": {"checkpointing", "errors", "rerun", "step"},  # how a run that cannot go on ends
 }
 # Known exceptions (importer module, imported module), each with why it stands; only shrinks.
 TRAINING_KNOWN: set[tuple[str, str]] = set()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import enum
 
 from megatron.training.checkpointing import CheckpointError
+from megatron.training.errors import EXIT_RESTART
 from megatron.training.rerun import ResultRejected, ResultReproduced
 from megatron.training.step.weight_check import WeightMismatch
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.recovery.agreement import RecoveryStalled
 from recover_patches.recovery.grow import JobComplete, JobStopped
 from recover_patches.recovery.iteration import StepInterrupted, TooFewReplicas
-
-EXIT_RESTART = 3  # restart from a checkpoint: the job cannot go on in place
 
 
 class EarlyEnd(enum.Enum):

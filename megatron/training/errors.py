@@ -3,6 +3,9 @@ module, so the entry point turns any of them into one stderr line and exit statu
 
 from __future__ import annotations
 
+EXIT_USER_ERROR = 2  # a user error: one line naming the flag and the fix, nothing written
+EXIT_RESTART = 3  # the job cannot go on in place: restart from a checkpoint
+
 
 class UserError(Exception):
     """A user error: which flag, what is wrong, and how to fix it."""

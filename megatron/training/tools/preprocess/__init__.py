@@ -24,15 +24,15 @@ import os
 import queue as queue_module
 import sys
 import time
-import warnings
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from megatron.training.errors import UserError
 from megatron.training.tools.preprocess.flags import parse_args
 from megatron.training.config.io import TokenizerConfig
 from megatron.training.data.tokenizer import build_tokenizer
-# megatron-core warns on import that it found no GPU-only libraries: irrelevant for data work.
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+from recover_patches.log import hide_fallback_warnings
+
+hide_fallback_warnings()  # megatron-core's GPU-library notes: irrelevant for data work
 
 JSON_SUFFIXES = (".json", ".jsonl")
 CHUNK_DOCUMENTS = 64  # documents per tokenization task: large enough to amortise IPC
