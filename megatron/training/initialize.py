@@ -268,7 +268,7 @@ class ParallelGroups:
         # mixture of experts without expert parallelism: every replica holds every expert,
         # tensor-parallel like the dense layers (their gradients reduced over the DP group like
         # theirs). expt_dp is read only for the experts' checkpoint replica ids: 0, as for the
-        # dense weights (`checkpoint_dist.model_sharded`; `checkpoint_writers` picks who writes)
+        # dense weights (`torch_dist.model_sharded`; `checkpointing.writers` picks who writes)
         pgs.ep, pgs.expt_tp, pgs.tp_ep = self.self_group, self.tp, self.tp
         if self.expert is not None:  # MoE: the unit splits the experts, TP x EP ranks apiece
             pgs.ep, pgs.tp_ep = self.expert, self.tp_expert

@@ -2,7 +2,7 @@
 
 Attribute names are Megatron-LM's argparse dests (args.num_layers, args.micro_batch_size, ...), so
 code written against Megatron's `args` reads ours the same way. The flags themselves are declared in
-`arguments_flags` / `arguments_recover` / `arguments_unsupported`, the rules in `arguments_validate_*`.
+`arguments.flags` / `arguments.recover` / `arguments.refused`, the rules in `arguments.validate`.
 
 Resolved by `validate_args` as Megatron-LM resolves them: the ffn/kv/lr-decay/global-batch
 defaults and the CPU fallbacks. What Megatron-LM also writes into its args -- world_size, rank,

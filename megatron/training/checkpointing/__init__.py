@@ -2,7 +2,7 @@
 --exit-signal-handler.
 
 Formats. --ckpt-format torch_dist (the default, as in Megatron) is Megatron's distributed
-checkpoint (`checkpoint_dist`): any TP/PP/DP layout loads it. --ckpt-format torch is one file per
+checkpoint (`torch_dist`): any TP/PP/DP layout loads it. --ckpt-format torch is one file per
 (tp, pp). Loading reads whichever format --load holds, as Megatron does, including checkpoints
 written by stock Megatron-LM (without ReCoVer's own records, which are optional).
 

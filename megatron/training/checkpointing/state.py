@@ -1,7 +1,7 @@
 """What one rank's checkpoint holds and how it is applied: Megatron's keys (args,
 checkpoint_version, iteration, model, optimizer, opt_param_scheduler, rng_state) plus ReCoVer's
 records, in the torch format's shape; torch_dist checkpoints are brought into the same shape
-(`checkpoint_dist`)."""
+(`checkpointing.torch_dist`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -119,7 +119,7 @@ def optimizer_template(params: list[torch.Tensor], param_groups: list[dict],
 
 
 def rng_sharded(training: TrainingState, rng: dict) -> ShardedObject:
-    """ReCoVer's RNG state (`checkpoint_state.rng_state()`) under Megatron's key names, one object
+    """ReCoVer's RNG state (`state.rng_state()`) under Megatron's key names, one object
     per (pp, tp) position; with --recover-exact-reduction also the position's gradient exponents
     (per parameter, like the RNG streams: the same at any DP size)."""
     topo, coord = training.groups.topology, training.groups.coord
@@ -180,7 +180,7 @@ def load_template(training: TrainingState, with_optimizer: bool, moments: bool,
 
 def as_rank_state(loaded: dict, params: list[torch.Tensor] | None = None,
                   group_sizes: list[int] | None = None) -> dict:
-    """A loaded torch_dist checkpoint in the shape `checkpoint_state.apply_rank_state` takes (the
+    """A loaded torch_dist checkpoint in the shape `checkpointing.state.apply_rank_state` takes (the
     torch format's). Consumed samples: ReCoVer's own record, else Megatron's args."""
     recover = loaded.get("recover") or {}
     saved_args = loaded.get("args")

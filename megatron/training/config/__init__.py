@@ -191,7 +191,7 @@ def _kernels(args: argparse.Namespace) -> dict:
         apply_rope_fusion=args.rope_fusion,
         persist_layer_norm=not args.no_persist_layer_norm,  # transformer-engine's kernel only
         disable_bf16_reduced_precision_matmul=args.disable_bf16_reduced_precision_matmul,
-        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,  # read by replica_parts
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,  # read by step.parts
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl)
 
 

@@ -93,7 +93,7 @@ class FtConfig:
 @dataclass(frozen=True)
 class NonPersistentConfig:
     """Megatron's non-persistent checkpoints (--non-persistent-*); checked against each other
-    and the layout in `arguments_validate_io.validate_non_persistent`."""
+    and the layout in `arguments.validate.io.validate_non_persistent`."""
     kind: str | None = None  # --non-persistent-ckpt-type: local or global (None: off)
     interval: int | None = None  # --non-persistent-save-interval (saves need --save, as there)
     local_dir: str | None = None  # --non-persistent-local-ckpt-dir

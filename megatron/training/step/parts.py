@@ -1,4 +1,4 @@
-"""Building one replica's parts for `replica_step.GPTReplicaStep`: its pipeline stages, its
+"""Building one replica's parts for `step.replica.GPTReplicaStep`: its pipeline stages, its
 gradient buffer, its pipeline schedule and its commit vote."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Megatron-LM `pretrain_gpt.py` flags ReCoVer accepts: same names, dests and defaults.
 
-Only declarations live here; every cross-flag rule is in the `arguments_validate_*` modules, so a
+Only declarations live here; every cross-flag rule is in the `arguments.validate` modules, so a
 flag's meaning can be read in one place and its constraints in another.
 """
 

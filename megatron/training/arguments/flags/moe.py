@@ -1,6 +1,6 @@
 """Mixture of experts: Megatron-LM's MoE flags that ReCoVer honours, with Megatron's names,
 meanings and defaults (megatron-core's MoE layer: router, token dispatcher, SequentialMLP
-experts). The other `--moe-*` flags stay refused by name (`arguments_megatron_reasons`)."""
+experts). The other `--moe-*` flags stay refused by name (`arguments.refused.reasons`)."""
 from __future__ import annotations
 
 import argparse

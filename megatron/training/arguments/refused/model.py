@@ -1,4 +1,4 @@
-"""Why ReCoVer refuses each Megatron-LM model flag that no family of `arguments_megatron_reasons`
+"""Why ReCoVer refuses each Megatron-LM model flag that no family of `arguments.refused.reasons`
 covers.
 
 One entry per flag (its `--no-`/`--disable-` spellings share it). A flag missing here and in the

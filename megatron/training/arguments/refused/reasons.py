@@ -37,7 +37,7 @@ GROUPS_NOT_FOR_PRETRAINING: dict[str, str] = {
 }
 
 _MOE = not_yet("is a mixture-of-experts option not supported yet (--num-experts and the MoE "
-               "flags of `arguments_flags_moe` are)")
+               "flags docs/megatron_flags.md marks honoured are)")
 _CP = not_yet("belongs to dynamic (hybrid) context parallelism, not supported yet (a fixed "
                "--context-parallel-size is)")
 _LOW_PRECISION = not_yet("belongs to fp8/fp4 training (transformer-engine recipes), not "

@@ -1,5 +1,5 @@
 """Why ReCoVer refuses each Megatron-LM flag of training, checkpointing, distribution, data,
-tokenizer and logging that no family of `arguments_megatron_reasons` covers."""
+tokenizer and logging that no family of `arguments.refused.reasons` covers."""
 from __future__ import annotations
 
 from megatron.training.arguments.refused.reasons import Refusal, not_yet, own_way
