@@ -242,10 +242,7 @@ def _build_trainer(run, membership, incarnation: int, inputs: _Inputs):
                                           "store_ops": lambda: membership.store_ops}))
     if recovering:
         trainer.grow_back_with(membership)
-    groups.before_parallel_ops(lambda op: trainer.hook("tp_allreduce"),
-                               lambda op: trainer.hook("cp_exchange"),
-                               lambda op: trainer.hook("ep_alltoall" if op == "alltoall"
-                                                       else "ep_dispatch"))
+    groups.before_parallel_ops(trainer.probe)
     return trainer
 
 

@@ -112,3 +112,59 @@ def test_unknown_phase_at_call_site_is_a_bug(monkeypatch):
     inj = injector(["kill:rank=0,iter=0,phase=forward"], 0, Recorder(), monkeypatch)
     with pytest.raises(ValueError, match="phase"):
         inj.at("fwd", 0)
+
+
+def test_the_training_probe_numbers_points_by_the_iteration_under_way(monkeypatch):
+    """Training points carry the iteration after those completed (as the logs number it); the
+    evaluation after an iteration carries that iteration's number. Each point marks progress
+    for the coordinator and is an injection point."""
+    from megatron.training.checkpointing.state import Progress
+    from megatron.training.step.probe import TrainingProbe
+
+    rec, marks, progress = Recorder(), [], Progress(iteration=4)
+    faults = injector(["kill:rank=0,iter=5,phase=forward,microbatch=2",
+                       "exit:rank=0,iter=4,phase=eval,code=9"], 0, rec, monkeypatch)
+    probe = TrainingProbe(progress, faults, lambda *where: marks.append(where))
+    probe.at("forward", 1)
+    probe.of_evaluation().at("forward", 2)  # iteration 4's evaluation: not the kill's point
+    assert rec.calls == []
+    probe.at("forward", 2)
+    probe.of_evaluation().at("eval", 0)
+    assert rec.calls == [("kill", signal.SIGKILL), ("exit", 9)]
+    assert marks == [("forward", 5, 1), ("forward", 4, 2), ("forward", 5, 2), ("eval", 4, 0)]
+    progress.iteration = 5  # the probe reads the trainer's counters at each point
+    probe.at("dp_reduce")
+    assert marks[-1] == ("dp_reduce", 6, None)
+
+
+def test_model_parallel_operations_reach_the_probe_under_their_phases():
+    """Each model-parallel group's operations are injection points named for the group: a kill
+    at `ep_alltoall` fires in the token dispatcher's exchange, not in a tensor-parallel sum."""
+    from megatron.training.initialize import ParallelGroups
+
+    class Group:
+        def __init__(self):
+            self.before = None
+
+        def set_before_op(self, before):
+            self.before = before
+
+    class Seen:
+        def __init__(self):
+            self.phases = []
+
+        def at(self, phase, microbatch=None):
+            self.phases.append(phase)
+
+    from recover_patches.topology import Topology
+    tp, context, tp_expert, other = Group(), Group(), Group(), Group()
+    topology = Topology(tp=1, pp=1, dp=1)
+    groups = ParallelGroups(topology, 0, topology.coord(0), tp, other, other, None, other, other,
+                            resilient=True, context=context, tp_expert=tp_expert)
+    seen = Seen()
+    groups.before_parallel_ops(seen)
+    tp.before("allreduce")
+    context.before("send")
+    tp_expert.before("alltoall")
+    tp_expert.before("allgather")
+    assert seen.phases == ["tp_allreduce", "cp_exchange", "ep_alltoall", "ep_dispatch"]

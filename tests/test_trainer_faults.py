@@ -50,8 +50,8 @@ STRICT_ENV = {"RECOVER_STRICT_GROUPS": "1",
 WITHIN = 2.0
 # A healthy rank's own "peer failure" line may come up to 1 s later: when its failure is a peer
 # that abandoned a group with no dead member, layer 1 waits verdict_timeout (1 s, set in
-# megatron/training/initialize.py) for an epoch that never comes. Still far below the operation
-# timeout (10 s for kills, 6 s for hangs), so no survivor waited for a timeout.
+# megatron/training/initialize/factories.py) for an epoch that never comes. Still far below the
+# operation timeout (10 s for kills, 6 s for hangs), so no survivor waited for a timeout.
 FAILURE_WITHIN = WITHIN + 1.0
 # phase -> victim: different tp / stage / replica positions, both replicas broken at least once
 KILLS = {"backward": 6, "p2p": 1, "tp_allreduce": 5, "dp_reduce": 2}

@@ -25,6 +25,7 @@ from megatron.training.metrics import MetricsWriter, gpt_flops, log_line, memory
 from megatron.training.optimizer import Optimizer
 from megatron.training.profiling import Profiler
 from megatron.training.step.parts import pad_for_unit
+from megatron.training.step.probe import Mark, TrainingProbe, no_mark
 from megatron.training.step.replica import GPTReplicaStep
 from megatron.training.straggler import straggler_line
 from megatron.training.step.weight_check import corrupt_a_weight, weight_fingerprint
@@ -63,7 +64,7 @@ class Trainer:
     agreement: StoreAgreement | None = None  # recovery on
     log_failure: Callable[[PeerFailure, str], None] | None = None  # printed by every rank
     # where this rank is, for the coordinator's progress verdict (MembershipClient.mark)
-    mark: Callable[[str, int | None, int | None], None] = lambda where, iteration, microbatch: None
+    mark: Mark = no_mark
     grow: GrowBack | None = None  # spares and replacements rejoin (recovery on, coordinator)
     # this rank's operations on the coordinator's store so far (MembershipClient.store_ops)
     store_ops: Callable[[], int] | None = None  # None: no coordinator
@@ -76,6 +77,7 @@ class Trainer:
     def __post_init__(self):
         topo, c = self.groups.topology, self.groups.coord
         self.device = self.grads.device
+        self.probe = TrainingProbe(self.state, self.faults, self.mark)  # marks and faults
         self.live = LiveReplicas(replica=c.replica, live_replicas=list(range(topo.dp)), epoch=0,
                                  replica_ranks=topo.replica_ranks, unit_ranks=topo.unit_ranks,
                                  # one instance of the distributed optimizer: its shards die
@@ -85,8 +87,7 @@ class Trainer:
         self.replica = GPTReplicaStep(
             self.step_config, self.groups,
             self.model, self.optimizer, self.scheduler, self.grads, self.train_stages, self.schedule,
-            self.live, iteration=lambda: self.state.iteration, hook=self.hook,
-            first_id=lambda: self.microbatch_ids()[0])
+            self.live, self.state, self.probe)
         self.job = LiveJob(self.live, self.replica, self.groups, self.agreement, self.faults,
                            self.metrics, self.model, self.optimizer, self.scheduler, self.state,
                            self.grads)  # what checkpoints and joins see of the running job
@@ -100,11 +101,6 @@ class Trainer:
     def one_optimizer_copy(self) -> bool:
         return self.config.one_optimizer_copy
 
-    def hook(self, phase: str, microbatch: int | None = None) -> None:
-        """Progress mark and injection point; iterations are numbered from 1 as in the logs."""
-        self.mark(phase, self.state.iteration + 1, microbatch)
-        self.faults.at(phase, self.state.iteration + 1, microbatch)
-
     @property
     def is_logging_rank(self) -> bool:
         return self.groups.rank == min(self.live.members())
@@ -113,13 +109,13 @@ class Trainer:
         """Spares and replacement processes rejoin (recovery on, with the coordinator)."""
         assert self.agreement is not None
         self.grow = GrowBack(live=self.live, agreement=self.agreement, membership=membership,
-                             replica=self.job, hook=self.hook, ep=self.groups.topology.ep)
+                             replica=self.job, probe=self.probe, ep=self.groups.topology.ep)
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(live=self.live, replica=self.replica,
                                     agreement=self.agreement,
                                     drop_lost=self.step_config.drop_lost,
-                                    on_failure=self.log_failure, hook=self.hook)
+                                    on_failure=self.log_failure, probe=self.probe)
 
     # -- the loop --------------------------------------------------------------------------
     def microbatch_ids(self) -> list[int]:
@@ -309,11 +305,6 @@ class Trainer:
         except PeerFailure:  # gave up waiting for a member: abort was decided for everyone
             return False
 
-    def _eval_hook(self, phase: str, microbatch: int | None) -> None:
-        """Progress mark and injection point of the evaluation after the current iteration."""
-        self.mark(phase, self.state.iteration, microbatch)
-        self.faults.at(phase, self.state.iteration, microbatch)
-
     def _evaluate(self) -> float:
         config = self.config
         self.model.eval()
@@ -327,7 +318,8 @@ class Trainer:
                 ids = list(range(first + k * m, first + (k + 1) * m))
                 mine = pad_for_unit(unit_plan(ids, self.live.live_replicas, topo.ep, even_plan).get(
                     self.groups.coord.replica, []), self.groups, self.device)
-                done = self.schedule.forward_only(mine, self.valid_stages, self._eval_hook)
+                done = self.schedule.forward_only(mine, self.valid_stages,
+                                                  self.probe.of_evaluation())
                 total = total + Totals.of_ids(done.ids, done.tokens, done.loss_sum)
         stats = total.as_tensor().to(self.device)
         if self.groups.dp.size() > 1:

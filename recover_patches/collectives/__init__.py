@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # the type checker sees the real names; at run time they load
                                                     MembershipTimeout, PeerFailure)
     from recover_patches.collectives.group import ResilientGroup
     from recover_patches.collectives.membership import MembershipClient
+    from recover_patches.collectives.probe import NO_PROBE, Probe
     from recover_patches.collectives.process_group import ResilientProcessGroup
     from recover_patches.collectives.rendezvous import Regrouped
 
@@ -18,7 +19,7 @@ _EXPORTS = {
     "PeerFailure": "errors", "CoordinatorError": "errors", "CoordinatorConfigError": "errors",
     "CoordinatorUnreachable": "errors", "JobTokenRefused": "errors", "MembershipTimeout": "errors",
     "MembershipClient": "membership", "ResilientProcessGroup": "process_group",
-    "Regrouped": "rendezvous", "ResilientGroup": "group",
+    "Regrouped": "rendezvous", "ResilientGroup": "group", "Probe": "probe", "NO_PROBE": "probe",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -12,14 +12,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from recover_patches.collectives import NO_PROBE, Probe
 from recover_patches.pipeline.interleaved import Kind, best_group, interleaved_orders
 from recover_patches.pipeline.p2p import StageLink
-
-PhaseHook = Callable[[str, int | None], None]  # (phase, microbatch id): fault injection
-
-
-def _no_hook(phase: str, microbatch: int | None) -> None:
-    pass
 
 
 class Stage(Protocol):
@@ -67,7 +62,7 @@ def _nothing() -> None:
     pass
 
 
-def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook = _no_hook,
+def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, probe: Probe = NO_PROBE,
              before_last_backward: Callable[[], None] = _nothing) -> ScheduleResult:
     """`before_last_backward` runs just before this rank's last backward of the list: the moment
     gradient buckets may start reducing as they become final (--overlap-grad-reduce)."""
@@ -80,7 +75,7 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
     backwards = 0  # done so far (fillers included)
 
     def forward(k: int, x: torch.Tensor | None) -> torch.Tensor:
-        hook("forward", ids[k])
+        probe.at("forward", ids[k])
         y = stage.forward(ids[k], x)
         in_flight.append((ids[k], x, y))
         return y
@@ -88,7 +83,7 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
     def backward(dy: torch.Tensor | None) -> torch.Tensor | None:
         nonlocal backwards
         g, x, y = in_flight.pop(0)
-        hook("backward", g)
+        probe.at("backward", g)
         if backwards == n - 1:
             before_last_backward()
         dx = stage.backward(g, x, y, dy)
@@ -100,28 +95,28 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
         return dx
 
     for k in range(warmup):
-        hook("p2p", ids[k])
+        probe.at("p2p", ids[k])
         x = link.recv_forward()
         y = forward(k, x)
-        hook("p2p", ids[k])
+        probe.at("p2p", ids[k])
         link.send_forward(y)
 
     if steady:
-        hook("p2p", ids[warmup])
+        probe.at("p2p", ids[warmup])
         x = link.recv_forward()
     for k in range(warmup, n):
         y = forward(k, x)
-        hook("p2p", ids[k])
+        probe.at("p2p", ids[k])
         dy = link.send_forward_recv_backward(y)
         dx = backward(dy)
-        hook("p2p", ids[k])
+        probe.at("p2p", ids[k])
         if k == n - 1:
             link.send_backward(dx)
         else:
             x = link.send_backward_recv_forward(dx)
 
     for _ in range(warmup):
-        hook("p2p", in_flight[0][0])
+        probe.at("p2p", in_flight[0][0])
         dy = link.recv_backward()
         dx = backward(dy)
         link.send_backward(dx)
@@ -129,11 +124,11 @@ def run_1f1b(ids: Sequence[int], stage: Stage, link: StageLink, hook: PhaseHook 
 
 
 def run_forward_only(ids: Sequence[int], stage: Stage, link: StageLink,
-                     hook: PhaseHook = _no_hook) -> ScheduleResult:
+                     probe: Probe = NO_PROBE) -> ScheduleResult:
     """Evaluation: forward passes only, activations handed straight down the pipeline."""
     result = ScheduleResult()
     for g in ids:
-        hook("eval", g)
+        probe.at("eval", g)
         y = stage.forward(g, link.recv_forward())
         link.send_forward(y)
         if link.is_last:
@@ -175,7 +170,7 @@ def _posting_ahead(order: Sequence, warmup_flush: bool) -> range:
 
 
 def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *, rank: int,
-                    stages: int, group: int, hook: PhaseHook = _no_hook,
+                    stages: int, group: int, probe: Probe = NO_PROBE,
                     before_backwards: Callable[[int], None] = lambda backwards: None,
                     overlap_warmup_flush: bool = False) -> ScheduleResult:
     """This rank's part of the interleaved schedule over `ids`: `chunks[c]` is its model chunk c
@@ -195,18 +190,18 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
     try:
         for i, a in enumerate(order):
             g, stage = ids[a.index], chunks[a.chunk]
-            hook("p2p", g)
+            probe.at("p2p", g)
             received = link.recv(a.kind, a.chunk, a.index)
             if i in ahead:  # Megatron's overlap: the next input arrives during this compute
                 link.post(order[i + 1].kind, order[i + 1].chunk, order[i + 1].index)
             if a.kind is Kind.FORWARD:
-                hook("forward", g)
+                probe.at("forward", g)
                 y = stage.forward(g, received)
                 in_flight[(a.chunk, a.index)] = (received, y)
                 link.send(a.kind, a.chunk, a.index, y)
                 continue
             x, y = in_flight.pop((a.chunk, a.index))
-            hook("backward", g)
+            probe.at("backward", g)
             dx = stage.backward(g, x, y, received)
             if a.chunk * stages + rank == last:
                 result.add_loss(g, y)
@@ -223,7 +218,7 @@ def run_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink
 
 
 def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], link: ChunkLink, *,
-                                 rank: int, stages: int, hook: PhaseHook = _no_hook
+                                 rank: int, stages: int, probe: Probe = NO_PROBE
                                  ) -> ScheduleResult:
     """Evaluation with model chunks: each microbatch through every chunk in turn. Valid with
     blocking receives and non-blocking sends: virtual stage v's forward of microbatch k waits only
@@ -232,7 +227,7 @@ def run_forward_only_interleaved(ids: Sequence[int], chunks: Sequence[Stage], li
     last = stages * len(chunks) - 1
     try:
         for index, g in enumerate(ids):
-            hook("eval", g)
+            probe.at("eval", g)
             for c, stage in enumerate(chunks):
                 y = stage.forward(g, link.recv(Kind.FORWARD, c, index))
                 link.send(Kind.FORWARD, c, index, y)
@@ -253,13 +248,13 @@ class PipelineSchedule(Protocol):
     """How this rank runs a list of microbatch ids through its stages, chosen once for the job
     (`one_f_one_b` or `interleaved`): training and evaluation both ask it, and nobody asks which
     one it is."""
-    def train(self, ids: Sequence[int], stages: Sequence[Stage], hook: PhaseHook,
+    def train(self, ids: Sequence[int], stages: Sequence[Stage], probe: Probe,
               arm: Callable[..., None]) -> ScheduleResult:
         """Forwards and backwards; `arm` runs before the last backwards (overlapped reduction)."""
         ...
 
     def forward_only(self, ids: Sequence[int], stages: Sequence[Stage],
-                     hook: PhaseHook) -> ScheduleResult: ...
+                     probe: Probe) -> ScheduleResult: ...
 
 
 @dataclass(frozen=True)
@@ -267,11 +262,11 @@ class OneFOneB:
     """One model chunk per rank: 1F1B."""
     link: StageLink
 
-    def train(self, ids, stages, hook, arm) -> ScheduleResult:
-        return run_1f1b(ids, stages[0], self.link, hook, arm)
+    def train(self, ids, stages, probe, arm) -> ScheduleResult:
+        return run_1f1b(ids, stages[0], self.link, probe, arm)
 
-    def forward_only(self, ids, stages, hook) -> ScheduleResult:
-        return run_forward_only(ids, stages[0], self.link, hook)
+    def forward_only(self, ids, stages, probe) -> ScheduleResult:
+        return run_forward_only(ids, stages[0], self.link, probe)
 
 
 @dataclass(frozen=True)
@@ -283,11 +278,11 @@ class Interleaved:
     group: int  # --microbatch-group-size-per-virtual-pipeline-stage
     overlap_warmup_flush: bool = False
 
-    def train(self, ids, stages, hook, arm) -> ScheduleResult:
+    def train(self, ids, stages, probe, arm) -> ScheduleResult:
         return run_interleaved(ids, stages, self.link, rank=self.rank, stages=self.stages,
-                               group=self.group, hook=hook, before_backwards=arm,
+                               group=self.group, probe=probe, before_backwards=arm,
                                overlap_warmup_flush=self.overlap_warmup_flush)
 
-    def forward_only(self, ids, stages, hook) -> ScheduleResult:
+    def forward_only(self, ids, stages, probe) -> ScheduleResult:
         return run_forward_only_interleaved(ids, stages, self.link, rank=self.rank,
-                                            stages=self.stages, hook=hook)
+                                            stages=self.stages, probe=probe)

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
-from recover_patches.collectives import MembershipTimeout, PeerFailure, Regrouped
+from recover_patches.collectives import (NO_PROBE, MembershipTimeout, PeerFailure, Probe,
+                                         Regrouped)
 from recover_patches.recovery.agreement import Decision, StoreAgreement
 from recover_patches.recovery.iteration import LiveReplicas
 
@@ -94,7 +95,7 @@ class GrowBack:
     agreement: StoreAgreement
     membership: Membership
     replica: ReplicaState
-    hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "join"
+    probe: Probe = NO_PROBE  # progress marks and fault injection: phase "join"
     max_attempts: int = 64
     failed: set[int] = field(default_factory=set)  # epochs whose join aborted: one try each
     ep: int = 1  # expert parallelism: a joiner's donor holds the same experts (replica % ep)
@@ -157,7 +158,7 @@ class GrowBack:
             clock = time.perf_counter()
             for replica, donor in plan["donors"]:
                 if self.live.replica == donor:
-                    self.hook("join")
+                    self.probe.at("join")
                     sent += self.replica.send_state(replica)
             ok = True
         except PeerFailure:

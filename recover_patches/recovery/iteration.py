@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Sequence
 
-from recover_patches.collectives import PeerFailure, Regrouped
+from recover_patches.collectives import NO_PROBE, PeerFailure, Probe, Regrouped
 from recover_patches.recovery.decision import Decision
 from recover_patches.recovery.grad_buffer import ReducedGradients
 from recover_patches.recovery.parts import Agreement, ReplicaStep
@@ -164,7 +164,7 @@ class IterationTransaction:
     agreement: Agreement | None = None  # None: no recovery -- a PeerFailure propagates
     drop_lost: bool = False  # the replica-dropping baseline: skip lost ids instead of recomputing
     on_failure: Callable[[PeerFailure, str], None] | None = None  # per-rank report, at once
-    hook: Callable[[str], None] = lambda phase: None  # fault injection: phase "recovery"
+    probe: Probe = NO_PROBE  # progress marks and fault injection: phase "recovery"
     max_attempts: int = 64
     # Agreement attempts made in the current iteration. Ranks can fail at different steps of a
     # recovery, but every attempt consumes one newer agreed epoch, so this count -- not a rank's
@@ -317,7 +317,7 @@ class IterationTransaction:
                 timing["detection"] += time.perf_counter() - clock
                 clock = time.perf_counter()
                 m.adopt_epoch(epoch, dead)  # all survivors drop the same replicas
-                self.hook("recovery")
+                self.probe.at("recovery")
                 self.agreement.barrier(key, m.members(), epoch)
                 regrouped = self.replica.rebuild(m.live_replicas, epoch, f"recover/{key}")
                 redo = torn is not None and self.replica.replica_any(torn)

@@ -71,8 +71,8 @@ BUGS = {
     "work-result-name": ("recover_patches.collectives.watchdog", _result_as_enum_name),
     "missing-work": ("recover_patches.collectives.emulated_nccl", _missing_work),
     "busy-set-aside": ("recover_patches.collectives.watchdog", _busy_set_aside),
-    "member-fate": ("megatron.training.initialize", _member_fate),
-    "startup-is-t": ("megatron.training.initialize", _startup_is_t),
+    "member-fate": ("megatron.training.initialize.factories", _member_fate),
+    "startup-is-t": ("megatron.training.initialize.factories", _startup_is_t),
     "silent-departure": ("recover_patches.collectives.process_group.departures",
                          _silent_departure),
 }

@@ -9,25 +9,23 @@ exchange that carries ACK_FAILED raises on every rank of the replica, so an exch
 returns still means that every rank of the replica completed its ack."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
 from megatron.training.initialize import ParallelGroups
-from recover_patches.collectives import PeerFailure
+from recover_patches.collectives import PeerFailure, Probe
 
 ACK_FAILED = 2  # above the news flag (0 or 1): the exchange's MAX carries it
 
 
-def confirm(groups: ParallelGroups, device, hook: Callable[[str], None], news: bool,
+def confirm(groups: ParallelGroups, device, probe: Probe, news: bool,
             epoch: int) -> bool:
     """The round's vote: True if some rank saw a newer membership epoch (news). PeerFailure if
     this rank's ack or exchange failed, or a rank of its replica failed its ack."""
     flag = torch.tensor([int(news)], dtype=torch.int32, device=device)
     vote, failed = int(news), None  # type: int, PeerFailure | None
     for phase, group in (("ack", groups.dp), ("exchange", groups.replica)):
-        hook(phase)
+        probe.at(phase)
         if group.size() == 1:
             continue
         try:
@@ -45,5 +43,5 @@ def confirm(groups: ParallelGroups, device, hook: Callable[[str], None], news: b
     if vote == ACK_FAILED:
         raise PeerFailure(epoch, (), "commit.exchange", "a rank of this replica failed its ack",
                           confirmed=False)
-    hook("confirmed")
+    probe.at("confirmed")
     return bool(vote)

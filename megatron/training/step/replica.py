@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.training.checkpointing.state import Progress
 from megatron.training.config import StepConfig
 from megatron.training.step.commit_vote import confirm
 from megatron.training.step.exact_reduction import calibrate_once, fixed_point_overflow
@@ -30,18 +31,17 @@ from megatron.training.step.weight_check import agreed_mismatch, check_due, weig
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
                                          sync_sequence_parallel_grads, sync_tied_embedding_grads)
-from recover_patches.collectives import PeerFailure, Regrouped
+from recover_patches.collectives import NO_PROBE, PeerFailure, Probe, Regrouped
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
 from recover_patches.recovery.iteration import LiveReplicas
 from recover_patches.recovery.reduce import Totals
+from recover_patches.pipeline.sampler import first_microbatch_id
 from recover_patches.pipeline.schedule import PipelineSchedule, ScheduleResult
 from recover_patches.pipeline.stage import GPTStage
 from recover_patches.workload.policy import even_plan, stable_plan, unit_plan, unit_timings
 from recover_patches.workload.throughput import MicrobatchTimer, timings_from_wire
 
 logger = logging.getLogger(__name__)
-
-Hook = Callable[..., None]  # (phase, microbatch=None): progress mark and fault injection
 
 
 @dataclass
@@ -55,9 +55,8 @@ class GPTReplicaStep:
     stages: list[GPTStage]  # one per model chunk
     schedule: PipelineSchedule
     live: LiveReplicas  # read here; changed only by the transaction and the join
-    iteration: Callable[[], int]  # iterations completed so far
-    hook: Hook
-    first_id: Callable[[], int] = lambda: 0  # the next iteration's first microbatch id
+    progress: Progress  # the trainer's counters: read here, advanced by the trainer
+    probe: Probe = NO_PROBE
     timer: MicrobatchTimer = field(init=False)
     # layer 3's per-replica seconds per microbatch, as published in the last commit
     timings: dict[int, float | None] = field(default_factory=dict)
@@ -76,7 +75,7 @@ class GPTReplicaStep:
         self.timer = MicrobatchTimer(pipeline_depth=self.groups.topology.pp,
                                      chunks=self.config.chunks, group=self.config.vp_group)
         self.clock = ExecuteClock(self.device)  # compute time for layer 3's balance
-        self.optimizer.watch_gathers(lambda: self.hook("param_gather"),
+        self.optimizer.watch_gathers(lambda: self.probe.at("param_gather"),
                                      self.model if self.config.overlap_param_gather else None)
         self.grads.scatter_into(self.scatter_while(self.live.live_replicas))
         self.spikes = (SpikeDetector() if self.config.rerun.checks_spikes
@@ -97,6 +96,10 @@ class GPTReplicaStep:
         return stable_plan(ids, replicas, unit_timings(self.timings, topo.ep), topo.pp,
                            min_gain=0.10, chunks=self.config.chunks, group=self.config.vp_group)
 
+    def first_id(self) -> int:
+        """The iteration's first microbatch id: the same on every replica, whatever the plan."""
+        return first_microbatch_id(self.progress.consumed_samples, self.config.micro_batch_size)
+
     def refresh(self) -> None:
         if self.weights_stale:
             raise PeerFailure(self.live.epoch, (), "distopt.param_gather",
@@ -111,7 +114,7 @@ class GPTReplicaStep:
         done = self._schedule(ids, self.grads.arm)
         self.clock.stop(len(ids))
         self._empty_cache(1)
-        iteration = self.iteration() + 1
+        iteration = self.progress.iteration + 1
         if self._injected_at != iteration and self.config.rerun.injects(
                 iteration, self.groups.coord.replica, self.groups.topology.dp):
             self._injected_at = iteration  # the replica's first computation of the iteration
@@ -123,7 +126,7 @@ class GPTReplicaStep:
         return done
 
     def _schedule(self, ids: list[int], arm: Callable[..., None]) -> ScheduleResult:
-        return self.schedule.train(ids, self.stages, self.hook, arm)
+        return self.schedule.train(ids, self.stages, self.probe, arm)
 
     def _empty_cache(self, level: int) -> None:
         """--empty-unused-memory-level: 1 after the passes, 2 also after the step (Megatron's)."""
@@ -131,7 +134,7 @@ class GPTReplicaStep:
             torch.cuda.empty_cache()
 
     def reduce(self, local: Totals) -> ReducedGradients:
-        self.hook("dp_reduce")
+        self.probe.at("dp_reduce")
         # each replica's microbatch time rides in the last bucket, one slot per replica, and so
         # does the weights' fingerprint when a check is due
         fingerprint = 0
@@ -145,7 +148,7 @@ class GPTReplicaStep:
             time_wire, fingerprint, alarm = 0.0, 0, 0.0
         reduced = self.grads.reduce(local, self.groups.coord.replica, time_wire, fingerprint,
                                     alarm)
-        self.hook("reduced")
+        self.probe.at("reduced")
         # Megatron's finalisation, here: a rank rolling forward steps from `reduced` (settle.py)
         grads = [self.grads.reduced_grad(p) for p in self.params]
         sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
@@ -155,7 +158,7 @@ class GPTReplicaStep:
     def confirm(self, news: bool) -> bool:
         """4: the ack over the DP group, then the exchange over the replica's group
         (`step/commit_vote.py`)."""
-        return confirm(self.groups, self.device, self.hook, news, self.live.epoch)
+        return confirm(self.groups, self.device, self.probe, news, self.live.epoch)
 
     def _alarm(self, local: Totals) -> float | torch.Tensor:
         """--rerun-mode validate_results: ALARM_NOT_FINITE if this replica's own loss sum is not
@@ -193,9 +196,9 @@ class GPTReplicaStep:
         spiky = [r for r, alarm in enumerate(alarms) if alarm == ALARM_SPIKY]
         large = [r for r, alarm in enumerate(alarms) if alarm == ALARM_LARGE_GRADS]
         c, topo = self.groups.coord, self.groups.topology
-        at = Position(self.iteration() + 1, c.replica, tuple(self.live.live_replicas), topo.dp,
-                      self.live.epoch, self.groups.is_last_stage, c.tp + topo.tp * c.pp,
-                      topo.tp * topo.pp, topo.ep)
+        at = Position(self.progress.iteration + 1, c.replica, tuple(self.live.live_replicas),
+                      topo.dp, self.live.epoch, self.groups.is_last_stage,
+                      c.tp + topo.tp * c.pp, topo.tp * topo.pp, topo.ep)
         if self.config.rerun.mode == "report_stats":  # every iteration: one replica re-run
             self.determinism.record(compare_once(self, at, dict(assignment), local.loss_sum))
             report(self.determinism, at.iteration, self.groups.rank == min(self.live.members()))
@@ -217,7 +220,8 @@ class GPTReplicaStep:
 
     def _rerun(self, ids: list[int], result: Callable[[ScheduleResult, Any], Any]) -> Any:
         before = self.snapshot()
-        self._injected_at = self.iteration() + 1  # a re-run is never the injected computation
+        # a re-run is never the injected computation
+        self._injected_at = self.progress.iteration + 1
         try:
             return result(self.execute(ids), before)
         finally:
@@ -285,7 +289,7 @@ class GPTReplicaStep:
         return grad_norm, extra
 
     def _optimizer_step(self, grads: list, microbatches: int) -> None:
-        self.hook("optimizer")
+        self.probe.at("optimizer")
         try:
             self.optimizer.step(grads)
             if self.config.log_params_norm:
@@ -374,14 +378,14 @@ class GPTReplicaStep:
         self.timings = dict(timings)
 
     def weight_check_due(self) -> bool:
-        return check_due(self.config.weight_check_interval, self.iteration())
+        return check_due(self.config.weight_check_interval, self.progress.iteration)
 
     def check_weights_agree(self, reduced: ReducedGradients) -> dict:
         """Each DP group compares its shard among the replicas holding the same experts (EP);
         the replica group agrees on the verdict, so every rank stops, not only the shard's.
         Returns the record's entries: when, and this rank's shard's fingerprint."""
         hashes = {r: reduced.replica_weight_hashes[r] for r in self.live.live_replicas}
-        done = self.iteration()
+        done = self.progress.iteration
         agreed_mismatch(hashes, self.groups.topology.ep, self.groups.replica, self.device, done)
         return {"weights_checked_after": done,
                 "weights_fingerprint": f"{hashes[self.groups.coord.replica]:016x}"}

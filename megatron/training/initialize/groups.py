@@ -1,50 +1,21 @@
-"""Process-group set-up: the default group for bootstrap, then one group object per role.
-
-Groups are made by a `GroupFactory` passed in (plain torch groups here; layer 1 supplies resilient
-ones), called only on member ranks, in one global order (tp, pp, replica, embedding, dp, self) so
-creation never deadlocks.
-"""
+"""One rank's process groups, one object per role, and what the running job does with them:
+regroup after a failure, rebuild on a join, abandon, and hand megatron-core its collection."""
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable, Sequence, cast
 
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron.training.optimizer.shards import ShardDomain, Sharding
-from recover_patches.collectives import Regrouped, ResilientGroup
+from recover_patches.collectives import Probe, Regrouped, ResilientGroup
 from recover_patches.collectives.rendezvous import apply_all
 from recover_patches.pipeline.interleaved import Kind
 from recover_patches.pipeline.p2p import Channel
 from recover_patches.topology import Coord, Topology
-
-GroupFactory = Callable[[str, Sequence[int]], dist.ProcessGroup]
-
-
-def init_default_group(backend: str, timeout_minutes: float, joining: bool = False) -> tuple[int, int]:
-    """Bootstrap group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A
-    replacement process (`joining`) cannot enter the job's bootstrap rendezvous, which ended long
-    ago: it gets torch's communication-free "fake" group of the same rank and size, so that
-    `dist.get_rank()` (read by megatron-core) is right; all its traffic uses layer-1 groups.
-    Without any of the launcher's env (`python pretrain_gpt_recover.py ...`): one process, world
-    size 1, over a process-local store."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # no launcher: one process
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-        elif joining:
-            rank, world = env_rank_world()
-            dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
-        else:
-            dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def torch_group_factory(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
-    return dist.new_group(list(ranks), use_local_synchronization=True, group_desc=name)
 
 
 @dataclass
@@ -167,15 +138,18 @@ class ParallelGroups:
         torch's plain groups (no coordinator) have nothing to abandon, regroup or latch."""
         return cast(list[ResilientGroup], self.all_groups()) if self.resilient else []
 
-    def before_parallel_ops(self, hook: Callable[[str], None], cp_hook: Callable[[str], None],
-                            ep_hook: Callable[[str], None]) -> None:
-        """Fault injection: `hook(op)` before each tensor-parallel operation, `cp_hook(op)`
-        before each context-parallel one (the attention's K/V exchange), `ep_hook(op)` before
-        each of the token dispatcher's (expert parallelism; op "alltoall": its exchange)."""
+    def before_parallel_ops(self, probe: Probe) -> None:
+        """Fault injection and progress marks before each operation of the model-parallel
+        groups: phase `tp_allreduce` (tensor parallel), `cp_exchange` (context parallel: the
+        attention's K/V exchange), `ep_alltoall` / `ep_dispatch` (expert parallel: the token
+        dispatcher's exchange, and its other operations)."""
         resilient = {id(g): g for g in self.resilient_groups()}
-        for group, before in ((self.tp, hook), (self.context, cp_hook), (self.tp_expert, ep_hook)):
+        phases: list[tuple[dist.ProcessGroup | None, Callable[[str], str]]] = [
+            (self.tp, lambda op: "tp_allreduce"), (self.context, lambda op: "cp_exchange"),
+            (self.tp_expert, lambda op: "ep_alltoall" if op == "alltoall" else "ep_dispatch")]
+        for group, phase_of in phases:
             if group is not None and id(group) in resilient:
-                resilient[id(group)].set_before_op(before)
+                resilient[id(group)].set_before_op(_probing(probe, phase_of))
 
     def raise_latched(self) -> None:
         """Before the commit vote: a rank votes only for a reduction that really ended. On NCCL,
@@ -277,122 +251,5 @@ class ParallelGroups:
         return pgs
 
 
-def p2p_channels(topology: Topology, c: Coord, make_group: GroupFactory,
-                 shared: dist.ProcessGroup | None = None) -> dict[tuple[Kind, bool], Channel]:
-    """This rank's four p2p channels (forward and backward, sending and receiving), each a group
-    of its two ranks, created in one order on every rank ((kind, sending stage): no rendezvous
-    waits on a rank that waits on it). `shared`: the PP group for all four, told apart by tag --
-    torch's own groups (no coordinator) name a group by its ranks, so two groups of the same two
-    ranks would collide; gloo keeps that correct, NCCL would not (refused on a GPU)."""
-    stages, by_stage = topology.pp, topology.pp_ranks(c.tp, c.replica, c.cp)
-    at = f".cp{c.cp}" if topology.cp > 1 else ""  # each CP index has its own pipeline
-    s = c.pp
-    after, before = (s + 1) % stages, (s - 1) % stages  # wrapping: chunk c's last -> c+1's first
-    mine = {(Kind.FORWARD, True): (s, after), (Kind.FORWARD, False): (before, s),
-            (Kind.BACKWARD, True): (s, before), (Kind.BACKWARD, False): (after, s)}
-    channels = {}
-    for (kind, sends), (src, dst) in sorted(mine.items(), key=lambda e: (e[0][0].value, e[1][0])):
-        peer = dst if sends else src
-        if shared is not None:
-            channels[(kind, sends)] = Channel(shared, peer, tag=int(kind is Kind.BACKWARD))
-            continue
-        members = sorted({by_stage[src], by_stage[dst]})
-        group = make_group(f"p2p.replica{c.replica}.tp{c.tp}{at}.{kind.value}{src}to{dst}",
-                           members)
-        channels[(kind, sends)] = Channel(group, members.index(by_stage[peer]))
-    return channels
-
-
-def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
-                 optimizer_instances: int | None = None, channels: str | None = None,
-                 resilient: bool = False) -> ParallelGroups:
-    """optimizer_instances K (--use-distributed-optimizer): also the group of this rank's instance,
-    DP / K consecutive replicas. channels (model chunks): "groups" for the p2p channel groups of
-    `p2p_channels`, "shared" for channels over the PP group (torch's own groups). resilient:
-    `make_group` makes ResilientGroups (`resilient_group_factory`)."""
-    c = topology.coord(rank)
-    at = f".cp{c.cp}" if topology.cp > 1 else ""  # one group of each per CP index
-    tp = make_group(f"tp.replica{c.replica}.stage{c.pp}{at}",
-                    topology.tp_ranks(c.replica, c.pp, c.cp))
-    pp = make_group(f"pp.replica{c.replica}.tp{c.tp}{at}", topology.pp_ranks(c.tp, c.replica, c.cp))
-    unit = c.replica // topology.ep  # MoE: with expert parallelism the unit is the replica
-    replica = (make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
-               if topology.ep == 1 else make_group(f"unit{unit}", topology.unit_ranks(c.replica)))
-    embedding = None
-    if topology.pp > 1 and c.pp in (0, topology.pp - 1):
-        embedding = make_group(f"embd.replica{c.replica}.tp{c.tp}{at}",
-                               topology.embedding_ranks(c.tp, c.replica, c.cp))
-    dp = make_group(f"dp.tp{c.tp}.stage{c.pp}", topology.dp_cp_ranks(c.tp, c.pp))
-    self_group = make_group(f"self.rank{rank}", [rank])
-    context = model_parallel = None
-    if topology.cp > 1:
-        context = make_group(f"cp.replica{c.replica}.tp{c.tp}.stage{c.pp}",
-                             topology.cp_ranks(c.tp, c.replica, c.pp))
-        model_parallel = make_group(f"mp.replica{c.replica}{at}",
-                                    [r for r in topology.replica_ranks(c.replica)
-                                     if topology.coord(r).cp == c.cp])
-    expert = tp_expert = expert_dp = alone = None
-    if topology.ep > 1:
-        alone = make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
-        expert = make_group(f"ep.unit{unit}.tp{c.tp}.stage{c.pp}",
-                            topology.ep_ranks(c.tp, c.replica, c.pp))
-        tp_expert = expert if topology.tp == 1 else make_group(
-            f"tpep.unit{unit}.stage{c.pp}", topology.tp_ep_ranks(c.replica, c.pp))
-        expert_dp = make_group(f"edp.tp{c.tp}.stage{c.pp}.ep{c.replica % topology.ep}",
-                               topology.expert_dp_ranks(c.tp, c.replica, c.pp))
-    instance, position, expert_instance, size = None, None, None, 0
-    if optimizer_instances is not None:
-        size = topology.dp // optimizer_instances
-        first = c.replica // size * size
-        instance = make_group(f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}",
-                              topology.dp_cp_ranks(c.tp, c.pp, range(first, first + size)))
-        place = c.replica % size
-        position = make_group(f"distopt.tp{c.tp}.stage{c.pp}.place{place}{at}",
-                              topology.dp_ranks(c.tp, c.pp, range(place, topology.dp, size), c.cp))
-        if expert_dp is not None:  # MoE: units lie within instances (EP divides DP / K)
-            expert_instance = make_group(
-                f"distopt.tp{c.tp}.stage{c.pp}.replicas{first}.ep{c.replica % topology.ep}",
-                topology.expert_dp_ranks(c.tp, c.replica, c.pp, range(first, first + size)))
-    return ParallelGroups(topology, rank, c, tp, pp, replica, embedding, dp, self_group, instance,
-                          size, position, p2p_channels(topology, c, make_group,
-                                                       pp if channels == "shared" else None)
-                          if channels and topology.pp > 1 else {}, resilient, context,
-                          model_parallel, expert, tp_expert, expert_dp, alone, expert_instance)
-
-
-def env_rank_world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def resilient_group_factory(membership, timeout: float, backend: str = "gloo",
-                            connect: bool = True, topology: Topology | None = None,
-                            startup: float = 0.0) -> GroupFactory:
-    """Layer 1 groups over `backend` (nccl on a GPU, gloo on CPU): every operation completes or
-    raises PeerFailure within `timeout`. connect=False (a replacement process): the groups get
-    their backends only when the process joins (`ParallelGroups.rebuild`). With `topology`, a
-    group's backend ends when a member's unit (its replica, or the replicas sharing its experts)
-    breaks: that unit's survivors leave every group as spares, and on NCCL nobody else would
-    learn of it until their operation with them timed out. `startup`: the bound of the first
-    connects and the first iteration, where longer than `timeout` (`ParallelGroups.settle`)."""
-    from recover_patches.collectives.process_group import ResilientProcessGroup
-    fate = None if topology is None else unit_fate(topology)
-
-    def make(name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
-        # A short verdict wait: recovery agrees on the membership epoch itself, so an operation
-        # need not wait for the coordinator to name the dead rank (a group broken only because a
-        # peer abandoned it never gets a verdict at all).
-        group = ResilientProcessGroup(name, ranks, membership=membership, timeout=timeout,
-                                      backend=backend, verdict_timeout=0.25, connect=connect,
-                                      fate=fate, startup=startup)
-        conforming: ResilientGroup = group  # the type checker holds the class to the Protocol
-        del conforming
-        return group
-    return make
-
-
-def unit_fate(topology: Topology) -> Callable[[Sequence[int]], frozenset[int]]:
-    """The ranks whose death ends a group of `members`: every rank of their units."""
-    def fate(members: Sequence[int]) -> frozenset[int]:
-        units = {topology.replica_of(m) for m in members}
-        return frozenset(r for u in units for r in topology.unit_ranks(u))
-    return fate
+def _probing(probe: Probe, phase_of: Callable[[str], str]) -> Callable[[str], None]:
+    return lambda op: probe.at(phase_of(op))
