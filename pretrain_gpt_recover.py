@@ -64,7 +64,7 @@ def _wait_as_standby(standby: str) -> int | None:
         logger.info(f"standby {standby}: the job completed without needing it: exiting")
         return 0
     if outcome is JobEnded.STOPPED:
-        logger.info(f"standby {standby}: the job stopped (no live replica to re-form): exiting")
+        logger.info(f"standby {standby}: the job stopped (no replica holds the training state): exiting")
         return EXIT_RESTART
     become(outcome)
     configure(outcome.rank, stream="stdout")
@@ -188,10 +188,13 @@ def _join_membership(run, incarnation: int):
     if refused:
         raise _Exit(_user_error(refused[0]))
     nccl_env.apply(os.environ)  # before any process group exists: torch reads it then
-    try:
+    layout = run.layout
+    topology = run.parallel.topology(layout.world_size)
+    try:  # the coordinator learns which slots' deaths break this rank's replica (its unit)
         membership = MembershipClient.from_env(timeout=recover_timeout(
-            run.fault_tolerance.ft, run.fault_tolerance.timeout, run.layout.rank),
-            startup=run.parallel.startup_seconds)
+            run.fault_tolerance.ft, run.fault_tolerance.timeout, layout.rank),
+            startup=run.parallel.startup_seconds,
+            unit=topology.unit_ranks(topology.replica_of(layout.rank)))
     except SlotTaken as err:  # our launcher's replacement came after a standby took the slot
         logger.info(f"{err}: leaving")
         raise _Exit(0) from None
@@ -257,7 +260,6 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
     from megatron.training.optimizer.setup import build_optimizer
     from megatron.training.step.parts import build_grad_buffer
     from recover_patches.pipeline.rng import install_rng_tracker
-    from recover_patches.topology import Topology
 
     layout, parallel = run.layout, run.parallel
     torch.set_num_threads(1)
@@ -271,9 +273,7 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
     # communicator (nor torch's heartbeat monitor of group uid 0) spans a rank that may die.
     rank, world = init_default_group("gloo" if membership is not None else parallel.backend,
                                      parallel.startup_seconds / 60, joining=incarnation > 0)
-    topology = Topology.from_world(world, parallel.tensor, parallel.pipeline,
-                                   parallel.tp_pp_dp_mapping, cp=parallel.context,
-                                   ep=parallel.expert)
+    topology = parallel.topology(world)
     make_group = torch_group_factory if membership is None else resilient_groups(
         parallel, layout, membership, incarnation == 0, topology)
     groups = build_groups(topology, rank, make_group, parallel.optimizer_instances,

@@ -65,6 +65,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import NoReturn
 
@@ -294,27 +295,45 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
             logger.warning(f"cannot reach the coordinator ({e}); supervising without it (this "
                            "node's heartbeats are not forwarded: its ranks will be found silent)")
     sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements, coordinator,
-                     beats)
+                     beats, stop_grace=max(2.0, script_recover_timeout(args)))
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     fence = None if coordinator is None else \
         coordinator.self_fence(link, script_recover_timeout(args), sup.fence_node)
-    completion = None
+    completion, stopped = None, None
     try:
         sup.run()
     finally:
         if fence is not None:
             fence.close()
+        if link is not None:
+            stopped = stop_verdict(link, list(sup.ranks.values()))
         if coordinator is not None:
             completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
         if beats is not None:  # not at exit: a forked rank runs the launcher's exit hooks
             beats.close()
-    status = summarize(list(sup.ranks.values()), completion)
+    status = summarize(list(sup.ranks.values()), completion, stopped)
     record_completion(completion)
+    record_stop(None if completion is not None else stopped)
     if sup.stop_signal is not None and status != 0:  # ranks that saved and left cleanly (e.g.
         return 128 + sup.stop_signal                   # --exit-signal-handler) make it a 0
     return status
+
+
+STOP_VERDICT_WAIT = 3.0  # seconds: the coordinator's stop may follow this node's exit reports
+
+
+def stop_verdict(link, ranks: list[Rank]) -> str | None:
+    """Why the coordinator stopped the job, if it did. When every process of this node failed,
+    the verdict may be a moment behind their exit reports (a second without a replica holding
+    the state): wait for it, bounded, unless the job declared completion."""
+    failed = all(r.exit_code != 0 for r in ranks if not r.replaced)
+    deadline = time.monotonic() + (STOP_VERDICT_WAIT if failed else 0.0)
+    while (reason := link.stop_reason()) is None and time.monotonic() < deadline \
+            and link.completion() is None:
+        time.sleep(0.1)
+    return reason
 
 
 def record_completion(completion: tuple[int, frozenset[int]] | None) -> None:
@@ -325,6 +344,15 @@ def record_completion(completion: tuple[int, frozenset[int]] | None) -> None:
         epoch, dead = completion
         with open(path, "w") as f:
             f.write(f"declared complete at epoch {epoch} with rank(s) {sorted(dead)} dead\n")
+
+
+def record_stop(stopped: str | None) -> None:
+    """RECOVER_STOPPED_FILE (the sbatch script sets it): that the coordinator stopped the job (no
+    replica holds the training state), so the batch job ends with the restart status 3."""
+    path = os.environ.get("RECOVER_STOPPED_FILE")
+    if path and stopped is not None:
+        with open(path, "w") as f:
+            f.write(f"stopped: {stopped}\n")
 
 
 if __name__ == "__main__":

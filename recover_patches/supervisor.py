@@ -49,8 +49,12 @@ class Supervisor:
 
     def __init__(self, ranks: list[Rank], term_grace: float, link=None,
                  respawn: Callable[[Rank], Rank] | None = None, max_replacements: int = 0,
-                 coordinator=None, beats: NodeBeatRelay | None = None):
+                 coordinator=None, beats: NodeBeatRelay | None = None,
+                 stop_grace: float = 5.0):
         self.ranks = {r.pid: r for r in ranks}
+        # after the coordinator stopped the job: the ranks' own time to end with their line (one
+        # in a collective with a dead peer fails within T; spares look every half second)
+        self.stop_grace = stop_grace
         self.beats = beats  # the ranks' heartbeats, forwarded over the link once per interval
         self.coordinator = coordinator  # a CoordinatorHandle: restarted here if its process dies
         self.term_grace = term_grace
@@ -120,6 +124,7 @@ class Supervisor:
                 if self.link is not None:
                     self._learn_slots()
                     self._fence(self.link.dead_incarnations())
+                    self._end_if_stopped()
                     self._forward_beats()
                 timeout = 0.01 if polling else (0.2 if self.link is not None else 5.0)
                 if self.beats is not None and self.link is not None:
@@ -192,7 +197,19 @@ class Supervisor:
     def _should_replace(self, r: Rank) -> bool:
         return (self.respawn is not None and self.replacements_left > 0 and self.cut_off is None
                 and self.stop_signal is None and r.exit_code not in self.NOT_REPLACED
-                and self.link is not None and self.link.completion() is None)
+                and self.link is not None and self.link.completion() is None
+                and self.link.stop_reason() is None)
+
+    def _end_if_stopped(self) -> None:
+        """The coordinator stopped the job (no unit holds the training state): nothing of it can
+        go on. The ranks end by themselves, each with its line; what still runs after
+        `stop_grace` is killed, so no process waits on a dead job."""
+        assert self.link is not None
+        if self.link.stopped is None or self.kill_deadline is not None or not self.live():
+            return
+        logger.warning(f"the job stopped ({self.link.stopped}): {len(self.live())} process(es) "
+                       f"of this node get {self.stop_grace:g}s to end")
+        self.kill_deadline = time.monotonic() + self.stop_grace
 
     def _fence(self, dead: dict[int, int]) -> None:
         for r in self.live():
@@ -203,7 +220,10 @@ class Supervisor:
                 os.kill(r.pid, signal.SIGKILL)
 
 
-def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) -> int:
+def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None,
+              stopped: str | None = None) -> int:
+    """The launch's status from its processes' (see `launch.py`); `stopped`: why the
+    coordinator stopped the job, which makes it the restart status 3 whatever they exited with."""
     failed = [r for r in ranks if r.exit_code != 0 and not r.replaced]
     for r in ranks:
         if r.replaced:
@@ -211,6 +231,10 @@ def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None) 
     ranks = [r for r in ranks if not r.replaced]
     for r in failed:
         logger.info(f"{r.name} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
+    if stopped is not None and completion is None:
+        logger.info(f"the job stopped ({stopped}): status 3, for a restart from the last "
+                    "checkpoint")
+        return 3
     if not failed:
         logger.info(f"all {len(ranks)} "
                     f"{'standby process(es)' if any(r.standby for r in ranks) else 'rank(s)'} exited 0")

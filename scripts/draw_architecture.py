@@ -33,7 +33,7 @@ BOXES = {
                     "group.py: ResilientGroup · process_group.py: ResilientProcessGroup (gloo / "
                     "NCCL inside; PeerFailure) · "
                     "watchdog.py · backends.py\nrendezvous.py (keep, shrink or rebuild a group) · "
-                    "membership.py (client) · coordinator.py · nccl_env.py"),
+                    "membership/ (client) · coordinator.py · nccl_env.py"),
 }
 COLOURS = {"entry": "#dbe9f6", "recovery": "#fde2c8", "workload": "#e3f1dc",
            "pipeline": "#ece3f4", "collectives": "#f6dada"}

@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,3 +194,90 @@ class _Zygote:
 
 
 _ZYGOTE = _Zygote()
+
+
+class TimedOutput:
+    """A process's output lines with the time each arrived (the test's clock)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[tuple[float, str]] = []
+        self._readers = [threading.Thread(target=self._read, args=(stream,), daemon=True)
+                         for stream in (proc.stdout, proc.stderr)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), line))
+
+    def join(self) -> str:
+        for reader in self._readers:
+            reader.join(10)
+        return "".join(line for _, line in self.lines)
+
+    def first(self, pattern: str) -> float | None:
+        return next((t for t, line in self.lines if re.search(pattern, line)), None)
+
+
+def wait_ended(proc: subprocess.Popen, limit: float) -> float:
+    """When `proc` exited (the test's clock); killed with its group past `limit`."""
+    try:
+        proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return time.monotonic()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the launcher's group (its ranks, replacements, coordinator) is
+    still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class Launched:
+    """Launchers run to their end: each one's status, when it ended (the test's clock), whether
+    any process of its group outlived it, and its output with arrival times."""
+    returncodes: dict[str, int]
+    ended: dict[str, float]
+    left: dict[str, bool]
+    outputs: dict[str, TimedOutput]
+
+    def text(self, name: str) -> str:
+        return "".join(line for _, line in self.outputs[name].lines)
+
+    def everything(self) -> str:
+        return "".join(self.text(name) for name in self.outputs)
+
+
+def run_launchers(commands: dict[str, list[str]], limit: float, env: dict | None = None,
+                  before: dict[str, Callable[[], object]] | None = None) -> Launched:
+    """Start each launcher (`python -m recover_patches.launch` + its arguments) in its own
+    session, in order (`before[name]()` first, where given), wait for all (killed past `limit`),
+    and kill whatever of their groups is left."""
+    procs: dict[str, subprocess.Popen] = {}
+    outputs: dict[str, TimedOutput] = {}
+    try:
+        for name, arguments in commands.items():
+            if before and name in before:
+                before[name]()
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "recover_patches.launch", *arguments], cwd=REPO,
+                env={**base_env(), **(env or {})}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, start_new_session=True)
+            record_session(procs[name].pid)
+            outputs[name] = TimedOutput(procs[name])
+        ended = {name: wait_ended(proc, limit) for name, proc in procs.items()}
+        left = {name: group_alive(proc.pid) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            kill_session(proc.pid)
+            proc.wait()
+    for out in outputs.values():
+        out.join()
+    return Launched({name: proc.returncode for name, proc in procs.items()}, ended, left, outputs)

@@ -45,7 +45,7 @@ WHOLE = (
     "tests/test_netns_failover.py::test_a_lost_leading_node_is_re_formed_by_a_standby_node_on_the_failure_free_losses",
     "tests/test_netns_lossy_link.py::test_a_slow_lossy_link_brings_no_false_verdict",
     "tests/test_slurm_real.py::test_a_standby_node_takes_over_a_lost_node_and_the_job_completes",
-    "tests/test_slurm_real.py::test_a_job_whose_last_replica_dies_ends_failed_with_the_launchers_status",
+    "tests/test_slurm_real.py::test_a_job_whose_last_replica_dies_ends_failed_with_the_restart_status",
     "tests/test_slurm_real.py::test_scancel_term_with_exit_signal_handler_saves_and_exits_0",
     # second launches of a feature CI covers elsewhere
     "tests/test_mixed_precision.py::test_replicas_hold_bitwise_equal_weights_and_a_corrupted_one_is_caught",

@@ -101,3 +101,29 @@ def test_the_job_survives_an_etcd_member_and_the_node_that_runs_its_coordinator(
     assert records[-1]["live_replicas"] == [1]
     assert re.findall(r"epoch (\d+): dead ranks \[([\d, ]*)\]", stderr) == [("1", "0")], \
         stderr[-4000:]
+
+
+def test_a_lost_job_ends_everywhere_under_the_elected_coordinator(tmp_path):
+    """The lost job of `test_grow_back.py` on two nodes electing their coordinator through etcd
+    (node 0: ranks 0 and 1, stage 0; node 1: ranks 2 and 3, stage 1): both launchers and every
+    process they started are gone within T + 5 s of the last replica's loss, status 3."""
+    from tests._launch_util import run_launchers
+    from tests.test_grow_back import assert_the_lost_job_ended, lost_job_script
+
+    members = EtcdMembers(tmp_path, 1)
+    endpoints = ",".join(f"{host}:{port}" for host, port in members.endpoints)
+    job, token = f"lost-{secrets.token_hex(4)}", secrets.token_hex(8)
+    election = Election(EtcdCluster(members.endpoints), job, 2)
+
+    def node(rank: int) -> list[str]:
+        return ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", str(rank),
+                "--master-port", "29556", "--job-token", token, "--max-replacements", "2",
+                "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoints, "--rdzv-id", job,
+                "--rdzv-conf", "lease_ttl=2", "--local-addr", "127.0.0.1",
+                *lost_job_script(tmp_path / "metrics.jsonl")]
+    try:  # node 1 starts once node 0 leads: the coordinator runs beside ranks 0 and 1
+        run = run_launchers({"node0": node(0), "node1": node(1)}, limit=240, before={
+            "node1": lambda: wait_until(election.leader, "an election")})
+    finally:
+        members.stop()
+    assert_the_lost_job_ended(run)

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests._launch_util import REPO, TINY_GPT, launch, read_metrics
+from tests._launch_util import REPO, TINY_GPT, launch, read_metrics, run_launchers
 
 ITERS, M = 14, 8
 COMMON = [*TINY_GPT, "--train-iters", str(ITERS), "--recover-balance", "even"]
@@ -191,3 +191,49 @@ def test_a_standby_node_takes_over_a_lost_nodes_ranks(tmp_path, reference):
     assert sorted(set(by_liveness)) == ["2", "3"], stderr[-4000:]
     assert not re.search(r"rank [23]: process exited", stderr), stderr[-4000:]
     assert "all 2 standby process(es) exited 0" in out["standby"][1]
+
+
+def test_a_lost_job_ends_everywhere_with_the_restart_status(tmp_path):
+    """PP 2 x DP 2. Rank 3 dies; its replacement and rank 1 re-form replica 1, and rank 0 dies
+    as it is about to give them the state: no replica holds the state any more. Every process
+    -- the ranks left, both replacements, the standby node's processes and every launcher -- is
+    gone within T + 5 s of that death, and each launcher exits 3 (restart from a checkpoint)."""
+    token, master, coordinator = secrets.token_hex(8), free_port(), free_port()
+    common = ["--master-port", str(master), "--coordinator-port", str(coordinator),
+              "--job-token", token, "--nnodes", "1", "--node-rank", "0"]
+    script = lost_job_script(tmp_path / "metrics.jsonl")
+    run = run_launchers({"node": [*common, "--nproc-per-node", "4", "--max-replacements", "2",
+                                  *script],
+                         "standby": [*common, "--nproc-per-node", "4", "--standby", *script]},
+                        limit=240)
+    assert_the_lost_job_ended(run)
+    node = run.text("node")
+    assert "grow: ranks [1, 3] re-form a replica" in node, node[-4000:]
+    assert "the job stopped (no replica holds the training state): exiting" in run.text("standby")
+
+
+LOST_JOB_T = 3.0  # --recover-timeout of the lost job
+
+
+def lost_job_script(metrics) -> list[str]:
+    """The training script and its flags: PP 2 x DP 2; rank 3 dies at iteration 3, rank 0 as it
+    is about to give a joining replica the state (a slow rank 2 keeps the job going meanwhile)."""
+    return [str(REPO / "pretrain_gpt_recover.py"), *COMMON, "--metrics-file", str(metrics),
+            "--pipeline-model-parallel-size", "2", "--recover-timeout", str(LOST_JOB_T),
+            *faults("kill:rank=3,iter=3,phase=forward", "kill:rank=0,iter=any,phase=join",
+                    "slow:rank=2,seconds=0.3,iter=4,phase=forward")]
+
+
+def assert_the_lost_job_ended(run) -> None:
+    everything = run.everything()
+    killed_at = next((out.first(r"injecting kill at iter \d+ phase join")
+                      for out in run.outputs.values()
+                      if out.first(r"injecting kill at iter \d+ phase join") is not None), None)
+    assert killed_at is not None, everything[-4000:]
+    assert set(run.returncodes.values()) == {3}, (run.returncodes, everything[-4000:])
+    assert not any(run.left.values()), run.left  # no rank, replacement nor coordinator
+    assert max(run.ended.values()) - killed_at <= LOST_JOB_T + 5.0, (run.ended, killed_at)
+    assert "job stopped: no complete replica holds the training state" in everything
+    # the ones left say why they end: rank 2 (its replica broke) and rank 1 (its join failed)
+    for rank in (1, 2):
+        assert re.search(rf"rank {rank}: .*stopping: ", everything), everything[-4000:]

@@ -207,16 +207,17 @@ def test_a_killed_rank_is_survived_and_the_job_completes(cluster, tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_a_job_whose_last_replica_dies_ends_failed_with_the_launchers_status(cluster, tmp_path):
+def test_a_job_whose_last_replica_dies_ends_failed_with_the_restart_status(cluster, tmp_path):
     job = submit(cluster, tmp_path, 2, "--train-iters", "10", "--recover-balance", "even",
                  "--inject-fault", "kill:rank=1,iter=3,phase=backward",
                  "--inject-fault", "kill:rank=0,iter=6,phase=backward")
     state, code = wait(cluster, job)
     out = (tmp_path / "out.txt").read_text()
-    # docs/failures.md's table: ranks killed (not a clean exit, a user error or a restart status) -> 1
-    assert (state, code) == ("FAILED", "1:0"), out[-3000:]
+    # docs/failures.md: the coordinator stopped the job (no replica left) -> 3, for a restart
+    assert (state, code) == ("FAILED", "3:0"), out[-3000:]
     assert "injecting kill at iter 3" in out and "injecting kill at iter 6" in out
-    assert "2 of 2 rank(s) failed" in out
+    assert "the job stopped (no live replica is left" in out
+    assert "[recover.slurm] the job stopped: no live replica is left" in out
     assert leftovers(tmp_path) == []
 
 

@@ -130,11 +130,14 @@ class Coordinator:
                 self._publish(*published)
         self._standbys()
         if self.state.finished() and not self.raw.check([P.FINISHED]):
-            self.store.set(P.FINISHED, "1")
+            self.store.set(P.FINISHED, P.FINISHED_WITH_STANDBYS if self.state.had_standbys
+                           else "1")
         if not self.stopped and (reason := self.state.stopped_reason()) is not None:
             self.stopped = True
             self.store.set(P.STOPPED, reason)
             logger.warning(f"job stopped: {reason}")
+            for node in sorted(self.launchers):  # they end what is left of their nodes
+                self.store.queue_push(P.launcher_notify_key(node), P.JOB_STOPPED)
 
     def _standbys(self) -> None:
         """Hand orphaned slots to standby processes; send them home when none ever will be."""
@@ -173,6 +176,7 @@ class Coordinator:
                     self._restore(hello["rank"], hello.get("incarnation", 0), hello["rejoin"])
                 else:
                     self.state.on_register(hello["rank"], hello.get("incarnation", 0))
+                self.state.note_unit(hello["rank"], hello.get("unit") or ())
                 self.liveness.watch(hello["rank"], float(hello.get("startup") or 0.0))
                 self.registered.add(hello["rank"])
                 self._beats_from(hello["rank"], hello.get("node"))
@@ -241,6 +245,8 @@ class Coordinator:
                 self.liveness.forget(report["rank"])
             elif kind == "spare":
                 self.state.on_spare(report["rank"], report["incarnation"], tuple(report["slots"]))
+            elif kind == "joined":
+                self.state.on_joined(report["rank"], report["incarnation"])
             elif kind == "standby":  # (with a slot already: its answer went with a predecessor)
                 if (held := self.state.on_standby(report["id"])) is not None:
                     self._send_slot(report["id"], *held)

@@ -44,6 +44,7 @@ class EpochWatch:
         self.news = news if news is not None else threading.Event()
         self.news.set()  # nothing read yet
         self.latest = -1
+        self.job_stopped = False  # the coordinator said it stopped the job
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recover-epoch-watch",
                                         daemon=True)
@@ -59,6 +60,10 @@ class EpochWatch:
                 value = store.queue_pop(self._key, True).decode()
                 if value == P.STOP:
                     return
+                if value == P.JOB_STOPPED:
+                    self.job_stopped = True
+                    self.news.set()
+                    continue
                 self.latest = max(self.latest, int(value))
                 self.news.set()
             except dist.DistStoreError:  # WAIT passed without a new epoch: pop again

@@ -31,6 +31,7 @@ from recover_patches.collectives.timeouts import OPERATION_WAIT, RECONNECT_WITHI
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0
+STANDBY_LINGER = 2.0  # seconds the coordinator outlives the job when standby nodes took part
 
 
 class LauncherLink:
@@ -56,6 +57,7 @@ class LauncherLink:
         self._retry_at = 0.0
         self._epoch = -1
         self._dead: dict[int, int] = {}  # dead rank -> the incarnation declared dead
+        self.stopped: str | None = None  # why the coordinator stopped the job, once read
         self._assigned_count = 0  # assignments to standby processes seen so far
         self._news = threading.Event()  # every watch's, the abandoned ones' too
         self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), node_rank, self._news)
@@ -171,6 +173,8 @@ class LauncherLink:
             if epoch != self._epoch:
                 self._dead = P.dead_incarnations(json.loads(self.store.get(P.epoch_key(epoch))))
                 self._epoch = epoch
+            if self._watch.job_stopped and self.stopped is None:
+                self.stopped = self.store.get(P.STOPPED).decode()
             return True
         if not self._guard(read, False):  # not read (the coordinator is away): next time
             self._watch.news.set()
@@ -187,8 +191,19 @@ class LauncherLink:
             return record["epoch"], frozenset(record["dead"])
         return self._guard(read, None)
 
-    def finished(self) -> bool:
-        return self._guard(lambda: self.store.check([P.FINISHED]), True)
+    def finished(self) -> str | None:
+        """FINISHED's value once the coordinator set it (a lost coordinator: "1")."""
+        def read():
+            return self.store.get(P.FINISHED).decode() if self.store.check([P.FINISHED]) else None
+        return self._guard(read, "1")
+
+    def stop_reason(self) -> str | None:
+        """Why the coordinator stopped the job (None: it did not), asked now."""
+        def read():
+            if self.stopped is None and self.store.check([P.STOPPED]):
+                self.stopped = self.store.get(P.STOPPED).decode()
+            return self.stopped
+        return self._guard(read, self.stopped)
 
 
 class CoordinatorHandle:
@@ -223,10 +238,13 @@ class CoordinatorHandle:
     def finish(self, link: LauncherLink | None, should_stop=lambda: False
                ) -> tuple[int, frozenset[int]] | None:
         """After this node's ranks are done: read the completion record; if we own the
-        coordinator, keep it up until every node's ranks are done (multi-node), then stop it."""
-        if self.pid is not None and self.nnodes > 1 and link is not None:
-            while not link.finished() and not should_stop():
-                time.sleep(0.5)
+        coordinator, keep it up until every rank and every standby process sent home is done
+        (other nodes, standby nodes), then stop it."""
+        if self.pid is not None and link is not None:  # (standby nodes: with one node too)
+            while (finished := link.finished()) is None and not should_stop():
+                time.sleep(0.1)
+            if finished == P.FINISHED_WITH_STANDBYS:  # their launchers read the end last
+                time.sleep(STANDBY_LINGER)
         completion = link.completion() if link is not None else None
         if link is not None:
             link.close()

@@ -11,11 +11,18 @@ A rank number is a *slot* (its place in the TP x PP x DP layout); the process ho
     the next standby (a standby node may die too).
 Either way the new process registers, reports as a spare, and a *grow epoch* makes the slots of a
 replica members again once every one of them has a waiting process.
+
+Who holds the training state: a *unit* (a replica, or with expert parallelism the replicas that
+share their experts) whose slots are all members, none of them brought back by a grow that has
+not yet handed it the state (`stateless`, until the slot reports `joined`). Each rank names its
+unit's slots when it registers. A grow needs such a unit to give the state, and so does a
+standby's slot; with none left the job is stopped (`stopped_reason`), after `stop_grace`, so a
+`joined` report posted just before a donor's death still counts.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from recover_patches.collectives.protocol import SLOT_TAKEN
@@ -55,6 +62,12 @@ class MembershipState:
     issued: dict[int, int] = field(default_factory=dict)  # slot -> highest incarnation handed out
     given_to_standby: set[int] = field(default_factory=set)  # slots a standby was ever given
     grants: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> latest standby's
+    units: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> its unit's slots
+    stateless: set[int] = field(default_factory=set)  # grown back, the state not yet received
+    stop_grace: float = 1.0  # seconds without a unit holding the state before the job stops
+    released: dict[str, float] = field(default_factory=dict)  # standbys sent home -> when
+    had_standbys: bool = False  # standby nodes took part: they read the end after the ranks
+    _no_holder_since: float | None = None
 
     def refuse_reason(self, rank: int, incarnation: int = 0,
                       standby: str | None = None) -> str | None:
@@ -77,6 +90,11 @@ class MembershipState:
         if incarnation < current:
             return f"rank {rank} incarnation {incarnation} was replaced by incarnation {current}"
         return None
+
+    def note_unit(self, rank: int, unit: Iterable[int]) -> None:
+        """The slots whose death breaks `rank`'s replica (its own included), as it registered."""
+        if unit:
+            self.units[rank] = tuple(sorted(unit))
 
     def on_register(self, rank: int, incarnation: int) -> None:
         current = self.incarnation.get(rank, 0)
@@ -140,6 +158,18 @@ class MembershipState:
         if incarnation == self.incarnation.get(rank, 0) and rank not in self.exited:
             self.spares[rank] = tuple(sorted(replica_slots))
 
+    def on_joined(self, rank: int, incarnation: int) -> None:
+        """A slot a grow brought back received the state: its unit can hold the job again."""
+        if incarnation == self.incarnation.get(rank, 0):
+            self.stateless.discard(rank)
+
+    def holders(self) -> list[tuple[int, ...]]:
+        """The units holding the training state: every slot a member, none waiting for the
+        state a grow brings. A slot registered without its unit counts as a unit alone."""
+        members = set(self.members_alive())
+        units = {self.units.get(r, (r,)) for r in members}
+        return sorted(u for u in units if all(s in members and s not in self.stateless for s in u))
+
     def next_epoch(self) -> tuple[int, str] | None:
         """Publishable epoch if deaths are pending: (epoch number, reason)."""
         if not self.pending_dead:
@@ -160,16 +190,29 @@ class MembershipState:
         return [r for r in range(self.world_size) if r not in out]
 
     def stopped_reason(self) -> str | None:
-        """Why the job can no longer go on before completing: spares stop waiting then."""
-        if self.completed_at is None and not self.pending_dead and not self.members_alive():
+        """Why the job can no longer go on before completing: every rank and standby ends then.
+        No member is left, or no unit has held the state for `stop_grace` (deaths pending are
+        published first)."""
+        if self.completed_at is not None or self.pending_dead:
+            return None
+        if not self.members_alive():
             return "no live replica is left to re-form replicas with"
-        return None
+        if self.holders():
+            self._no_holder_since = None
+            return None
+        now = self.clock()
+        if self._no_holder_since is None:
+            self._no_holder_since = now
+        if now - self._no_holder_since < self.stop_grace:
+            return None
+        return ("no complete replica holds the training state (ranks "
+                f"{self.members_alive()} are left of broken replicas or still joining)")
 
     def next_grow(self) -> tuple[int, str] | None:
         """A grow epoch once every slot of some replica has a waiting process: those slots are
         members again. Never while deaths are pending (they go first), nor without a live
-        member to hand over the state."""
-        if self.pending_dead or self.completed_at is not None or not self.members_alive():
+        unit holding the state to hand it over."""
+        if self.pending_dead or self.completed_at is not None or not self.holders():
             return None
         ready = sorted({slots for slots in self.spares.values()
                         if all(self.spares.get(s) == slots for s in slots)})
@@ -182,16 +225,21 @@ class MembershipState:
             self.dead_incarnation.pop(s, None)
             self.dead_at.pop(s, None)
         self.joining = joining
+        self.stateless |= set(joining)
         self.epoch += 1
         return self.epoch, "grow: " + "; ".join(f"ranks {list(slots)} re-form a replica"
                                                 for slots in ready)
 
     def finished(self) -> bool:
-        """Every slot's latest incarnation exited, or died with no newer one registered."""
+        """Every slot's latest incarnation exited, or died with no newer one registered, and
+        every standby sent home has exited (its launcher said so; a standby node that never
+        says, gone with its launcher, is done after `register_timeout`)."""
+        now = self.clock()
         return all(r in self.exited or (r in self.dead and r not in self.reserved
                                         and self.dead_incarnation.get(r, 0)
                                         >= self.incarnation.get(r, 0))
-                   for r in range(self.world_size))
+                   for r in range(self.world_size)) and \
+            all(now - at > self.register_timeout for at in self.released.values())
 
     # --- standby processes --------------------------------------------------------------------
     def on_standby(self, standby: str) -> tuple[int, int] | None:
@@ -200,6 +248,7 @@ class MembershipState:
         for slot, reservation in self.reserved.items():
             if reservation.standby == standby:
                 return slot, reservation.incarnation
+        self.had_standbys = True
         if standby not in self.standbys:
             self.standbys.append(standby)
         return None
@@ -223,6 +272,7 @@ class MembershipState:
     def on_standby_exit(self, standby: str) -> None:
         if standby in self.standbys:
             self.standbys.remove(standby)
+        self.released.pop(standby, None)
 
     def _orphaned(self, slot: int, now: float) -> bool:
         """A dead slot no process is coming back to unless a standby takes it."""
@@ -243,7 +293,7 @@ class MembershipState:
                 del self.reserved[slot]
                 self.dead_at[slot] = now - self.standby_grace
         if self.pending_dead or self.completed_at is not None or not self.standbys \
-                or not self.members_alive():  # nobody could hand a joining replica the state
+                or not self.holders():  # nobody could hand a joining replica the state
             return []
         waiting_replicas = {s for slots in self.spares.values() for s in slots}
         orphans = sorted((s for s in self.dead if self._orphaned(s, now)),
@@ -264,6 +314,7 @@ class MembershipState:
         if self.completed_at is None and self.stopped_reason() is None:
             return []
         released, self.standbys = self.standbys, []
+        self.released.update((standby, self.clock()) for standby in released)
         return released
 
     def record(self, epoch: int, reason: str) -> dict:

@@ -17,11 +17,14 @@ Under the job prefix:
   notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
                    its own queue to end its watcher
   notify/launcher/<node>  the same for the launcher of node <node> (`epoch_watch.py`): it fences
-                   the ranks an epoch declares dead without polling
+                   the ranks an epoch declares dead without polling; "job stopped" when the
+                   coordinator stopped the job
   reports/count    number of reports; reports/<n> is the n-th report (JSON, see `Report`)
   complete         JSON {epoch, dead} stamped by the coordinator when the job declares completion
-  finished         set once every rank of the world has exited or been declared dead
-  stopped          why the job stopped before completion (no member left): waiting spares leave
+  finished         set once every rank of the world has exited or been declared dead, and every
+                   standby process sent home has exited: "standbys" if standby nodes took part
+  stopped          why the job stopped before completion (no unit holds the training state):
+                   every rank, standby process and launcher ends, with the restart status 3
   standby/<id>     queue: the coordinator pushes a standby process its slot (JSON {rank,
                    incarnation}), or "complete" / "stopped" when it will never be needed
   assigned/<id>    the same JSON, read by the standby's launcher (which fences by slot);
@@ -36,7 +39,7 @@ import socket
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch.distributed as dist
 
@@ -49,6 +52,8 @@ OK = "ok"
 STOP = "stop"
 CONFIG, EPOCH, REPORTS_COUNT, COMPLETE, FINISHED = "config", "epoch", "reports/count", "complete", "finished"
 STOPPED = "stopped"
+JOB_STOPPED = "job stopped"  # pushed to the launchers' queues when the coordinator stops the job
+FINISHED_WITH_STANDBYS = "standbys"  # FINISHED's value when standby nodes took part
 ASSIGNED_COUNT = "assigned/count"
 SLOT_TAKEN = "slot taken:"  # how a refusal starts when a standby process was given the slot
 
@@ -159,15 +164,16 @@ def connect(host: str, port: int, timeout: float, source: str,
 def handshake(store: dist.Store, token: str, role: str, rank: int, timeout: float,
               incarnation: int = 0, standby: str | None = None,
               recover_timeout: float | None = None, rejoin: dict | None = None,
-              node: str | None = None, startup: float | None = None) -> None:
+              node: str | None = None, startup: float | None = None,
+              unit: Sequence[int] = ()) -> None:
     """Present the job token (and, for a process that started as a standby, its name; for a rank
     its --recover-timeout, `rejoin` = {epoch, record} when it registers again with a restarted
     coordinator, `node`: the launcher whose node beat carries its heartbeat, if any, and
-    `startup`: the silence allowed while it starts); raise JobTokenRefused with the
-    coordinator's reason if refused."""
+    `startup`: the silence allowed while it starts, and `unit`: the slots whose death breaks its
+    replica); raise JobTokenRefused with the coordinator's reason if refused."""
     hello = {"digest": token_digest(token), "role": role, "rank": rank, "incarnation": incarnation,
              "standby": standby, "timeout": recover_timeout, "rejoin": rejoin, "node": node,
-             "startup": startup}
+             "startup": startup, "unit": list(unit)}
     bounded = BoundedCaller(timeout + CONNECT_SLACK, "recover-connect")
     try:  # bounded as the connection is: a coordinator gone silent mid-handshake never answers
         reply = bounded(lambda: _hello(store, hello, timeout))
@@ -193,9 +199,10 @@ class Report(dict):
     """One report to the coordinator. kinds: exit (by a launcher: rank, code, incarnation,
     replacing = whether it starts a replacement), standby (a standby process waiting for a slot:
     id), standby_exit (by a launcher: a standby process that never got a slot ended: id),
-    suspect (by a rank whose operation timed out or broke: epoch, suspects, where), leave (a rank quitting cleanly), spare (a rank waiting
-    to re-form its replica: incarnation, slots = the replica's ranks), complete (the job finished
-    its work)."""
+    suspect (by a rank whose operation timed out or broke: epoch, suspects, where), leave (a rank
+    quitting cleanly), spare (a rank waiting to re-form its replica: incarnation, slots = the
+    replica's ranks), joined (a rank a grow brought back received the state: incarnation),
+    complete (the job finished its work)."""
 
     @classmethod
     def make(cls, kind: str, **fields) -> "Report":

@@ -52,6 +52,8 @@ class Membership(Protocol):
 
     def wait_as_spare(self, replica_slots: list[int]) -> None: ...
 
+    def joined(self) -> None: ...
+
     def job_complete(self) -> bool: ...
 
     def job_stopped(self) -> str | None: ...
@@ -217,6 +219,7 @@ class GrowBack:
                 self._after_abort(epoch, slots)
                 continue
             m.adopt_join(plan["live"], epoch, dead)
+            self.membership.joined()  # without it, the coordinator counts no holder in this unit
             return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],
                               donor, 1, bytes_received=received,
                               seconds={"pause": time.perf_counter() - start})

@@ -11,6 +11,7 @@ from megatron.training.config import (ModelConfig, OptimizerSetup, RunLayout, Sc
 from megatron.training.config.io import (CheckpointConfig, DataConfig, FtConfig, TensorBoardConfig,
                                          TokenizerConfig, WandbConfig)
 from megatron.training.config.rules import megatron_differences, model_chunks_of
+from recover_patches.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class ParallelConfig:
                    else None, model_chunks_of(args) is not None, args.distributed_backend,
                    60.0 * args.distributed_timeout_minutes, bool(args.deterministic_mode),
                    args.seed)
+
+    def topology(self, world_size: int) -> Topology:
+        """Where each rank of a job of `world_size` sits: its replica, stage and groups."""
+        return Topology.from_world(world_size, self.tensor, self.pipeline, self.tp_pp_dp_mapping,
+                                   cp=self.context, ep=self.expert)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,17 +38,18 @@ from recover_patches.collectives.bounded_call import BoundedCaller
 from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.node_beats import LOCAL_BEATS_PER_INTERVAL, NodeBeats, write_beat
 from recover_patches.collectives.progress_marks import ProgressMarks
+from recover_patches.collectives.membership.job_reports import JobReports
 from recover_patches.collectives.errors import (CoordinatorConfigError, CoordinatorUnreachable,
                                                 JobTokenRefused, MembershipTimeout)
 from recover_patches.collectives.timeouts import RECONNECT_WITHIN, REPORT_WAIT, Timeouts
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("recover_patches.collectives.membership")  # [recover.membership]
 
 EpochListener = Callable[[int, frozenset[int]], None]
 ReconnectListener = Callable[[CountedStore], None]
 
 
-class MembershipClient:
+class MembershipClient(JobReports):
     """One per rank. `store` is the coordinator's store under this job's prefix; `timeout` is the
     rank's --recover-timeout, from which every wait derives (the coordinator checks that all ranks
     agree on it)."""
@@ -57,7 +58,8 @@ class MembershipClient:
                  timeout: float = 10.0, connect_timeout: float = 30.0,
                  source: str = "RECOVER_COORDINATOR", incarnation: int = 0,
                  standby: str | None = None, node_beats: NodeBeats | None = None,
-                 address_file: Path | None = None, startup: float = 0.0):
+                 address_file: Path | None = None, startup: float = 0.0,
+                 unit: Sequence[int] = ()):
         self.rank = rank
         self.world_size = world_size
         self.incarnation = incarnation  # > 0: a replacement process for this rank's slot
@@ -68,6 +70,7 @@ class MembershipClient:
         self.heartbeat_interval = self.timeouts.heartbeat_interval
         self.heartbeat_timeout = self.timeouts.stall
         self._progress = ProgressMarks()  # what the heartbeat says: see mark()
+        self._unit = tuple(unit)  # the slots whose death breaks this rank's replica
         self._address = (host, port, token, source, standby)
         self._address_file = address_file  # the elected coordinator's (etcd), re-read to connect
         self._node_beats = node_beats  # beat into the launcher's directory, not the store
@@ -105,7 +108,7 @@ class MembershipClient:
         P.handshake(raw, token, "rank", self.rank, connect_timeout, self.incarnation, standby,
                     self.timeouts.operation, rejoin,
                     node=None if self._node_beats is None else self._node_beats.node,
-                    startup=self._answer_within)
+                    startup=self._answer_within, unit=self._unit)
         store = CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self._ops,  # bounded:
                              BoundedCaller(self._answer_within, f"recover-store-{self.rank}"))
         store.answer_within(self._answer_within, raw)  # a cut link's operations end
@@ -219,54 +222,6 @@ class MembershipClient:
         """Where this rank is, for the next heartbeat (no store operation): call it at every
         step that may take long and before every wait."""
         self._progress.mark(self._epoch, where, iteration, microbatch)
-
-    def report_failure(self, suspects: Iterable[int], where: str) -> None:
-        """An operation timed out or broke: this rank waits for the coordinator's verdict on
-        `suspects` (the peers it waited for; empty if it cannot tell). Given up after a few
-        seconds (the coordinator is restarting, or cut off: its successor's window covers us)."""
-        report, store = P.Report.make("suspect", rank=self.rank, epoch=self._epoch,
-                                      suspects=sorted(set(suspects)), where=where), self.store
-        with contextlib.suppress(RuntimeError):
-            self._bounded(lambda: P.post_report(store, report))
-
-    def wait_as_spare(self, replica_slots: Iterable[int]) -> None:
-        """Tell the coordinator this rank waits to re-form the replica of `replica_slots` (its
-        own slots included); a grow epoch follows once every slot has a waiting process."""
-        self._spare_slots = sorted(replica_slots)
-        P.post_report(self.store, P.Report.make("spare", rank=self.rank, incarnation=self.incarnation,
-                                                slots=sorted(replica_slots)))
-
-    def job_complete(self) -> bool:
-        """Whether the job declared completion (one store check: for waiting spares)."""
-        try:
-            return self.store.check([P.COMPLETE])
-        except RuntimeError:  # the coordinator is restarting: ask again later
-            return False
-
-    def job_stopped(self) -> str | None:
-        """Why the job stopped before completion (no member left), else None."""
-        try:
-            return self.store.get(P.STOPPED).decode() if self.store.check([P.STOPPED]) else None
-        except RuntimeError:  # the coordinator is restarting: ask again later
-            return None
-
-    def leave(self) -> None:
-        """This rank quits cleanly (e.g. a survivor of a broken replica): no new epoch for it."""
-        P.post_report(self.store, P.Report.make("leave", rank=self.rank))
-
-    def declare_complete(self, timeout: float = 30.0) -> tuple[int, frozenset[int]]:
-        """The job finished its work (call after the final commit/save). Returns the epoch and dead
-        set the coordinator stamped; failed ranks dead by then no longer fail the launch."""
-        generation = self.generation
-        try:
-            P.post_report(self.store, P.Report.make("complete", rank=self.rank))
-            self.store.wait([P.COMPLETE], timedelta(seconds=timeout))
-            record = json.loads(self.store.get(P.COMPLETE))
-        except dist.DistNetworkError:
-            if not self.wait_reconnected(generation):
-                raise
-            return self.declare_complete(timeout)  # to the restarted coordinator
-        return record["epoch"], frozenset(record["dead"])
 
     def close(self, leave: bool = True) -> None:
         """Stop both background threads (returns within about one heartbeat interval). With
