@@ -290,7 +290,7 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
     link = None
     if coordinator is not None:
         try:
-            link = coordinator.connect()
+            link = coordinator.connect(beats)
         except RuntimeError as e:  # includes CoordinatorError: supervise without it
             logger.warning(f"cannot reach the coordinator ({e}); supervising without it (this "
                            "node's heartbeats are not forwarded: its ranks will be found silent)")

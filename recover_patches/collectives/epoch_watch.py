@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch.distributed as dist
 
@@ -38,9 +38,11 @@ class EpochWatch:
     still waits on a live connection (the coordinator answered late, it was not gone) takes
     the next push, the queue's first waiter, and must still say so."""
 
-    def __init__(self, connect: Callable[[timedelta], Queues], node_rank: int,
-                 news: threading.Event | None = None):
-        self._connect, self._key = connect, P.launcher_notify_key(node_rank)
+    def __init__(self, connect: Callable[[timedelta], Queues], node: str,
+                 news: threading.Event | None = None,
+                 relay: Callable[[], Iterable[int]] = tuple):
+        self._connect, self._key = connect, P.launcher_notify_key(node)
+        self._relay = relay  # the ranks this launcher passes each epoch on to
         self.news = news if news is not None else threading.Event()
         self.news.set()  # nothing read yet
         self.latest = -1
@@ -64,6 +66,8 @@ class EpochWatch:
                     self.job_stopped = True
                     self.news.set()
                     continue
+                for rank in sorted(self._relay()):  # first: their groups abort at once
+                    store.queue_push(P.notify_key(rank), value)
                 self.latest = max(self.latest, int(value))
                 self.news.set()
             except dist.DistStoreError:  # WAIT passed without a new epoch: pop again

@@ -35,6 +35,7 @@ from recover_patches.collectives.journal import ElectionJournal
 from recover_patches.collectives.launcher_link import CoordinatorHandle, LauncherLink, \
     fork_coordinator, stop_process
 from recover_patches.collectives.leader_agent import LeaderAgent
+from recover_patches.collectives.node_beats import NodeBeatRelay
 from recover_patches.collectives.protocol import current_address
 from recover_patches.collectives.self_fence import SelfFence
 
@@ -140,8 +141,10 @@ class ElectedCoordinator(CoordinatorHandle):
         host, port = current_address(self.address_file, self.host, self.port)
         return f"{host}:{port}"
 
-    def connect(self) -> LauncherLink:  # (the link reads the file itself on every connect)
-        return LauncherLink(self.host, self.port, self.token, self.node_rank, self.address_file)
+    def connect(self, relay: NodeBeatRelay | None = None) -> LauncherLink:
+        # (the link reads the file itself on every connect)
+        return LauncherLink(self.host, self.port, self.token, self.node_rank, self.address_file,
+                            relay)
 
     def finish(self, link: LauncherLink | None, should_stop=lambda: False
                ) -> tuple[int, frozenset[int]] | None:

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from argparse import Namespace
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.epoch_watch import EpochWatch
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
 from recover_patches.collectives.journal import Journal
+from recover_patches.collectives.node_beats import NodeBeatRelay
 from recover_patches.collectives.timeouts import OPERATION_WAIT, RECONNECT_WITHIN
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,12 @@ class LauncherLink:
     `answered_at`: when the coordinator at `connected_to` (host, port) last answered."""
 
     def __init__(self, host: str, port: int, token: str, node_rank: int,
-                 address_file: Path | None = None):
+                 address_file: Path | None = None, relay: NodeBeatRelay | None = None):
         self._address = (host, port, token, node_rank)
+        # the node's beats: its name, and the ranks each epoch is passed on to
+        self._node = relay.node if relay is not None else str(node_rank)
+        self._relay: Callable[[], Iterable[int]] = (lambda: relay.ranks) if relay is not None \
+            else tuple
         self._address_file = address_file  # the elected coordinator's (etcd), re-read to connect
         self.ops = OpCounter()  # every operation on the coordinator's store, the watch's too
         self._bounded = BoundedCaller(OPERATION_WAIT, "recover-link-op")
@@ -60,19 +65,23 @@ class LauncherLink:
         self.stopped: str | None = None  # why the coordinator stopped the job, once read
         self._assigned_count = 0  # assignments to standby processes seen so far
         self._news = threading.Event()  # every watch's, the abandoned ones' too
-        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), node_rank, self._news)
+        self._watch = self._new_watch()
 
     def _connect(self, timeout: float, wait: timedelta | None = None) -> CountedStore:
         """`wait`: how long its blocking operations wait (the connection timeout otherwise)."""
         host, port, token, node_rank = self._address
         host, port = P.current_address(self._address_file, host, port)
         raw = P.connect(host, port, timeout, "the launcher")
-        P.handshake(raw, token, "launcher", node_rank, timeout)
+        P.handshake(raw, token, "launcher", node_rank, timeout, node=self._node)
         if wait is not None:
             raw.set_timeout(wait)
         else:
             self.connected_to = (host, port)
         return CountedStore(dist.PrefixStore(P.job_prefix(token), raw), self.ops)
+
+    def _new_watch(self) -> EpochWatch:
+        return EpochWatch(lambda wait: self._connect(5.0, wait), self._node, self._news,
+                          self._relay)
 
     def close(self) -> None:
         """Stop the epoch watch (the launcher is done with the coordinator). Bounded: the store's
@@ -119,8 +128,7 @@ class LauncherLink:
         self._assigned_count = 0  # a successor counts its own assignments
         self.answered_at = time.monotonic()
         self._watch.abandon()  # its pop may wait on a cut link: a new watch, on the successor
-        self._watch = EpochWatch(lambda wait: self._connect(5.0, wait), self._address[3],
-                                 self._news)
+        self._watch = self._new_watch()
         logger.info("reconnected to the coordinator")
         return True
 
@@ -232,8 +240,8 @@ class CoordinatorHandle:
     def env(self) -> dict[str, str]:
         return {"RECOVER_COORDINATOR": f"{self.host}:{self.port}", "RECOVER_JOB_TOKEN": self.token}
 
-    def connect(self) -> LauncherLink:
-        return LauncherLink(self.host, self.port, self.token, self.node_rank)
+    def connect(self, relay: NodeBeatRelay | None = None) -> LauncherLink:
+        return LauncherLink(self.host, self.port, self.token, self.node_rank, relay=relay)
 
     def finish(self, link: LauncherLink | None, should_stop=lambda: False
                ) -> tuple[int, frozenset[int]] | None:

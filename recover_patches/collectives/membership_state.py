@@ -68,6 +68,8 @@ class MembershipState:
     released: dict[str, float] = field(default_factory=dict)  # standbys sent home -> when
     had_standbys: bool = False  # standby nodes took part: they read the end after the ranks
     _no_holder_since: float | None = None
+    _unit_set: set[tuple[int, ...]] = field(default_factory=set)  # the units ranks named
+    _units_of_slot: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)
 
     def refuse_reason(self, rank: int, incarnation: int = 0,
                       standby: str | None = None) -> str | None:
@@ -95,6 +97,9 @@ class MembershipState:
         """The slots whose death breaks `rank`'s replica (its own included), as it registered."""
         if unit:
             self.units[rank] = tuple(sorted(unit))
+            for slot in unit:
+                self._units_of_slot.setdefault(slot, set()).add(self.units[rank])
+            self._unit_set.add(self.units[rank])
 
     def on_register(self, rank: int, incarnation: int) -> None:
         current = self.incarnation.get(rank, 0)
@@ -184,6 +189,20 @@ class MembershipState:
         self.epoch += 1
         return self.epoch, reason
 
+    def _not_members(self) -> set[int]:
+        """The slots that are not members now: few, next to the world (the failed ones)."""
+        return self.dead | set(self.pending_dead) | self.gone | self.exited | set(self.spares)
+
+    def holds_state(self) -> bool:
+        """Whether some unit holds the state (`holders`), from the few slots that are not
+        members or not holding yet: the coordinator asks every tick, at 100,000 ranks too."""
+        bad = self._not_members() | self.stateless
+        alone = self.world_size - len(self.units)  # slots that named no unit: one each
+        if alone - sum(1 for s in bad if s not in self.units) > 0:
+            return True
+        broken = set().union(*(self._units_of_slot.get(s, ()) for s in bad))
+        return len(self._unit_set - broken) > 0
+
     def members_alive(self) -> list[int]:
         """Ranks that may still be training (not dead, gone, exited, nor waiting as spares)."""
         out = self.dead | set(self.pending_dead) | self.gone | self.exited | set(self.spares)
@@ -195,9 +214,9 @@ class MembershipState:
         published first)."""
         if self.completed_at is not None or self.pending_dead:
             return None
-        if not self.members_alive():
+        if len(self._not_members()) >= self.world_size:
             return "no live replica is left to re-form replicas with"
-        if self.holders():
+        if self.holds_state():
             self._no_holder_since = None
             return None
         now = self.clock()
@@ -212,7 +231,7 @@ class MembershipState:
         """A grow epoch once every slot of some replica has a waiting process: those slots are
         members again. Never while deaths are pending (they go first), nor without a live
         unit holding the state to hand it over."""
-        if self.pending_dead or self.completed_at is not None or not self.holders():
+        if self.pending_dead or self.completed_at is not None or not self.holds_state():
             return None
         ready = sorted({slots for slots in self.spares.values()
                         if all(self.spares.get(s) == slots for s in slots)})
@@ -234,6 +253,8 @@ class MembershipState:
         """Every slot's latest incarnation exited, or died with no newer one registered, and
         every standby sent home has exited (its launcher said so; a standby node that never
         says, gone with its launcher, is done after `register_timeout`)."""
+        if len(self.exited) + len(self.dead) < self.world_size:
+            return False  # (the common answer, without a pass over the world)
         now = self.clock()
         return all(r in self.exited or (r in self.dead and r not in self.reserved
                                         and self.dead_incarnation.get(r, 0)
@@ -293,7 +314,7 @@ class MembershipState:
                 del self.reserved[slot]
                 self.dead_at[slot] = now - self.standby_grace
         if self.pending_dead or self.completed_at is not None or not self.standbys \
-                or not self.holders():  # nobody could hand a joining replica the state
+                or not self.holds_state():  # nobody could hand a joining replica the state
             return []
         waiting_replicas = {s for slots in self.spares.values() for s in slots}
         orphans = sorted((s for s in self.dead if self._orphaned(s, now)),

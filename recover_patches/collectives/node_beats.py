@@ -92,6 +92,7 @@ class NodeBeatRelay:
         self.node = node  # "<node rank>", or "standby-<node rank>" for a standby node
         self.directory = directory or tempfile.mkdtemp(prefix="recover-beats-", dir=shm)
         self.interval = FIRST_INTERVAL
+        self.ranks: frozenset[int] = frozenset()  # those of the last forward (epochs go to them)
         self._clock = clock
         self._next = clock()
 
@@ -117,6 +118,7 @@ class NodeBeatRelay:
         if intervals:
             self.interval = min(intervals)
         self._next = now + self.interval
+        self.ranks = frozenset(beats)  # (one reference swap: read by the epoch watch's thread)
         return beats
 
     def close(self) -> None:

@@ -17,8 +17,10 @@ Under the job prefix:
   notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
                    its own queue to end its watcher
   notify/launcher/<node>  the same for the launcher of node <node> (`epoch_watch.py`): it fences
-                   the ranks an epoch declares dead without polling; "job stopped" when the
-                   coordinator stopped the job
+                   the ranks an epoch declares dead without polling, and passes the epoch on to
+                   the ranks whose beats it forwards (the coordinator then pushes to those ranks
+                   no more: a push per node, not per rank); "job stopped" when the coordinator
+                   stopped the job
   reports/count    number of reports; reports/<n> is the n-th report (JSON, see `Report`)
   complete         JSON {epoch, dead} stamped by the coordinator when the job declares completion
   finished         set once every rank of the world has exited or been declared dead, and every
@@ -87,8 +89,8 @@ def notify_key(rank: int) -> str:
     return f"notify/{rank}"
 
 
-def launcher_notify_key(node_rank: int) -> str:
-    return f"notify/launcher/{node_rank}"
+def launcher_notify_key(node: str) -> str:
+    return f"notify/launcher/{node}"
 
 
 def report_key(n: int) -> str:

@@ -19,7 +19,9 @@ of one core over the warm-up), time from each death to the epoch that names it (
 the budget is T + 1 s), time from the storm to the epoch that names all, and the stuck rank's
 verdict after its last progress. The generators run on the same 2 cores as the coordinator: an
 arm whose generators fall short of the target rate is marked so and not read as the coordinator's
-limit. Not simulated: the hop from a rank's file to its launcher (an eighth of an interval).
+limit. In the node arm each node's launcher registers too, so the coordinator pushes a new epoch
+to the N launchers (which pass it on to their ranks) instead of to the 8 N ranks. Not simulated:
+the hop from a rank's file to its launcher (an eighth of an interval), the launchers' relay.
 """
 from __future__ import annotations
 
@@ -104,6 +106,12 @@ def register(port: int, world: int, arm: str, timeout: float, within: float) -> 
         raw.set(P.hello_key(last), json.dumps({
             "digest": digest, "role": "rank", "rank": rank, "incarnation": 0, "standby": None,
             "timeout": timeout, "rejoin": None, "node": node}))
+    # node arm: each node's launcher registers too; the coordinator then pushes each epoch to
+    # the launchers, which pass it on to their ranks (not simulated: the coordinator's side only)
+    for node_rank in range(world // RANKS_PER_NODE if arm == "node" else 0):
+        last = raw.add(P.HELLO_COUNT, 1)
+        raw.set(P.hello_key(last), json.dumps({
+            "digest": digest, "role": "launcher", "rank": node_rank, "node": str(node_rank)}))
     try:
         raw.wait([P.reply_key(last)])
     except RuntimeError:

@@ -6,6 +6,7 @@ The rules are pure (a fake clock); the last test runs them in a coordinator with
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -54,7 +55,7 @@ def test_a_grow_never_starts_without_a_complete_replica_to_give_the_state():
     lose_rank_3_then_rank_0(s)
     s.on_register(3, 1)
     s.on_spare(3, 1, (1, 3))
-    assert s.holders() == [] and s.next_grow() is None
+    assert s.holders() == [] and not s.holds_state() and s.next_grow() is None
     assert s.stopped_reason() is None  # within the grace: a `joined` report may be on its way
     clock.now += 1.0
     assert "no complete replica holds the training state" in s.stopped_reason()
@@ -76,7 +77,7 @@ def grown_back() -> tuple[MembershipState, Clock]:
     s.on_register(3, 1)
     s.on_spare(3, 1, (1, 3))
     assert s.next_grow() == (2, "grow: ranks [1, 3] re-form a replica")
-    assert s.holders() == [(0, 2)] and s.stateless == {1, 3}
+    assert s.holders() == [(0, 2)] and s.holds_state() and s.stateless == {1, 3}
     return s, clock
 
 
@@ -99,7 +100,7 @@ def test_a_joined_replica_holds_the_state_even_if_its_report_comes_late():
     s.on_joined(1, 0)
     s.on_joined(3, 1)  # posted before the death was seen, read after it: within the grace
     clock.now += 5.0
-    assert s.stopped_reason() is None and s.holders() == [(1, 3)]
+    assert s.stopped_reason() is None and s.holders() == [(1, 3)] and s.holds_state()
     s.on_joined(3, 0)  # an older incarnation's report changes nothing
     assert s.stateless == set()
 
@@ -114,6 +115,31 @@ def test_no_standby_gets_a_slot_that_nobody_could_give_the_state_to():
     clock.now += 10.0  # past the standby grace: both slots are orphans
     assert s.assign_standbys() == []
     assert s.release_standbys() == ["9.0.0"]  # the job stopped: sent home
+
+
+def test_the_coordinators_quick_answer_agrees_with_the_full_listing():
+    """`holds_state` (asked every tick, from the few failed slots) against `holders` (a pass
+    over the world), on random layouts, registrations and slot states."""
+    rng = random.Random(7)
+    for _ in range(500):
+        pp, dp = rng.choice([1, 2, 3]), rng.choice([1, 2, 4])
+        s = MembershipState(world_size=pp * dp)
+        for rank in range(pp * dp):
+            if rng.random() < 0.8:  # the others have not registered (yet)
+                s.note_unit(rank, [rank % dp + dp * stage for stage in range(pp)])
+            fate = rng.choice(["member"] * 4 + ["dead", "exited", "gone", "spare", "stateless"])
+            if fate == "dead":
+                s.dead.add(rank)
+            elif fate == "exited":
+                s.exited.add(rank)
+            elif fate == "gone":
+                s.gone.add(rank)
+            elif fate == "spare":
+                s.spares[rank] = (rank,)
+            elif fate == "stateless":
+                s.stateless.add(rank)
+        assert s.holds_state() == bool(s.holders()), (s.units, s.dead, s.exited, s.gone,
+                                                      s.spares, s.stateless)
 
 
 @pytest.fixture

@@ -122,3 +122,48 @@ def test_ranks_beat_through_their_launcher_and_fall_silent_with_it(monkeypatch, 
     assert watcher.dead_ranks() == {1, 2}
     assert TIMEOUT.stall - 2 * TIMEOUT.heartbeat_interval < waited \
         < TIMEOUT.stall + TIMEOUT.heartbeat_interval + 1.0  # the per-rank verdict's timing
+
+
+@pytest.mark.parametrize("relaying", [True, False], ids=["relaying", "control-no-relay"])
+def test_each_epoch_reaches_a_nodes_ranks_through_its_launcher(monkeypatch, tmp_path, relaying):
+    """The coordinator pushes a new epoch once per node, to the launcher, which passes it on to
+    the ranks whose beats it forwards; rank 0, beating on its own key, still gets its own push.
+    Control: a launcher that does not pass epochs on leaves its ranks without the news (so it is
+    the relay that delivers them)."""
+    fenced: list[int] = []
+    monkeypatch.setattr(os, "_exit", fenced.append)  # rank 2 is declared dead in this process
+    server = start_server("127.0.0.1", 0)
+    coord = Coordinator(server, CoordinatorConfig(world_size=3, token=TOKEN))
+    thread = threading.Thread(target=coord.serve, daemon=True)
+    thread.start()
+    relay = NodeBeatRelay("0", directory=str(tmp_path / "beats"))
+    os.makedirs(relay.directory)
+    link = LauncherLink("127.0.0.1", server.port, TOKEN, node_rank=0,
+                        relay=relay if relaying else None)
+    clients = [MembershipClient("127.0.0.1", server.port, TOKEN, r, 3, connect_timeout=5,
+                                timeout=TIMEOUT.operation,
+                                node_beats=None if r == 0 else NodeBeats(relay.directory, "0"))
+               for r in range(3)]
+    try:
+        deadline = time.monotonic() + 5
+        while coord.relayed_ranks() != {1, 2} and time.monotonic() < deadline:
+            beats = relay.collect([os.getpid()])  # the launcher's loop
+            if beats is not None:
+                link.forward_beats("0", beats)
+            time.sleep(0.02)
+        assert coord.relayed_ranks() == {1, 2}
+        before = coord.pushes
+        link.report_exit(2, -9)
+        assert clients[0].wait_for_epoch_after(0, 2) == 1
+        assert coord.pushes - before == 2  # the launcher's queue and rank 0's: not one per rank
+        if relaying:
+            assert clients[1].wait_for_epoch_after(0, 2) == 1
+        else:
+            with pytest.raises(MembershipTimeout):
+                clients[1].wait_for_epoch_after(0, 1)
+    finally:
+        link.close()
+        for c in clients:
+            c.close()
+        coord.stopping = True
+        thread.join(5)

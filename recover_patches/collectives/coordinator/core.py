@@ -1,55 +1,20 @@
-"""The membership coordinator: a small process outside the training ranks (design.md §6).
-
-It owns the TCPStore server and decides membership epochs. A rank is declared dead on evidence
-only: its launcher saw it exit (reported within milliseconds), its heartbeat went silent, or it
-made no progress while the others reported waiting for it (`liveness.py`: stopped processes,
-lost nodes, live hangs). Each batch of new deaths starts a new epoch; ranks watch the epoch key
-and abort every pending operation of the old epoch. The waits follow the ranks'
-`--recover-timeout` (`timeouts.py`), which the first rank to register brings; a rank with another
-value is refused.
-
-What does NOT start an epoch, and why:
-  * a rank's own failure report (`suspect`): a timeout or a closed socket does not say who is at
-    fault; it marks the rank as waiting, and the verdict is left to exits, heartbeats and
-    progress;
-  * a clean `leave` (surviving ranks of a broken replica) and any exit after the job declared
-    completion: those ranks are recorded as gone without aborting everyone's work.
-
-A restarted coordinator (`restarted=True`: the node-0 launcher starts a new one on the same port
-when the first dies) begins with an empty store and rebuilds the membership from the ranks that
-register again: each brings its latest epoch record, the newest is published as the current
-epoch, spares report again; a rank that has not come back `stall` seconds after the first one
-did is declared dead, as a silent rank would be. The launcher's store (the one the coordinator
-process serves) is the remaining single point: see docs/failures.md, "The coordinator".
-
-It also brings slots back (design.md §11, rules in `membership_state.py`): a grow epoch once a broken
-replica's slots all have waiting processes, and dead slots no local replacement is coming for
-handed to standby processes (`launch --standby`).
-
-Run by hand (e.g. SLURM, on the first node):
-    RECOVER_JOB_TOKEN=... python -m recover_patches.collectives.coordinator --port 29400 --world-size N
-"""
+"""The coordinator's decisions: what it reads from the store each tick and what it publishes
+(the package's docstring says what it decides and why)."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from recover_patches.collectives import protocol as P
-from recover_patches.collectives.journal import COMPLETE, EPOCH, STANDBYS, Fenced, Journal, \
+from recover_patches.collectives.journal import COMPLETE, EPOCH, STANDBYS, Journal, \
     write_or_fence
 from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
 from recover_patches.collectives.timeouts import Timeouts
-from recover_patches.log import configure
 
 # by name, not __name__: also when run as __main__ (python -m)
 logger = logging.getLogger("recover_patches.collectives.coordinator")
@@ -81,7 +46,9 @@ class Coordinator:
         self.next_hello = 1
         self.next_report = 1
         self.registered: set[int] = set()  # ranks to notify of new epochs
-        self.launchers: set[int] = set()  # node ranks of the launchers to notify of new epochs
+        self.launchers: set[str] = set()  # the nodes whose launchers are notified of new epochs
+        self._relays: dict[str, frozenset[int]] = {}  # node -> the ranks in its last beat
+        self.pushes = 0  # epoch notifications pushed so far (ranks' and launchers' queues)
         self.beats_via: dict[int, str] = {}  # rank -> the node whose launcher forwards its beat
         self._node_beats_seen: dict[str, str] = {}  # node -> its beat as last parsed
         self._next_sweep = 0.0  # of the heartbeats
@@ -109,10 +76,12 @@ class Coordinator:
             write_or_fence(self.config.journal, EPOCH, {"epoch": epoch, "record": record})
         self.store.set(P.epoch_key(epoch), json.dumps(record))
         self.store.set(P.EPOCH, str(epoch))  # after epoch/<e>: readers of EPOCH find its record
-        for rank in sorted(self.registered):
+        direct = sorted(self.registered - self.relayed_ranks())
+        for rank in direct:
             self.store.queue_push(P.notify_key(rank), str(epoch))
         for node in sorted(self.launchers):
             self.store.queue_push(P.launcher_notify_key(node), str(epoch))
+        self.pushes += len(direct) + len(self.launchers)
         if epoch:
             logger.info(f"epoch {epoch}: dead ranks {sorted(self.state.dead)} ({reason})")
             self.liveness.new_epoch(epoch)
@@ -181,7 +150,7 @@ class Coordinator:
                 self.registered.add(hello["rank"])
                 self._beats_from(hello["rank"], hello.get("node"))
             if reason is None and hello["role"] == "launcher":
-                self.launchers.add(hello["rank"])
+                self.launchers.add(hello.get("node") or str(hello["rank"]))
             if reason is not None:
                 logger.info(f"refused {hello['role']} {hello['rank']}: {reason}")
             self.raw.set(P.reply_key(n), reason or P.OK)
@@ -296,13 +265,20 @@ class Coordinator:
             if value is None or value == self._node_beats_seen.get(node):
                 continue
             self._node_beats_seen[node] = value
-            for rank, beat in json.loads(value).items():
-                if self.beats_via.get(int(rank)) == node:
-                    beats[int(rank)] = beat
+            parsed = {int(rank): beat for rank, beat in json.loads(value).items()}
+            self._relays[node] = frozenset(parsed)
+            beats.update((r, beat) for r, beat in parsed.items() if self.beats_via.get(r) == node)
         own = [r for r in ranks if r not in self.beats_via]
         if own:
             beats.update(zip(own, self._read_present([P.heartbeat_key(r) for r in own])))
         return beats
+
+    def relayed_ranks(self) -> set[int]:
+        """The ranks whose launcher passes each epoch on to them (`epoch_watch.py`): its node's
+        last beat carried them, so it relays to them too, and they beat through that node. The
+        others (no ReCoVer launcher, or not in a beat yet) get the coordinator's own push."""
+        return {r for node in self.launchers for r in self._relays.get(node, ())
+                if self.beats_via.get(r) == node}
 
     def _check_heartbeats(self) -> None:
         """Read every watched rank's heartbeat (SWEEPS_PER_INTERVAL times per heartbeat interval,
@@ -336,62 +312,3 @@ class Coordinator:
                 if time.monotonic() - done_at > linger:
                     return
             time.sleep(TICK)
-
-
-def start_server(host: str, port: int) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
-
-
-OWNER_STOP = signal.SIGUSR1  # how a launcher stops the coordinator it started
-
-
-def run(server: dist.TCPStore, config: CoordinatorConfig, linger: float | None,
-        owned: bool = False) -> None:
-    """Serve until SIGTERM or SIGINT, or `linger` s after all is done. `owned` (a launcher
-    started it): only the launcher's OWNER_STOP stops it. A Ctrl-C, or the SIGTERM a scheduler
-    sends every process of a job at its time limit, must not take the coordinator away from ranks
-    that are still saving their checkpoint and shutting down."""
-    coordinator = Coordinator(server, config)
-
-    def stop(_signum, _frame):
-        coordinator.stopping = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN if owned else stop)
-    if owned:
-        signal.signal(OWNER_STOP, stop)
-    try:
-        coordinator.serve(linger)
-    except Fenced as e:  # its node lost the lease: the ranks find the leader's coordinator
-        logger.error(f"coordinator stops: {e}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    invoked = os.path.basename(sys.argv[0])  # the `recover-coordinator` entry point or a module
-    prog = invoked if invoked == "recover-coordinator" else "python -m recover_patches.collectives.coordinator"
-    p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--job-token", default=os.environ.get("RECOVER_JOB_TOKEN"))
-    p.add_argument("--recover-timeout", type=float, default=None,
-                   help="the ranks' --recover-timeout (default: the first rank's; others must match)")
-    p.add_argument("--stay", action="store_true", help="keep serving after every rank is done")
-    args = p.parse_args(argv)
-    if not args.job_token:
-        print("error: no job token: pass --job-token or set RECOVER_JOB_TOKEN", file=sys.stderr)
-        return 2
-    if args.world_size < 1 or (args.recover_timeout is not None and args.recover_timeout < 1):
-        print("error: need --world-size >= 1 and --recover-timeout >= 1", file=sys.stderr)
-        return 2
-    configure(stream="stderr")
-    server = start_server(args.host, args.port)
-    logger.info(f"serving on port {server.port} for {args.world_size} rank(s)")
-    run(server, CoordinatorConfig(args.world_size, args.job_token, args.recover_timeout),
-        linger=None if args.stay else 10.0)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
