@@ -24,9 +24,9 @@ import warnings
 from typing import Any, NamedTuple
 
 from megatron.training.errors import EXIT_RESTART, EXIT_USER_ERROR
-from recover_patches.log import configure, hide_fallback_warnings, set_level
+from recover_patches.log import configure, hide_library_notes, set_level
 
-hide_fallback_warnings()
+hide_library_notes()
 warnings.filterwarnings("ignore", message=".*full scope.*")  # megatron-core's own default
 
 logger = logging.getLogger(__name__)

@@ -69,7 +69,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from recover_patches.log import configure, hide_fallback_warnings
+from recover_patches.log import configure, hide_library_notes
 from recover_patches.launch_args import LaunchUsageError, build_parser, lease_ttl, \
     script_recover_timeout, validate
 from recover_patches.supervisor import Rank, Supervisor, summarize
@@ -89,7 +89,7 @@ def preload(modules: str) -> bool:
     left the parent unfit to fork ranks from: then each rank execs a fresh interpreter."""
     if modules.strip().lower() in ("", "none"):
         return True
-    hide_fallback_warnings()
+    hide_library_notes()
     for name in modules.split(","):
         importlib.import_module(name.strip())
     if threading.active_count() > 1:

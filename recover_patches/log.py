@@ -20,12 +20,17 @@ PLAIN = {"plain": True}  # logger.info(line, extra=PLAIN): the line as is, witho
 # megatron-core's notes, at import, that transformer-engine and Apex are missing and it falls back
 # to torch's kernels: true of every CPU run, four lines per process that imports it
 FALLBACK_WARNINGS = ".*(Apex|Transformer Engine).*"
+# torch's deprecation of ShardedTensor, which megatron-core's torch_dist format builds on every save
+# and load: nothing a user of the format can act on (it names torch's internals)
+SHARDED_TENSOR_DEPRECATION = "Please use DTensor instead and we are deprecating ShardedTensor"
 
 
-def hide_fallback_warnings() -> None:
-    """Keep megatron-core's fallback notes out of what a user reads (the launcher's preload of
-    megatron-core printed them once per launch, before any rank)."""
+def hide_library_notes() -> None:
+    """Keep the libraries' notes a user cannot act on out of what they read: megatron-core's
+    fallback notes (the launcher's preload of megatron-core printed them once per launch, before
+    any rank) and torch's ShardedTensor deprecation on a torch_dist save or load."""
     warnings.filterwarnings("ignore", message=FALLBACK_WARNINGS)
+    warnings.filterwarnings("ignore", message=SHARDED_TENSOR_DEPRECATION, category=FutureWarning)
 
 
 def tag(logger_name: str) -> str:

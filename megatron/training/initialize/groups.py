@@ -156,7 +156,7 @@ class ParallelGroups:
         wait() returned before the device finished: wait for the device (bounded: the watchdog
         aborts a stuck collective), then raise what the watchdog latched. Nothing on gloo."""
         groups = self.resilient_groups()
-        finished = next((probe for g in groups if (probe := g.stream_event()) is not None), None)
+        finished = next((event for g in groups if (event := g.stream_event()) is not None), None)
         if finished is not None:
             # Not a stream synchronize: a failure the epoch or the watchdog latched is raised
             # as soon as it is known (a busy backend whose member died is aborted at once)

@@ -30,9 +30,9 @@ from megatron.training.errors import UserError
 from megatron.training.tools.preprocess.flags import parse_args
 from megatron.training.config.io import TokenizerConfig
 from megatron.training.data.tokenizer import build_tokenizer
-from recover_patches.log import hide_fallback_warnings
+from recover_patches.log import hide_library_notes
 
-hide_fallback_warnings()  # megatron-core's GPU-library notes: irrelevant for data work
+hide_library_notes()  # megatron-core's GPU-library notes: irrelevant for data work
 
 JSON_SUFFIXES = (".json", ".jsonl")
 CHUNK_DOCUMENTS = 64  # documents per tokenization task: large enough to amortise IPC
