@@ -69,6 +69,7 @@ import time
 import traceback
 from typing import NoReturn
 
+from recover_patches import health
 from recover_patches.log import configure, hide_library_notes
 from recover_patches.launch_args import LaunchUsageError, build_parser, lease_ttl, \
     script_recover_timeout, validate
@@ -236,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: threads are sized at init
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() leaves forks usable
     warm = preload(args.preload)
+    if args.standby and (unhealthy := unhealthy_standby(args)) is not None:
+        logger.error(f"this standby node is not offered to the job: {unhealthy}")
+        return 1
 
     from recover_patches.collectives.errors import CoordinatorError  # (cheap: no torch)
     try:
@@ -283,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     return supervise(args, ranks, respawn, coordinator, stop_signals, beats)
 
 
+def unhealthy_standby(args: argparse.Namespace) -> str | None:
+    """A standby node is offered only if each of its devices passes the health check."""
+    return next((why for local in range(args.nproc_per_node)
+                 if (why := health.check(args.health_check, local)) is not None), None)
+
+
 def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
               stop_signals: set, beats=None) -> int:
     """Watch the ranks until they end (forwarding SIGTERM/SIGINT, replacing dead ones), tell the
@@ -295,7 +305,9 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
             logger.warning(f"cannot reach the coordinator ({e}); supervising without it (this "
                            "node's heartbeats are not forwarded: its ranks will be found silent)")
     sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements, coordinator,
-                     beats, stop_grace=max(2.0, script_recover_timeout(args)))
+                     beats, stop_grace=max(2.0, script_recover_timeout(args)),
+                     admit=lambda r: health.check(args.health_check, r.local),
+                     failures=health.FailureWindow(window=args.failure_window))
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)

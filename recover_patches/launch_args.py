@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--standby", action="store_true",
                    help="a standby node: start only processes that wait to take over the slots of "
                         "dead ranks (needs a running coordinator)")
+    p.add_argument("--health-check", default="builtin", metavar="CMD",
+                   help="run before a replacement process gets a dead rank's slot, and on a "
+                        "standby node before its processes are offered: a shell command (exit 0: "
+                        "healthy; LOCAL_RANK is set), 'builtin' (the device computes and "
+                        "communicates: recover_patches/health.py) or 'off'")
+    p.add_argument("--failure-window", type=float, default=600.0, metavar="SECONDS",
+                   help="a node whose ranks failed twice within this many seconds starts no "
+                        "replacement again (its slots go to standby nodes)")
     # torchrun's rendezvous flags: with etcd, every node's launcher can run the coordinator and
     # one is elected (collectives/failover.py); "static" is node 0's coordinator, as before
     p.add_argument("--rdzv-backend", "--rdzv_backend", choices=("static", "etcd"), default="static")
@@ -73,6 +81,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.removed_heartbeat_flag is not None:
         raise LaunchUsageError("--heartbeat-interval / --heartbeat-timeout are gone: both derive "
                                "from the training script's --recover-timeout (pass that instead)")
+    if args.failure_window <= 0 or not args.health_check.strip():
+        raise LaunchUsageError("--failure-window needs seconds > 0 and --health-check a command, "
+                               "'builtin' or 'off'")
     if args.max_replacements < 0 or (args.max_replacements and args.no_coordinator):
         raise LaunchUsageError("--max-replacements needs a value >= 0 and the coordinator "
                                "(drop --no-coordinator)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from recover_patches.collectives import stacks
 from recover_patches.collectives.node_beats import NodeBeatRelay
+from recover_patches.health import FailureWindow
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,14 @@ class Supervisor:
     def __init__(self, ranks: list[Rank], term_grace: float, link=None,
                  respawn: Callable[[Rank], Rank] | None = None, max_replacements: int = 0,
                  coordinator=None, beats: NodeBeatRelay | None = None,
-                 stop_grace: float = 5.0):
+                 stop_grace: float = 5.0, admit: Callable[[Rank], str | None] = lambda r: None,
+                 failures: FailureWindow | None = None):
         self.ranks = {r.pid: r for r in ranks}
         # after the coordinator stopped the job: the ranks' own time to end with their line (one
         # in a collective with a dead peer fails within T; spares look every half second)
         self.stop_grace = stop_grace
+        self.admit = admit  # the node's health check before a replacement: None, or why not
+        self.failures = failures or FailureWindow(window=600.0)  # this node's rank failures
         self.beats = beats  # the ranks' heartbeats, forwarded over the link once per interval
         self.coordinator = coordinator  # a CoordinatorHandle: restarted here if its process dies
         self.term_grace = term_grace
@@ -195,10 +199,24 @@ class Supervisor:
                     pass
 
     def _should_replace(self, r: Rank) -> bool:
-        return (self.respawn is not None and self.replacements_left > 0 and self.cut_off is None
-                and self.stop_signal is None and r.exit_code not in self.NOT_REPLACED
-                and self.link is not None and self.link.completion() is None
-                and self.link.stop_reason() is None)
+        if r.exit_code in self.NOT_REPLACED:
+            return False
+        self.failures.note()  # a crash, a kill, a fence: this node's rank failed
+        if not (self.respawn is not None and self.replacements_left > 0 and self.cut_off is None
+                and self.stop_signal is None and self.link is not None
+                and self.link.completion() is None and self.link.stop_reason() is None):
+            return False
+        return self._admitted(r)
+
+    def _admitted(self, r: Rank) -> bool:
+        """Admission: not after the node's second failure within the window, and only once
+        the node's health check passed; otherwise the slot may go to a standby node."""
+        why: str | None = self.admit(r) if not self.failures.exhausted() else (
+            f"{self.failures.limit} rank failures on this node within "
+            f"{self.failures.window:g}s: it starts no replacement again")
+        if why is not None:
+            logger.warning(f"{r.name}: no replacement on this node: {why}")
+        return why is None
 
     def _end_if_stopped(self) -> None:
         """The coordinator stopped the job (no unit holds the training state): nothing of it can
