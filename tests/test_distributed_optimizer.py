@@ -247,8 +247,10 @@ def test_with_one_instance_a_lost_replica_stops_the_job_for_a_restart(tmp_path):
                      # no microbatch at iteration 4, and then the kill in its backward never fires
                      "--recover-balance", "even"],
                  tmp_path / "metrics.jsonl", launcher_args=[])  # recovery on: the coordinator
-    # every survivor stops with status 3; the launcher sums that with the kill as a failure (1)
-    assert run.returncode == 1, run.stderr[-2000:]
+    # every survivor stops with status 3; no replica is left, so the coordinator stops the job and
+    # the launcher exits 3 (restart from the checkpoint), the kill notwithstanding
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert "the job stopped (no live replica is left" in run.stderr
     assert all(f"rank {r} (pid" in run.stderr for r in (0, 2, 3))
     assert run.stderr.count("failed: exit code 3") == 3, run.stderr[-2000:]
     assert [r["iteration"] for r in run.records if "lm_loss" in r] == [1, 2, 3]

@@ -117,6 +117,16 @@ class Trainer:
                                     drop_lost=self.step_config.drop_lost,
                                     on_failure=self.log_failure, probe=self.probe)
 
+    def _counts_since_last_record(self) -> dict[str, int]:
+        """store_ops (from every thread) and host_syncs since the last record, or since the loop
+        started: the first iteration's are its own, not start-up's (connects, rendezvous)."""
+        counts = {}
+        for name, counter in (("store_ops", self.store_ops), ("host_syncs", self.host_syncs)):
+            if counter is not None:
+                now = counter()
+                counts[name], self._counted[name] = now - self._counted.get(name, 0), now
+        return counts
+
     # -- the loop --------------------------------------------------------------------------
     def microbatch_ids(self) -> list[int]:
         """The M global ids of the next iteration; M follows --rampup-batch-size if given."""
@@ -135,6 +145,7 @@ class Trainer:
             gc.disable()
             gc.collect()
         transaction = self.transaction()
+        self._counts_since_last_record()  # start-up's operations are not the first iteration's
         profiler = Profiler(config.profiling, self.groups.rank, self.device.type == "cuda")
         settled = False
         while self.state.iteration < config.train_iters:
@@ -208,10 +219,7 @@ class Trainer:
                 seconds, 1e-9) / gpus / 1e12
         if config.log_memory:  # every rank: a successor logs what it recorded
             rec["memory"] = memory_scalars(self.device)
-        for name, counter in (("store_ops", self.store_ops), ("host_syncs", self.host_syncs)):
-            if counter is not None:  # since the last record (store ops: from every thread)
-                now = counter()
-                rec[name], self._counted[name] = now - self._counted.get(name, 0), now
+        rec.update(self._counts_since_last_record())
         self.history.append(rec)
         if not self.is_logging_rank:
             self._was_logging = False
