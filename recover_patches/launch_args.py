@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "communicates: recover_patches/health.py) or 'off'")
     p.add_argument("--failure-window", type=float, default=600.0, metavar="SECONDS",
                    help="a node whose ranks failed twice within this many seconds starts no "
-                        "replacement again (its slots go to standby nodes)")
+                        "replacement again (its slots go to standby nodes); 0: no such limit")
     # torchrun's rendezvous flags: with etcd, every node's launcher can run the coordinator and
     # one is elected (collectives/failover.py); "static" is node 0's coordinator, as before
     p.add_argument("--rdzv-backend", "--rdzv_backend", choices=("static", "etcd"), default="static")
@@ -81,9 +81,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.removed_heartbeat_flag is not None:
         raise LaunchUsageError("--heartbeat-interval / --heartbeat-timeout are gone: both derive "
                                "from the training script's --recover-timeout (pass that instead)")
-    if args.failure_window <= 0 or not args.health_check.strip():
-        raise LaunchUsageError("--failure-window needs seconds > 0 and --health-check a command, "
-                               "'builtin' or 'off'")
+    if args.failure_window < 0 or not args.health_check.strip():
+        raise LaunchUsageError("--failure-window needs seconds >= 0 (0: no limit) and "
+                               "--health-check a command, 'builtin' or 'off'")
     if args.max_replacements < 0 or (args.max_replacements and args.no_coordinator):
         raise LaunchUsageError("--max-replacements needs a value >= 0 and the coordinator "
                                "(drop --no-coordinator)")

@@ -51,6 +51,10 @@ def test_two_failures_within_the_window_exhaust_a_node():
     clock.now = 20.0
     spaced.note()
     assert spaced.exhausted()
+    unlimited = health.FailureWindow(window=0.0, clock=clock)  # --failure-window 0
+    for _ in range(3):
+        unlimited.note()
+    assert not unlimited.exhausted()
 
 
 class Link:

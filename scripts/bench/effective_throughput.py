@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"failure schedule (seed {args.seed}): kills due at "
           + ", ".join(f"{t:.1f}" for t in schedule.times) + " s", flush=True)
     specs = [] if args.no_reference else [ArmSpec("reference", STRATEGY_FLAGS["recover"], None, False)]
-    grow = ["--max-replacements", str(args.replacements)] if args.replacements else []
+    # (one machine plays every node: no limit on one node's failures)
+    grow = ["--max-replacements", str(args.replacements), "--failure-window", "0"] \
+        if args.replacements else []
     specs += [ArmSpec(name, flags, save_interval,
                       launcher_args=grow if name != "checkpoint_restart" else [])
               for name, flags in STRATEGY_FLAGS.items()]
