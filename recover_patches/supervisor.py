@@ -241,7 +241,8 @@ class Supervisor:
 def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None,
               stopped: str | None = None) -> int:
     """The launch's status from its processes' (see `launch.py`); `stopped`: why the
-    coordinator stopped the job, which makes it the restart status 3 whatever they exited with."""
+    coordinator stopped the job, which makes it the restart status 3 -- unless a rank of this node
+    crashed (status 1: a traceback says where; a restart would only crash again)."""
     failed = [r for r in ranks if r.exit_code != 0 and not r.replaced]
     for r in ranks:
         if r.replaced:
@@ -249,7 +250,7 @@ def summarize(ranks: list[Rank], completion: tuple[int, frozenset[int]] | None,
     ranks = [r for r in ranks if not r.replaced]
     for r in failed:
         logger.info(f"{r.name} (pid {r.pid}) failed: {describe(r.exit_code or 0)}")
-    if stopped is not None and completion is None:
+    if stopped is not None and completion is None and all(r.exit_code != 1 for r in failed):
         logger.info(f"the job stopped ({stopped}): status 3, for a restart from the last "
                     "checkpoint")
         return 3

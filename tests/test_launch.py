@@ -221,6 +221,10 @@ def test_exit_rule_with_declared_completion(caplog):
     assert summarize(ranks(2, 2), None) == 2                      # the ranks' user error
     assert summarize(ranks(0, 3, 2), None) == 3                   # stopped for a restart
     assert summarize(ranks(2, 1), None) == 1                      # anything else: a failure
+    # the coordinator stopped the job (no replica holds the state): restart, killed ranks or not
+    assert summarize(ranks(-9, 3, 0), None, "no replica") == 3
+    assert summarize(ranks(-9, 1), None, "no replica") == 1       # unless a rank crashed
+    assert summarize(ranks(-9, 3), (2, frozenset({0})), "no replica") == 1  # completion wins
     err = "\n".join(r.getMessage() for r in caplog.records)
     assert "rank 1 (pid 101) failed: killed by signal SIGKILL" in err
     assert "rank 2 (pid 102) failed: exit code 1" in err
