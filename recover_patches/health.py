@@ -19,7 +19,8 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from datetime import timedelta
+from typing import Any, Callable
 
 BUILTIN, OFF = "builtin", "off"
 CHECK_TIMEOUT = 60.0  # seconds a check may take before the node counts as unhealthy
@@ -41,16 +42,15 @@ def builtin_check(local_rank: int) -> None:
     on_device = (x.to(device) @ x.to(device)).cpu()
     if not torch.allclose(on_device, x @ x, rtol=1e-3, atol=1e-3):
         raise RuntimeError(f"a 64x64 product on {device} differs from the host's")
+    # the backend itself, not torch's default group (which its caller may hold already)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
-    try:
-        ones = torch.ones(8, device=device)
-        dist.all_reduce(ones)
-        if ones.sum().item() != 8:
-            raise RuntimeError(f"a one-process all-reduce over {backend} returned {ones.tolist()}")
-    finally:
-        dist.destroy_process_group()
+    group: Any = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, dist.ProcessGroupNCCL.Options()) \
+        if backend == "nccl" else \
+        dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=CHECK_TIMEOUT))
+    ones = torch.ones(8, device=device)
+    group.allreduce([ones]).wait()
+    if ones.sum().item() != 8:
+        raise RuntimeError(f"a one-process all-reduce over {backend} returned {ones.tolist()}")
 
 
 def check(command: str, local_rank: int, env: dict[str, str] | None = None,

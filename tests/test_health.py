@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,8 +18,16 @@ from tests._launch_util import REPO
 def test_the_builtin_check_passes_on_a_working_device_and_names_a_broken_one(monkeypatch):
     assert health.check(health.BUILTIN, 0) is None
     import torch.distributed as dist
-    # a backend that loses data (the forked check inherits the patch): the check says so
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: tensor.zero_())
+
+    class LossyGloo:  # a backend that loses data (the forked check inherits the patch)
+        def __init__(self, *args):
+            pass
+
+        def allreduce(self, tensors):
+            for tensor in tensors:
+                tensor.zero_()
+            return SimpleNamespace(wait=lambda: True)
+    monkeypatch.setattr(dist, "ProcessGroupGloo", LossyGloo)
     why = health.check(health.BUILTIN, 0)
     assert why is not None and "all-reduce over gloo returned" in why
 

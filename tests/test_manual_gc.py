@@ -36,6 +36,9 @@ class Loop:
     def record(self, outcome, seconds: float) -> None:
         pass
 
+    def counts_since_last_record(self) -> dict:
+        return {}
+
     def finish_iteration(self) -> None:
         Trainer.finish_iteration(self)  # type: ignore[arg-type]
 

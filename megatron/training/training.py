@@ -117,7 +117,7 @@ class Trainer:
                                     drop_lost=self.step_config.drop_lost,
                                     on_failure=self.log_failure, probe=self.probe)
 
-    def _counts_since_last_record(self) -> dict[str, int]:
+    def counts_since_last_record(self) -> dict[str, int]:
         """store_ops (from every thread) and host_syncs since the last record, or since the loop
         started: the first iteration's are its own, not start-up's (connects, rendezvous)."""
         counts = {}
@@ -145,7 +145,7 @@ class Trainer:
             gc.disable()
             gc.collect()
         transaction = self.transaction()
-        self._counts_since_last_record()  # start-up's operations are not the first iteration's
+        self.counts_since_last_record()  # start-up's operations are not the first iteration's
         profiler = Profiler(config.profiling, self.groups.rank, self.device.type == "cuda")
         settled = False
         while self.state.iteration < config.train_iters:
@@ -219,7 +219,7 @@ class Trainer:
                 seconds, 1e-9) / gpus / 1e12
         if config.log_memory:  # every rank: a successor logs what it recorded
             rec["memory"] = memory_scalars(self.device)
-        rec.update(self._counts_since_last_record())
+        rec.update(self.counts_since_last_record())
         self.history.append(rec)
         if not self.is_logging_rank:
             self._was_logging = False
