@@ -54,12 +54,16 @@ def builtin_check(local_rank: int) -> None:
 
 
 def check(command: str, local_rank: int, env: dict[str, str] | None = None,
-          timeout: float = CHECK_TIMEOUT) -> str | None:
-    """None if the node is healthy for `local_rank`, else why not (one line)."""
+          timeout: float = CHECK_TIMEOUT, fork: bool = False) -> str | None:
+    """None if the node is healthy for `local_rank`, else why not (one line). `fork`: the
+    built-in check runs in a child forked from this process (the warm launcher: torch already
+    imported, no threads in a collective), else in a fresh interpreter."""
     if command == OFF:
         return None
-    if command == BUILTIN:
+    if command == BUILTIN and fork:
         return _forked(lambda: builtin_check(local_rank), timeout)
+    if command == BUILTIN:
+        command = f"{sys.executable} -m recover_patches.health {local_rank}"
     try:
         done = subprocess.run(command, shell=True, env={**os.environ, **(env or {}),
                                                         "LOCAL_RANK": str(local_rank)},
@@ -125,6 +129,9 @@ class FailureWindow:
 
 
 if __name__ == "__main__":  # `python -m recover_patches.health [LOCAL_RANK]`: the built-in check
-    problem = check(BUILTIN, int(sys.argv[1]) if len(sys.argv) > 1 else 0)
-    print(problem or "healthy")
-    sys.exit(1 if problem else 0)
+    try:
+        builtin_check(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    except Exception as e:  # noqa: BLE001 -- any failure is the node's
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+    print("healthy")

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: threads are sized at init
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() leaves forks usable
     warm = preload(args.preload)
-    if args.standby and (unhealthy := unhealthy_standby(args)) is not None:
+    if args.standby and (unhealthy := unhealthy_standby(args, warm)) is not None:
         logger.error(f"this standby node is not offered to the job: {unhealthy}")
         return 1
 
@@ -284,17 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
 
-    return supervise(args, ranks, respawn, coordinator, stop_signals, beats)
+    return supervise(args, ranks, respawn, coordinator, stop_signals, beats, warm)
 
 
-def unhealthy_standby(args: argparse.Namespace) -> str | None:
+def unhealthy_standby(args: argparse.Namespace, warm: bool) -> str | None:
     """A standby node is offered only if each of its devices passes the health check."""
     return next((why for local in range(args.nproc_per_node)
-                 if (why := health.check(args.health_check, local)) is not None), None)
+                 if (why := health.check(args.health_check, local, fork=warm)) is not None), None)
 
 
 def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
-              stop_signals: set, beats=None) -> int:
+              stop_signals: set, beats=None, warm: bool = False) -> int:
     """Watch the ranks until they end (forwarding SIGTERM/SIGINT, replacing dead ones), tell the
     coordinator, and turn their exits into the launcher's status."""
     link = None
@@ -306,7 +306,7 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
                            "node's heartbeats are not forwarded: its ranks will be found silent)")
     sup = Supervisor(ranks, args.term_grace, link, respawn, args.max_replacements, coordinator,
                      beats, stop_grace=max(2.0, script_recover_timeout(args)),
-                     admit=lambda r: health.check(args.health_check, r.local),
+                     admit=lambda r: health.check(args.health_check, r.local, fork=warm),
                      failures=health.FailureWindow(window=args.failure_window))
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)

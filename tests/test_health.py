@@ -16,10 +16,10 @@ from tests._launch_util import REPO
 
 
 def test_the_builtin_check_passes_on_a_working_device_and_names_a_broken_one(monkeypatch):
-    assert health.check(health.BUILTIN, 0) is None
+    assert health.check(health.BUILTIN, 0) is None  # in a fresh interpreter
     import torch.distributed as dist
 
-    class LossyGloo:  # a backend that loses data (the forked check inherits the patch)
+    class LossyGloo:  # a backend that loses data
         def __init__(self, *args):
             pass
 
@@ -28,8 +28,21 @@ def test_the_builtin_check_passes_on_a_working_device_and_names_a_broken_one(mon
                 tensor.zero_()
             return SimpleNamespace(wait=lambda: True)
     monkeypatch.setattr(dist, "ProcessGroupGloo", LossyGloo)
-    why = health.check(health.BUILTIN, 0)
-    assert why is not None and "all-reduce over gloo returned" in why
+    with pytest.raises(RuntimeError, match="a one-process all-reduce over gloo returned"):
+        health.builtin_check(0)
+
+
+def test_the_warm_launcher_forks_its_check_and_hears_why_it_failed():
+    """The launcher forks the built-in check from its warm parent; what the child raised comes
+    back as the one line (a fresh process here: this one may hold threads of a collective)."""
+    code = ("from recover_patches import health\n"
+            "assert health.check(health.BUILTIN, 0, fork=True) is None\n"
+            "health.builtin_check = lambda local: (_ for _ in ()).throw(OSError('no device 0'))\n"
+            "print(health.check(health.BUILTIN, 0, fork=True))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "the built-in health check failed: OSError: no device 0"
 
 
 def test_a_command_check_passes_on_status_0_and_says_why_otherwise():
