@@ -66,6 +66,10 @@ class CountedStore:
         self._counter.tick()
         self._answered(lambda: self.native.set(key, value))  # (waits for the client's lock)
 
+    def append(self, key: str, value: str) -> None:
+        self._counter.tick()
+        self._answered(lambda: self.native.append(key, value))  # (waits for the client's lock)
+
     def get(self, key: str) -> bytes:
         self._counter.tick()
         return self._answered(lambda: self.native.get(key))

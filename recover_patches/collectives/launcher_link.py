@@ -26,7 +26,7 @@ from recover_patches.collectives.counted_store import CountedStore, OpCounter
 from recover_patches.collectives.epoch_watch import EpochWatch
 from recover_patches.collectives.errors import CoordinatorConfigError, CoordinatorError
 from recover_patches.collectives.journal import Journal
-from recover_patches.collectives.node_beats import NodeBeatRelay
+from recover_patches.collectives.node_beats import NodeBeatRelay, RankAges, format_line
 from recover_patches.collectives.timeouts import OPERATION_WAIT, RECONNECT_WITHIN
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,6 @@ class LauncherLink:
         self._bounded = BoundedCaller(OPERATION_WAIT, "recover-link-op")
         self.store = self._connect(START_TIMEOUT)
         self.answered_at = time.monotonic()
-        self._beats_written = ""  # the node beat this link wrote last
         self.broken = False
         self._lost_at: float | None = None  # when the connection broke, while reconnecting
         self._retry_at = 0.0
@@ -137,16 +136,16 @@ class LauncherLink:
         self._guard(lambda: P.post_report(self.store, P.Report.make(
             "exit", rank=rank, code=code, incarnation=incarnation, replacing=replacing)), None)
 
-    def forward_beats(self, node: str, beats: dict[int, str]) -> None:
-        """This node's live ranks' heartbeats in one store operation (`node_beats.py`): a
-        compare-and-set, not a set. TCPStore's set is never answered, so over a cut link it
-        never fails; the coordinator's answer here is the node's proof of contact."""
-        key, value = P.node_heartbeat_key(node), json.dumps(beats)
+    def forward_beats(self, node: str, beats: dict[int, RankAges]) -> None:
+        """This node's live ranks' heartbeats as one line appended to its shard (`node_beats.py`),
+        then a check of that key: TCPStore answers neither set nor append, so over a cut link
+        they never fail; the check's answer is the node's proof of contact (and says the line
+        before it arrived)."""
+        key, line = P.node_beats_key(node), format_line(node, beats)
 
         def write() -> None:
-            if self.store.compare_set(key, self._beats_written, value).decode() != value:
-                self.store.set(key, value)  # not ours (a new coordinator's "{}"): overwritten
-            self._beats_written = value
+            self.store.append(key, line)
+            self.store.check([key])
         self._guard(write, None)
 
     def report_standby_exit(self, standby: str) -> None:

@@ -12,8 +12,10 @@ Under the job prefix:
   hb/<rank>        "<beat> <progress>": a counter the rank bumps every heartbeat interval, then
                    where it is (marks counted, epoch, phase, iteration, microbatch); written
                    only by ranks started without a ReCoVer launcher
-  hbn/<node>       JSON {rank: "<beat> <progress>"}: a launcher forwards its live ranks' beats,
-                   one write per node per heartbeat interval (`node_beats.py`)
+  hbs/<shard>      node beats: a launcher appends one line for its live ranks once per
+                   heartbeat interval to its node's shard (the format: `node_beats.py`); the
+                   coordinator takes each shard's lines with one read and one compare-and-set, so
+                   a sweep costs what was written since the last one, not a read per node
   notify/<rank>    queue: the coordinator pushes each new epoch number; the rank pushes "stop" to
                    its own queue to end its watcher
   notify/launcher/<node>  the same for the launcher of node <node> (`epoch_watch.py`): it fences
@@ -39,6 +41,7 @@ import hashlib
 import json
 import socket
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -81,8 +84,17 @@ def heartbeat_key(rank: int) -> str:
     return f"hb/{rank}"
 
 
-def node_heartbeat_key(node: str) -> str:
-    return f"hbn/{node}"
+NODE_BEAT_SHARDS = 64  # few keys for one multi_get; enough that a launcher's append seldom
+#                       lands between the coordinator's read of a shard and its clearing
+
+
+def node_beats_key(node: str) -> str:
+    """The shard a node's beats are appended to (crc32: the same in every process)."""
+    return f"hbs/{zlib.crc32(node.encode()) % NODE_BEAT_SHARDS}"
+
+
+def node_beats_keys() -> list[str]:
+    return [f"hbs/{shard}" for shard in range(NODE_BEAT_SHARDS)]
 
 
 def notify_key(rank: int) -> str:

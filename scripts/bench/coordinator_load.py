@@ -9,8 +9,10 @@ every rank sent before), side by side.
 For each N and each arm (`node`, `rank`): the coordinator runs as its own process
 (`python -m recover_patches.collectives.coordinator`, the one a job runs); `--beaters` generator
 processes write the beats of all N nodes at the heartbeat interval the ranks' --recover-timeout T
-gives (node: one `hbn/<node>` JSON of 8 ranks per node; rank: one `hb/<rank>` per rank), each
-write its own store request, as a launcher or a rank makes it; the main process registers the
+gives (node: one line of 8 ranks per node appended to its `hbs/<shard>`; rank: one `hb/<rank>` per rank), each
+write its own store request, as a launcher or a rank makes it (a launcher also checks the shard
+after each append, for its answer: the generators do so for one node in 8, since waiting for each
+answer would need more processes than this machine has cores); the main process registers the
 8 N ranks (pipelined handshakes, each saying which node beat carries it). After `--warmup`
 seconds of beating: a storm (1 % of the nodes stop at once) and one rank stuck (its beat goes on,
 its progress stops; rank 0 reports it waits for it T later, as a timed-out peer would). Printed
@@ -39,9 +41,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from recover_patches.collectives import protocol as P  # noqa: E402  (after the path)
+from recover_patches.collectives.node_beats import RankAges, format_line  # noqa: E402
 from recover_patches.collectives.timeouts import Timeouts  # noqa: E402
 
 RANKS_PER_NODE = 8
+CHECK_EVERY = 8  # node arm: a generator checks after one node's append in 8, not after each
 TOKEN = "coordinator-load-bench"
 
 
@@ -57,6 +61,8 @@ def beater(port: int, nodes: list[int], arm: str, interval: float, control, done
     store = job_store(port)
     storm, stuck = set(control["storm_nodes"]), control["stuck_rank"]
     beats, writes, started = 0, 0, time.monotonic()
+    templates = {node: format_line(str(node), {r: RankAges(0.0, 0.0, "e0 it@ forward") for r in
+                 range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)}) for node in nodes}
     while not control["stop"]:
         round_start, beats = time.monotonic(), beats + 1
         silent = storm if control["storm_at"] and round_start >= control["storm_at"] else set()
@@ -65,14 +71,22 @@ def beater(port: int, nodes: list[int], arm: str, interval: float, control, done
             if node in silent:
                 continue
             ranks = range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
-            line = {r: f"{beats} e0 it{1 if frozen and r == stuck else beats} forward"
-                    for r in ranks}
-            if arm == "node":
-                store.set(P.node_heartbeat_key(str(node)), json.dumps(line))
+            if arm == "node":  # what a launcher appends: ages by its clock (node_beats.py)
+                if frozen and stuck in ranks:
+                    line = format_line(str(node), {r: RankAges(
+                        0.0, round_start - control["stuck_at"], "e0 it1 forward") if r == stuck
+                        else RankAges(0.0, 0.0, f"e0 it{beats} forward") for r in ranks})
+                else:  # (formatted once per node: the generators' CPU is the bench's limit)
+                    line = templates[node].replace("@", str(beats))
+                key = P.node_beats_key(str(node))
+                store.append(key, line)
+                if node % CHECK_EVERY == 0:  # a launcher's check after its append, for one
+                    store.check([key])       # node in CHECK_EVERY (see the docstring)
                 writes += 1
             else:
                 for r in ranks:
-                    store.set(P.heartbeat_key(r), line[r])
+                    store.set(P.heartbeat_key(r),
+                              f"{beats} e0 it{1 if frozen and r == stuck else beats} forward")
                 writes += RANKS_PER_NODE
         time.sleep(max(0.0, interval - (time.monotonic() - round_start)))
     done.put(writes / (time.monotonic() - started))
@@ -119,9 +133,15 @@ def register(port: int, world: int, arm: str, timeout: float, within: float) -> 
     return True
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds of the process's main thread (the coordinator's Python loop) and of its other
+    threads (the TCPStore server's, serving every beat write and the sweep's reads)."""
+    def of(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tasks = Path(f"/proc/{pid}/task")
+    main = of(tasks / str(pid) / "stat")
+    return main, sum(of(t / "stat") for t in tasks.iterdir() if t.name != str(pid))
 
 
 class Verdicts:
@@ -189,7 +209,9 @@ def run_arm(nodes: int, arm: str, args, out: Path) -> dict:
             return row
         cpu0, wall0 = cpu_seconds(proc.pid), time.monotonic()
         time.sleep(args.warmup)
-        row["coordinator_cpu"] = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - wall0)
+        cpu1, wall = cpu_seconds(proc.pid), time.monotonic() - wall0
+        row["loop_cpu"], row["server_cpu"] = ((b - a) / wall for a, b in zip(cpu0, cpu1))
+        row["coordinator_cpu"] = row["loop_cpu"] + row["server_cpu"]
         dead = {n * RANKS_PER_NODE + i for n in storm_nodes for i in range(RANKS_PER_NODE)}
         row.update(faults(port, control, timeouts, dead, stuck_rank))
         control["stop"] = True
@@ -214,7 +236,7 @@ def fmt(value, digits=2) -> str:
 
 
 def report(rows: list[dict], out: Path, args_budget: float) -> None:
-    print(f"{'nodes':>6} {'arm':>4} {'writes/s':>9} {'target':>9} {'coord CPU':>9} "
+    print(f"{'nodes':>6} {'arm':>4} {'writes/s':>9} {'target':>9} {'loop+server CPU':>15} "
           f"{'death->verdict med/max':>22} {'stuck':>6} {'budget':>6}")
     for r in rows:
         if not r["registered"]:
@@ -223,7 +245,7 @@ def report(rows: list[dict], out: Path, args_budget: float) -> None:
             continue
         short = " (generators short)" if r["generator_short"] else ""
         print(f"{r['nodes']:>6} {r['arm']:>4} {r['writes_per_s']:>9.0f} "
-              f"{r['target_writes_per_s']:>9.0f} {r['coordinator_cpu']:>9.2f} "
+              f"{r['target_writes_per_s']:>9.0f} {r['loop_cpu']:>7.2f}+{r['server_cpu']:<7.2f} "
               f"{fmt(r['death_to_verdict_median_s']):>10} / {fmt(r['death_to_verdict_max_s']):<9} "
               f"{fmt(r['stuck_verdict_after_progress_s']):>6} {r['budget_s']:>6.1f}{short}")
     import matplotlib

@@ -24,6 +24,7 @@ from recover_patches.collectives.bounded_call import BoundedCaller, OperationTim
 from recover_patches.collectives.coordinator import Coordinator, CoordinatorConfig, start_server
 from recover_patches.collectives.launcher_link import OPERATION_WAIT, LauncherLink
 from recover_patches.collectives.membership import MembershipClient
+from recover_patches.collectives.node_beats import RankAges
 from recover_patches.collectives.self_fence import SelfFence
 from recover_patches.collectives.timeouts import REPORT_WAIT
 
@@ -120,16 +121,16 @@ def test_over_a_cut_link_the_launcher_gives_up_in_bounds_and_hears_nothing():
     proxy = CutProxy(port)
     link = LauncherLink("127.0.0.1", proxy.port, TOKEN, node_rank=0)
     try:
-        link.forward_beats("0", {0: "1 e0 it0 start"})
+        link.forward_beats("0", {0: RankAges(0.0, 0.0, "e0 it0 start")})
         heard = link.answered_at
         time.sleep(0.05)
-        link.forward_beats("0", {0: "2 e0 it0 start"})
+        link.forward_beats("0", {0: RankAges(0.0, 0.1, "e0 it0 start")})
         assert link.answered_at > heard  # answered while the link holds
         proxy.cut()
         heard = link.answered_at
         for beat in range(3, 6):
             started = time.monotonic()
-            link.forward_beats("0", {0: f"{beat} e0 it0 start"})
+            link.forward_beats("0", {0: RankAges(0.0, beat / 10, "e0 it0 start")})
             assert time.monotonic() - started < OPERATION_WAIT + 1.5
         assert link.answered_at == heard  # no answer came: this node hears nothing
         started = time.monotonic()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from recover_patches.collectives.liveness import Liveness
+from recover_patches.collectives.node_beats import NodeBeatLine, RankAges, format_line, parse_lines
 from recover_patches.collectives.timeouts import Timeouts
 
 
@@ -114,3 +115,77 @@ def test_start_up_is_allowed_its_own_bound_of_silence_until_an_iteration_committ
     assert [r for r, _ in live.silent()] == [1]
     clock.now = 61.0
     assert [r for r, _ in live.silent()] == [0, 1]
+
+
+# --- ranks whose launcher forwards their node's beats: one line per node ---------------------
+def node_line(node: str, ages: dict[int, tuple[float, float, str]]) -> NodeBeatLine:
+    return parse_lines(format_line(node, {r: RankAges(*a) for r, a in ages.items()}))[node]
+
+
+def on_nodes(carriers: dict[int, str]) -> tuple[Liveness, Clock]:
+    clock = Clock()
+    live = Liveness(5.0, 7.0, clock)
+    for rank, node in carriers.items():
+        live.watch(rank, via=node)
+    return live, clock
+
+
+def test_a_node_line_keeps_its_ranks_alive_and_names_the_one_gone_quiet():
+    """Ranks 0, 1 on node "a", rank 2 on "b". Rank 1's beat stops while a's lines go on (a
+    stopped process): it alone is silent, T + GRACE after the beat the line says it last made.
+    Then b's lines stop (its launcher, or the node, is gone): rank 2 is silent too."""
+    live, clock = on_nodes({0: "a", 1: "a", 2: "b"})
+    for step in range(1, 21):  # 10 s of lines every 0.5 s; rank 1 quiet from t = 4
+        clock.now = step * 0.5
+        quiet = max(0.0, clock.now - 4.0)
+        live.observe_node(node_line("a", {0: (0.0, 0.0, "it1"), 1: (quiet, quiet, "it1")}))
+        if clock.now <= 6.0:
+            live.observe_node(node_line("b", {2: (0.0, 0.0, "it1")}))
+        silent = [r for r, _ in live.silent()]
+        assert silent == ([] if clock.now <= 9.0 else [1] if clock.now <= 11.0 else [1, 2]), \
+            (clock.now, silent)
+    clock.now = 11.5
+    assert [r for r, _ in live.silent()] == [1, 2]
+
+
+def test_a_fresh_node_line_is_never_parsed_and_a_quiet_one_is():
+    """The per-rank part of a line is parsed only when the line says a rank is near a verdict
+    (or a waiter asks): the sweep of a healthy job reads three fields per node. Control: the
+    node with a quiet rank is parsed."""
+    live, clock = on_nodes({r: str(r // 8) for r in range(80)})
+    for clock.now in (5.6, 6.0):  # two lines per node: a new record, then one updated
+        for n in range(10):
+            quiet = clock.now if n == 3 else 0.1
+            live.observe_node(node_line(str(n), {r: (quiet if r == 25 else 0.1, 0.2, "it3")
+                                                 for r in range(n * 8, n * 8 + 8)}))
+    assert [r for r, _ in live.silent()] == [25]
+    parsed = sorted(name for name, node in live.nodes.items() if node._ages is not None)
+    assert parsed == ["3"]
+
+
+def test_a_rank_its_node_stops_carrying_or_another_node_lists_is_judged_on_its_own():
+    """Rank 1 leaves node a's line (its process ended): silent T + GRACE after the last line
+    that carried it. Rank 3 was given to node c (a standby took its slot); node a's line still
+    lists it (a dead launcher's last words): that line does not keep it alive."""
+    live, clock = on_nodes({0: "a", 1: "a", 3: "c"})
+    clock.now = 1.0
+    live.observe_node(node_line("a", {0: (0.0, 0.0, "it1"), 1: (0.0, 0.0, "it1"),
+                                      3: (0.0, 0.0, "it1")}))
+    for step in range(3, 15):
+        clock.now = step * 0.5
+        live.observe_node(node_line("a", {0: (0.0, 0.0, "it2"), 3: (0.0, 0.0, "it2")}))
+    assert [r for r, _ in live.silent()] == [1, 3]  # 1: quiet since t = 1; 3: since watched
+    assert live.loose == {1, 3}
+
+
+def test_a_waited_for_rank_on_a_node_is_stuck_by_the_progress_age_its_line_says():
+    live, clock = on_nodes({0: "a", 1: "a"})
+    live.waiting(0, [1], epoch=0, where="dp.allreduce")
+    clock.now = 5.0
+    live.observe_node(node_line("a", {0: (0.0, 0.0, "it9"), 1: (0.0, 4.0, "it3 forward")}))
+    assert live.stuck({0, 1}) == []  # its progress stopped 4 s ago: within its stall time
+    clock.now = 7.0
+    live.observe_node(node_line("a", {0: (0.0, 0.0, "it9"), 1: (0.0, 6.0, "it3 forward")}))
+    stuck = live.stuck({0, 1})
+    assert [r for r, _ in stuck] == [1] and "(at it3 forward)" in stuck[0][1]
+    assert live.silent() == []  # it beats on: only its progress tells

@@ -6,7 +6,6 @@ the launcher's forwarding, so stopping it is the launcher's death.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -19,7 +18,8 @@ from recover_patches.collectives.coordinator import Coordinator, CoordinatorConf
 from recover_patches.collectives.errors import MembershipTimeout
 from recover_patches.collectives.launcher_link import LauncherLink
 from recover_patches.collectives.membership import MembershipClient
-from recover_patches.collectives.node_beats import NodeBeatRelay, NodeBeats, write_beat
+from recover_patches.collectives.node_beats import NodeBeatRelay, NodeBeats, RankAges, \
+    format_line, parse_lines, write_beat
 from recover_patches.collectives.timeouts import Timeouts
 
 TOKEN = "node-beats-job"
@@ -35,24 +35,44 @@ class Clock:
         return self.now
 
 
-def test_the_relay_forwards_live_processes_beats_once_per_interval(tmp_path):
+def test_the_relay_forwards_live_processes_ages_once_per_interval(tmp_path):
     clock = Clock()
     relay = NodeBeatRelay("3", directory=str(tmp_path), clock=clock)
     assert relay.env() == {"RECOVER_NODE_BEATS": str(tmp_path), "RECOVER_NODE_NAME": "3"}
     write_beat(str(tmp_path), 5, 0.4, "7 e0 it2 forward")
     write_beat(str(tmp_path), 6, 0.25, "1 e0 it0 start")
     (tmp_path / "999999999-4").write_text("0.4 9 e0 it1 forward")  # an ended process's file
-    assert relay.collect([os.getpid()]) == {5: "7 e0 it2 forward", 6: "1 e0 it0 start"}
+    assert relay.collect([os.getpid()]) == {5: RankAges(0.0, 0.0, "e0 it2 forward"),
+                                            6: RankAges(0.0, 0.0, "e0 it0 start")}
     assert not (tmp_path / "999999999-4").exists()  # never read again, whoever gets its pid
     assert relay.interval == 0.25 and relay.due_in() == pytest.approx(0.25)
     clock.now += 0.2
     assert relay.collect([os.getpid()]) is None  # not due yet
     clock.now += 0.05
+    write_beat(str(tmp_path), 5, 0.4, "8 e0 it2 forward")  # rank 5 beats on, marks nothing
+    assert relay.collect([os.getpid()]) == {  # rank 6 has been quiet for 0.25 s
+        5: RankAges(0.0, pytest.approx(0.25), "e0 it2 forward"),
+        6: RankAges(pytest.approx(0.25), pytest.approx(0.25), "e0 it0 start")}
+    clock.now += 0.25
     assert relay.collect([]) == {}  # due; no live process: nothing to forward for them
     relay.close()
     assert not tmp_path.exists()
     clock.now += 1.0
     assert relay.collect([os.getpid()]) == {}  # its directory gone: the launcher goes on
+
+
+def test_a_node_line_says_its_quietest_rank_without_its_json():
+    """The coordinator reads the node, the largest beat age and the ranks without parsing the
+    JSON; the JSON carries each rank's ages and progress; a node's newest line wins."""
+    ages = {2: RankAges(0.4, 1.5, "e1 it7 backward 3"), 1: RankAges(0.05, 0.05, "e1 it8 forward")}
+    text = format_line("0", {1: RankAges(0.0, 0.0, "e1 it6 forward")}) + format_line("0", ages) \
+        + format_line("standby-1", {})
+    lines = parse_lines(text)
+    assert sorted(lines) == ["0", "standby-1"]
+    line = lines["0"]
+    assert (line.stale, line.ranks, line.carried()) == (0.4, "1,2", frozenset({1, 2}))
+    assert line.ages() == ages
+    assert lines["standby-1"].carried() == frozenset() and lines["standby-1"].stale == 0.0
 
 
 def test_node_beats_from_env_needs_both_variables():
@@ -83,7 +103,7 @@ def job(tmp_path):
     forwarding = threading.Thread(target=forward, daemon=True)
     forwarding.start()
     clients: list[MembershipClient] = []
-    yield server, relay, launcher_alive, clients
+    yield server, relay, launcher_alive, clients, coord
     launcher_alive.clear()
     forwarding.join(5)
     link.close()
@@ -96,7 +116,7 @@ def job(tmp_path):
 def test_ranks_beat_through_their_launcher_and_fall_silent_with_it(monkeypatch, job):
     fenced: list[int] = []
     monkeypatch.setattr(os, "_exit", fenced.append)  # the clients live in this process
-    server, relay, launcher_alive, clients = job
+    server, relay, launcher_alive, clients, coord = job
     port = server.port
     on_node = [MembershipClient("127.0.0.1", port, TOKEN, r, 3, connect_timeout=5,
                                 timeout=TIMEOUT.operation,
@@ -113,8 +133,7 @@ def test_ranks_beat_through_their_launcher_and_fall_silent_with_it(monkeypatch, 
     job_store = dist.PrefixStore(P.job_prefix(TOKEN), P.connect("127.0.0.1", port, 5, "the test"))
     assert job_store.check([P.heartbeat_key(0)])  # the watcher's own key
     assert not job_store.check([P.heartbeat_key(1)]) and not job_store.check([P.heartbeat_key(2)])
-    node_beat = json.loads(job_store.get(P.node_heartbeat_key("0")))
-    assert sorted(node_beat) == ["1", "2"]  # one key carries the node's ranks
+    assert coord.relayed_ranks() == {1, 2}  # one line per interval carries the node's ranks
     launcher_alive.clear()  # the launcher dies: its ranks, alive, fall silent
     t0 = time.monotonic()
     assert watcher.wait_for_epoch_after(0, 4) == 1

@@ -14,13 +14,16 @@ from recover_patches.collectives.journal import COMPLETE, EPOCH, STANDBYS, Journ
     write_or_fence
 from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
+from recover_patches.collectives.node_beats import NodeBeatLine, parse_lines
 from recover_patches.collectives.timeouts import Timeouts
 
 # by name, not __name__: also when run as __main__ (python -m)
 logger = logging.getLogger("recover_patches.collectives.coordinator")
 
 TICK = 0.02  # seconds between polls of the store: bounds detection latency, costs ~nothing
-SWEEPS_PER_INTERVAL = 8  # heartbeat reads per heartbeat interval (every 50 ms at the default T)
+BACKLOG = 1 << 20  # bytes of a shard left unswept (after a long burst of handshakes) that is
+#                    cleared by a set, not a compare-and-set
+SWEEPS_PER_INTERVAL = 4  # heartbeat reads per heartbeat interval (every 100 ms at the default T)
 
 
 @dataclass
@@ -47,16 +50,16 @@ class Coordinator:
         self.next_report = 1
         self.registered: set[int] = set()  # ranks to notify of new epochs
         self.launchers: set[str] = set()  # the nodes whose launchers are notified of new epochs
-        self._relays: dict[str, frozenset[int]] = {}  # node -> the ranks in its last beat
         self.pushes = 0  # epoch notifications pushed so far (ranks' and launchers' queues)
         self.beats_via: dict[int, str] = {}  # rank -> the node whose launcher forwards its beat
-        self._node_beats_seen: dict[str, str] = {}  # node -> its beat as last parsed
         self._next_sweep = 0.0  # of the heartbeats
         self.unresolved_logged = False
         self.rejoin_window: float | None = None  # restarted: when the ranks had to be back by
         self.stopping = False
         self.stopped = False
         self.store.set(P.CONFIG, json.dumps({"world_size": config.world_size}))
+        for key in P.node_beats_keys():  # (kept if a launcher appended first): one multi_get
+            self.store.compare_set(key, "", "")  # reads them all without waiting for any
         self._publish(0, "job start" if not config.restarted else "coordinator restarted")
         last = config.journal.read(EPOCH) if config.restarted and config.journal else None
         if last is not None:  # a successor on another node: the journal's last epoch first
@@ -87,7 +90,7 @@ class Coordinator:
             self.liveness.new_epoch(epoch)
             self.unresolved_logged = False
             for r in self.state.joining:
-                self.liveness.watch(r)
+                self.liveness.watch(r, via=self.beats_via.get(r))
 
     def tick(self) -> None:
         self._handshakes()
@@ -146,9 +149,10 @@ class Coordinator:
                 else:
                     self.state.on_register(hello["rank"], hello.get("incarnation", 0))
                 self.state.note_unit(hello["rank"], hello.get("unit") or ())
-                self.liveness.watch(hello["rank"], float(hello.get("startup") or 0.0))
-                self.registered.add(hello["rank"])
                 self._beats_from(hello["rank"], hello.get("node"))
+                self.liveness.watch(hello["rank"], float(hello.get("startup") or 0.0),
+                                    self.beats_via.get(hello["rank"]))
+                self.registered.add(hello["rank"])
             if reason is None and hello["role"] == "launcher":
                 self.launchers.add(hello.get("node") or str(hello["rank"]))
             if reason is not None:
@@ -242,42 +246,51 @@ class Coordinator:
         node beat that still lists the rank (a dead launcher's last one) is not read for it."""
         if node is None:
             self.beats_via.pop(rank, None)
+            # the key exists from now on (empty until the first beat), so that a sweep reads
+            # all of them in one multi_get instead of checking each
+            self.store.compare_set(P.heartbeat_key(rank), "", "")
         else:
             self.beats_via[rank] = node
-        # the key exists from now on (empty until the first beat), so that a sweep reads all of
-        # them in one multi_get instead of checking each
-        key, empty = (P.heartbeat_key(rank), "") if node is None else \
-            (P.node_heartbeat_key(node), "{}")
-        self.store.compare_set(key, "", empty)
 
     def _read_present(self, keys: list[str]) -> list[str | None]:
         values = self.store.multi_get(keys) if self.store.check(keys) else \
             [self.store.get(k) if self.store.check([k]) else None for k in keys]
         return [None if v is None else v.decode() for v in values]
 
-    def _heartbeats(self, ranks: list[int]) -> dict[int, str | None]:
-        """The "<beat> <progress>" of every rank whose beat may have moved since the last sweep:
-        those in the node beats that changed (one multi_get of the nodes carrying `ranks`; an
-        unchanged node is not parsed again) and those beating on their own key (one multi_get)."""
-        nodes = sorted({self.beats_via[r] for r in ranks if r in self.beats_via})
-        beats: dict[int, str | None] = {}
-        for node, value in zip(nodes, self._read_present([P.node_heartbeat_key(n) for n in nodes])):
-            if value is None or value == self._node_beats_seen.get(node):
+    def _take_node_beats(self) -> dict[str, NodeBeatLine]:
+        """node -> its newest line appended since the last sweep: one multi_get of the
+        shards, then each non-empty shard cleared by a compare-and-set against what was read
+        (a line appended meanwhile fails it; the answer holds it, and the next try clears it)."""
+        keys = P.node_beats_keys()
+        taken: list[bytes] = []
+        for key, value in zip(keys, self.store.multi_get(keys)):
+            if len(value) > BACKLOG:  # too big to send back (the store takes at most 8 MiB)
+                self.store.set(key, "")  # lines appended since the read are lost: a beat
+                taken.append(value)      # each at most, of nodes that beat on
                 continue
-            self._node_beats_seen[node] = value
-            parsed = {int(rank): beat for rank, beat in json.loads(value).items()}
-            self._relays[node] = frozenset(parsed)
-            beats.update((r, beat) for r, beat in parsed.items() if self.beats_via.get(r) == node)
-        own = [r for r in ranks if r not in self.beats_via]
-        if own:
-            beats.update(zip(own, self._read_present([P.heartbeat_key(r) for r in own])))
-        return beats
+            while value:
+                left = self.store.compare_set(key, value, b"")
+                if not left:  # cleared: what was read is ours
+                    taken.append(value)
+                    break
+                value = left  # lines appended after the read: the whole shard, tried again
+        return parse_lines(b"".join(taken).decode())
+
+    def _observe_beats(self) -> None:
+        """Every beat since the last sweep: the node lines appended (each kept unparsed,
+        `liveness.py`) and the keys of the ranks beating on their own (one multi_get)."""
+        for line in self._take_node_beats().values():
+            self.liveness.observe_node(line)
+        if own := self.liveness.own_key():
+            for r, value in zip(own, self._read_present([P.heartbeat_key(r) for r in own])):
+                self.liveness.observe(r, value)
 
     def relayed_ranks(self) -> set[int]:
         """The ranks whose launcher passes each epoch on to them (`epoch_watch.py`): its node's
         last beat carried them, so it relays to them too, and they beat through that node. The
         others (no ReCoVer launcher, or not in a beat yet) get the coordinator's own push."""
-        return {r for node in self.launchers for r in self._relays.get(node, ())
+        nodes = self.liveness.nodes
+        return {r for node in self.launchers if node in nodes for r in nodes[node].carried
                 if self.beats_via.get(r) == node}
 
     def _check_heartbeats(self) -> None:
@@ -285,14 +298,13 @@ class Coordinator:
         not every tick: at 100,000 ranks a sweep is most of the coordinator's work), then declare
         the silent and the stuck dead; say once what was seen when waiters wait and no one can
         be named."""
-        ranks = self.liveness.watched()  # members, spares and registered replacements
         now = time.monotonic()
-        if not ranks or self.timeouts is None or now < self._next_sweep:
-            return
+        if not self.liveness.seen or self.timeouts is None or now < self._next_sweep:
+            return  # (watched: members, spares and registered replacements)
         self._next_sweep = now + self.timeouts.heartbeat_interval / SWEEPS_PER_INTERVAL
-        for r, value in self._heartbeats(ranks).items():
-            self.liveness.observe(r, value)
-        members = {r for r in ranks if self.state.is_member(r)} if self.liveness.waiters else set()
+        self._observe_beats()
+        members = {r for r in self.liveness.seen if self.state.is_member(r)} \
+            if self.liveness.waiters else set()
         for r, why in self.liveness.silent() + self.liveness.stuck(members):
             if r in self.liveness.seen:
                 self.state.mark_dead(r, why)
