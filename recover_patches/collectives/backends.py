@@ -96,22 +96,72 @@ def _make_nccl(store, rank: int, size: int, build_timeout: float, op_timeout: fl
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def bounded_client(store, timeout: float):
-    """The NCCL unique-id exchange waits on the store with the store's own timeout (torch sets
-    no bound of its own): a client of its own whose timeout is the rebuild's. The shared client
-    keeps its timeout for everything else."""
-    if not hasattr(store, "clone"):
-        return store
-    deadline = time.monotonic() + timeout
-    while True:  # the clone connects within the shared client's timeout (T): at start-up,
-        try:  # many groups connecting at once may take longer, which `timeout` allows
-            client = store.clone()
-            break
-        except dist.DistNetworkError:
+class SharedClientView(dist.Store):
+    """The rank's one store client, as an asynchronous backend's set-up sees it (NCCL's
+    unique-id exchange; the emulated NCCL's pair groups): its blocking reads poll `check` until
+    the key is there, within `timeout` (the rebuild's T; torch sets no bound of its own).
+
+    A client of its own per group would hold a connection to the coordinator for the group's
+    lifetime (torch keeps a backend's store): connections growing with ranks x groups. Sharing
+    the rank's client instead, a blocking `get` would hold its lock while it waits, and groups
+    connect concurrently: one group's wait for its id would block another group's root from
+    publishing its own, on every rank at once, until the timeout. Polling holds the lock only
+    for each short request."""
+
+    POLL = 0.005  # seconds between checks: set-up only, never in an iteration
+
+    def __init__(self, client: dist.Store, timeout: float):
+        super().__init__()
+        self._client, self._timeout = client, timeout
+
+    def _wait_for(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = self._timeout if timeout is None else min(self._timeout,
+                                                          timeout.total_seconds())
+        deadline = time.monotonic() + limit
+        while not self._client.check(keys):
             if time.monotonic() > deadline:
-                raise
-    client.set_timeout(timedelta(seconds=timeout))
-    return client
+                raise dist.DistStoreError(f"timed out after {limit:g} s waiting for {keys}")
+            time.sleep(self.POLL)
+
+    def get(self, key: str) -> bytes:
+        self._wait_for([key])
+        return self._client.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait_for(keys, timeout)
+
+    def set(self, key: str, value) -> None:
+        self._client.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._client.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._client.check(keys)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._client.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._client.num_keys()
+
+
+_views: dict[tuple[int, float], SharedClientView] = {}  # (a view holds its client: ids stay)
+_views_lock = threading.Lock()
+
+
+def shared_view(client: dist.Store, timeout: float) -> SharedClientView:
+    """One view per client and timeout, kept for the process's lifetime: a PrefixStore (and the
+    backend) keeps only the C++ side of a Python store, whose methods then fail once the Python
+    object is collected. (The client is the rank's own, long-lived anyway.)"""
+    with _views_lock:
+        key = (id(client), timeout)
+        if key not in _views:
+            _views[key] = SharedClientView(client, timeout)
+        return _views[key]
 
 
 def _cuda_event() -> torch.cuda.Event:
@@ -145,11 +195,12 @@ def build(kind: str, store, prefix: str, rank: int, size: int, build_timeout: fl
     """A connected backend under `prefix` of `store`, or RuntimeError. gloo's construction is its
     own rendezvous, bounded by `build_timeout`. An asynchronous backend is built after its
     members met (`rendezvous`): connecting is the only wait left, bounded like any operation by
-    `op_timeout` (--recover-timeout), store client and eager connect alike."""
+    `op_timeout` (--recover-timeout), the store's reads and the eager connect alike, on the
+    rank's one store client (`SharedClientView`)."""
     spec = kind_of(kind)
     if spec.host_waits:
         return spec.make(dist.PrefixStore(prefix, store), rank, size, build_timeout, op_timeout)
-    client = dist.PrefixStore(prefix, bounded_client(store, op_timeout))
+    client = dist.PrefixStore(prefix, shared_view(store, op_timeout))
     backend = spec.make(client, rank, size, build_timeout, op_timeout)
     connect_within(backend, spec.device(), op_timeout)
     return backend
