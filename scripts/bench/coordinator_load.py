@@ -19,7 +19,8 @@ its progress stops; rank 0 reports it waits for it T later, as a timed-out peer 
 per arm: the beat writes/s the generators reached (and the target), the coordinator's CPU (share
 of one core over the warm-up), time from each death to the epoch that names it (median, max;
 the budget is T + 1 s), time from the storm to the epoch that names all, and the stuck rank's
-verdict after its last progress. The generators run on the same 2 cores as the coordinator: an
+verdict after its last progress; and, measured apart, the coordinator's own Python work per node
+line (`sweep_cost`). The generators run on the same 2 cores as the coordinator: an
 arm whose generators fall short of the target rate is marked so and not read as the coordinator's
 limit. In the node arm each node's launcher registers too, so the coordinator pushes a new epoch
 to the N launchers (which pass it on to their ranks) instead of to the 8 N ranks. Not simulated:
@@ -41,7 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from recover_patches.collectives import protocol as P  # noqa: E402  (after the path)
-from recover_patches.collectives.node_beats import RankAges, format_line  # noqa: E402
+from recover_patches.collectives.liveness import Liveness  # noqa: E402
+from recover_patches.collectives.node_beats import RankAges, format_line, parse_lines  # noqa: E402
 from recover_patches.collectives.timeouts import Timeouts  # noqa: E402
 
 RANKS_PER_NODE = 8
@@ -184,11 +186,40 @@ def faults(port: int, control, timeouts: Timeouts, dead: set[int], stuck_rank: i
             if stuck_rank in verdicts.named else None}
 
 
+def sweep_cost(nodes: int, rounds: int = 5) -> dict:
+    """The coordinator's own Python work per node line, in this process (no store, no other
+    load; best of `rounds`): parsing what a sweep takes, recording each node's newest line, and
+    the scan for silence (a healthy job: no line parsed further)."""
+    live = Liveness(stall=10.5, expiry=21.0)
+    for node in range(nodes):
+        for r in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE):
+            live.watch(r, via=str(node))
+    text = "".join(format_line(str(node), {r: RankAges(0.05, 0.2, f"e0 it{node} forward 3")
+                                           for r in range(node * RANKS_PER_NODE,
+                                                          (node + 1) * RANKS_PER_NODE)})
+                   for node in range(nodes))
+    best = {"parse": float("inf"), "record": float("inf"), "scan": float("inf")}
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        lines = parse_lines(text)
+        t1 = time.perf_counter()
+        for line in lines.values():
+            live.observe_node(line)
+        t2 = time.perf_counter()
+        assert live.silent() == []
+        t3 = time.perf_counter()
+        for part, seconds in (("parse", t1 - t0), ("record", t2 - t1), ("scan", t3 - t2)):
+            best[part] = min(best[part], seconds)
+    return {part: seconds / nodes * 1e6 for part, seconds in best.items()}
+
+
 def run_arm(nodes: int, arm: str, args, out: Path) -> dict:
     timeouts = Timeouts(args.recover_timeout)
     world = nodes * RANKS_PER_NODE
     row = {"nodes": nodes, "arm": arm, "ranks": world, "registered": False,
            "budget_s": timeouts.operation + 1.0}
+    if arm == "node":
+        row["sweep_us_per_node"] = sweep_cost(nodes)
     proc, port = start_coordinator(world, timeouts.operation, out / f"coordinator-{arm}-{nodes}.log")
     manager = mp.Manager()
     storm_nodes = list(range(1, nodes, 100))[: max(1, nodes // 100)]  # 1 %, never node 0
@@ -248,6 +279,12 @@ def report(rows: list[dict], out: Path, args_budget: float) -> None:
               f"{r['target_writes_per_s']:>9.0f} {r['loop_cpu']:>7.2f}+{r['server_cpu']:<7.2f} "
               f"{fmt(r['death_to_verdict_median_s']):>10} / {fmt(r['death_to_verdict_max_s']):<9} "
               f"{fmt(r['stuck_verdict_after_progress_s']):>6} {r['budget_s']:>6.1f}{short}")
+    for r in rows:
+        if "sweep_us_per_node" in r:
+            cost = r["sweep_us_per_node"]
+            print(f"sweep cost at {r['nodes']} nodes, per node line (this process, no load): "
+                  f"parse {cost['parse']:.2f} us, record {cost['record']:.2f} us, scan for "
+                  f"silence {cost['scan']:.2f} us")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
