@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `scripts.*`
 
@@ -84,13 +85,13 @@ def plot(results: dict[str, SimResult], title: str, out: Path) -> None:
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for strategy, result in results.items():
         axes.plot(result.timeline_hours, result.timeline_tokens / 1e9, styles.get(strategy, "-"),
-                  label=f"{strategy} (ETTR {result.ettr:.2f})", linewidth=1.2)
+                  label=f"{strategy} (ETTR {result.ettr:.3f})", linewidth=1.2)
     config = next(iter(results.values())).config
     axes.plot([0, config.run_hours], [0, results["recover"].nominal_tokens / 1e9], "k:",
               label="failure-free", linewidth=1)
     axes.set_xlabel("wall-clock hours")
     axes.set_ylabel("committed tokens (billions)")
-    axes.set_title(title)
+    axes.set_title(textwrap.fill(title, 90), fontsize=10)  # (a long scenario title wraps)
     axes.legend()
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
