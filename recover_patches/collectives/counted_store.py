@@ -68,7 +68,8 @@ class CountedStore:
 
     def append(self, key: str, value: str) -> None:
         self._counter.tick()
-        self._answered(lambda: self.native.append(key, value))  # (waits for the client's lock)
+        self._answered(lambda: self.native.append(key, value))  # type: ignore[attr-defined]
+        # (torch's stub lacks Store.append, which TCPStore and PrefixStore have)
 
     def get(self, key: str) -> bytes:
         self._counter.tick()

@@ -262,19 +262,20 @@ class Coordinator:
         shards, then each non-empty shard cleared by a compare-and-set against what was read
         (a line appended meanwhile fails it; the answer holds it, and the next try clears it)."""
         keys = P.node_beats_keys()
-        taken: list[bytes] = []
-        for key, value in zip(keys, self.store.multi_get(keys)):
+        taken: list[str] = []
+        for key, read in zip(keys, self.store.multi_get(keys)):
+            value = read.decode()
             if len(value) > BACKLOG:  # too big to send back (the store takes at most 8 MiB)
                 self.store.set(key, "")  # lines appended since the read are lost: a beat
                 taken.append(value)      # each at most, of nodes that beat on
                 continue
             while value:
-                left = self.store.compare_set(key, value, b"")
+                left = self.store.compare_set(key, value, "").decode()
                 if not left:  # cleared: what was read is ours
                     taken.append(value)
                     break
                 value = left  # lines appended after the read: the whole shard, tried again
-        return parse_lines(b"".join(taken).decode())
+        return parse_lines("".join(taken))
 
     def _observe_beats(self) -> None:
         """Every beat since the last sweep: the node lines appended (each kept unparsed,
