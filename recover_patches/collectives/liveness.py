@@ -132,8 +132,8 @@ class Liveness:
             return
         carried = line.carried()
         for rank in last.carried - carried if last is not None else ():
-            if self._settle(rank) is not None:
-                self.loose.add(rank)
+            if (seen := self._settle(rank)) is not None and seen.via == line.node:
+                self.loose.add(rank)  # (its own node no longer carries it)
         self.nodes[line.node] = NodeSeen(line, now, carried)
         for rank in carried:
             if (seen := self.seen.get(rank)) is not None and seen.via == line.node:
@@ -154,8 +154,7 @@ class Liveness:
         ages = node.ages.get(rank)
         if ages is not None:
             seen.beat_at = max(seen.beat_at, node.at - ages.beat)
-            if ages.where != seen.progress:
-                seen.progress = ages.where
+            seen.progress = ages.where
             seen.progress_at = max(seen.progress_at, node.at - ages.progress)
         return seen
 

@@ -176,6 +176,9 @@ def test_a_rank_its_node_stops_carrying_or_another_node_lists_is_judged_on_its_o
         live.observe_node(node_line("a", {0: (0.0, 0.0, "it2"), 3: (0.0, 0.0, "it2")}))
     assert [r for r, _ in live.silent()] == [1, 3]  # 1: quiet since t = 1; 3: since watched
     assert live.loose == {1, 3}
+    live.observe_node(node_line("c", {3: (0.0, 0.0, "it2")}))  # the standby's launcher speaks
+    live.observe_node(node_line("a", {0: (0.0, 0.0, "it2")}))  # a drops 3: not news of 3
+    assert live.loose == {1} and [r for r, _ in live.silent()] == [1]
 
 
 def test_a_waited_for_rank_on_a_node_is_stuck_by_the_progress_age_its_line_says():
