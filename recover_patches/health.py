@@ -94,7 +94,7 @@ def _forked(body: Callable[[], None], timeout: float) -> str | None:
             os._exit(code)
     os.close(write_fd)
     deadline = time.monotonic() + timeout
-    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
@@ -103,7 +103,10 @@ def _forked(body: Callable[[], None], timeout: float) -> str | None:
         time.sleep(0.01)
     said = os.read(read_fd, 500).decode(errors="replace").strip()
     os.close(read_fd)
-    return f"the built-in health check failed: {said}" if said else None
+    code = os.waitstatus_to_exitcode(ended[1])
+    if said or code != 0:  # (a crash in the driver kills the child before it can say why)
+        return f"the built-in health check failed: {said or f'its process ended with {code}'}"
+    return None
 
 
 @dataclass

@@ -34,15 +34,21 @@ def test_the_builtin_check_passes_on_a_working_device_and_names_a_broken_one(mon
 
 def test_the_warm_launcher_forks_its_check_and_hears_why_it_failed():
     """The launcher forks the built-in check from its warm parent; what the child raised comes
-    back as the one line (a fresh process here: this one may hold threads of a collective)."""
+    back as the one line, and a child killed without a word is no pass either (a fresh process
+    here: this one may hold threads of a collective)."""
     code = ("from recover_patches import health\n"
             "assert health.check(health.BUILTIN, 0, fork=True) is None\n"
             "health.builtin_check = lambda local: (_ for _ in ()).throw(OSError('no device 0'))\n"
+            "print(health.check(health.BUILTIN, 0, fork=True))\n"
+            "import os, signal\n"  # a crash that leaves no word: the child is killed
+            "health.builtin_check = lambda local: os.kill(os.getpid(), signal.SIGSEGV)\n"
             "print(health.check(health.BUILTIN, 0, fork=True))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "the built-in health check failed: OSError: no device 0"
+    assert done.stdout.strip().splitlines() == [
+        "the built-in health check failed: OSError: no device 0",
+        "the built-in health check failed: its process ended with -11"]
 
 
 def test_a_command_check_passes_on_status_0_and_says_why_otherwise():
