@@ -125,6 +125,12 @@ def job_prefix(token: str) -> str:
     return f"recover/job/{token_digest(token)[:16]}/"
 
 
+def job_key(token: str, key: str) -> str:
+    """`key` of the job's store as the server holds it: dist.PrefixStore joins prefix and key
+    with a "/" (tests/collectives/test_coordinator_counters.py checks torch still does)."""
+    return f"{job_prefix(token)}/{key}"
+
+
 def parse_address(text: str, source: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
