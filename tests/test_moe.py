@@ -92,6 +92,25 @@ def test_a_killed_moe_rank_keeps_the_failure_free_losses(reference, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_experts_with_bias_at_ep_1_follow_ep_2(tmp_path):
+    """Experts with biases (no --disable-bias-linear): megatron-core's expert MLP adds the bias
+    in place into its second linear's output, which at EP 1 and TP 1 is the one-rank
+    reduction's own output (`model/expert_linear.py`). One process (EP 1) follows two ranks at
+    EP 2, where megatron-core takes no reduction, and the biases move the losses."""
+    biased = [flag for flag in FLAGS if flag != "--disable-bias-linear"]
+    runs = [launch(1, biased, tmp_path / "ep1.jsonl"),
+            launch(2, [*biased, "--expert-model-parallel-size", "2"], tmp_path / "ep2.jsonl"),
+            launch(1, FLAGS, tmp_path / "unbiased.jsonl")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-3000:]
+    ep1, ep2, unbiased = ([r for r in run.records if "lm_loss" in r] for run in runs)
+    assert len(ep1) == len(ep2) == ITERS
+    assert abs(ep1[-1]["lm_loss"] - unbiased[-1]["lm_loss"]) > 1e-4  # the biases are there
+    for mine, ref in zip(ep2, ep1):
+        assert close(mine, ref, "lm_loss", 1e-5) and close(mine, ref, "grad_norm", 1e-4), (mine, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_the_routers_expert_bias_moves_as_in_one_process_through_tp_and_a_kill(tmp_path):
     """--moe-router-enable-expert-bias (sigmoid scores): each iteration's token counts per
     expert, summed over the committed microbatches, the TP ranks' sequence parts and the

@@ -33,12 +33,14 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron.training.config import ModelConfig
 from megatron.training.model.context_parallel import (context_parallel_attention,
                                                 pos_emb_on_this_cp_rank)
 from megatron.training.model.context_parallel.comm import ring_attention, ulysses_attention
+from megatron.training.model.expert_linear import ExpertOutputLinear
 from megatron.training.model.moe_cpu import use_host_alltoall
 from recover_patches.pipeline.rng import derive_seed
 
@@ -161,6 +163,8 @@ def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | N
                                            vp_stage=vp_stage, pp_rank=pp_rank)
         for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and MoE specs
             _recover_modules(spec, config, te)
+            if not te and spec.submodules.mlp.module is MoELayer:
+                spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertOutputLinear
         if not te:
             block.layer_norm = TorchNorm
         return block
