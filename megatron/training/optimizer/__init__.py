@@ -225,11 +225,23 @@ def sync_tied_embedding_grads(params: Sequence[torch.Tensor], grads: Sequence[to
             dist.all_reduce(g, group=embedding_group)
 
 
-def sync_sequence_parallel_grads(params: Sequence[torch.Tensor],
-                                 grads: Sequence[torch.Tensor], tp_group) -> None:
-    """With sequence parallelism each TP rank's norm (and row-parallel bias) gradient covers only
-    its sequence shard: sum them over TP, all in one collective."""
-    shared = [g for p, g in zip(params, grads) if getattr(p, "sequence_parallel", False)]
+def tp_partial_grads(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> list[bool]:
+    """For each of `params`: does each TP rank hold only a part of its gradient? Picked as
+    megatron-core's finalize_model_grads picks them: the parameters flagged `sequence_parallel`
+    (norms and row-parallel biases under sequence parallelism; ReCoVer's per-head q/k norms
+    whenever TP > 1) and the q/k norms by name, since transformer-engine flags its q/k norms
+    only under sequence parallelism, though each sees only its TP rank's heads."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [getattr(p, "sequence_parallel", False)
+            or any(norm in names.get(id(p), "") for norm in ("q_layernorm", "k_layernorm"))
+            for p in params]
+
+
+def sync_sequence_parallel_grads(grads: Sequence[torch.Tensor], partial: Sequence[bool],
+                                 tp_group) -> None:
+    """The gradients each TP rank holds only a part of (`tp_partial_grads`: a sequence shard's
+    or its heads' part) summed over TP, all in one collective."""
+    shared = [g for g, part in zip(grads, partial, strict=True) if part]
     if not shared or tp_group is None or tp_group.size() < 2:
         return
     flat = torch.cat([g.reshape(-1) for g in shared])

@@ -30,7 +30,8 @@ from megatron.training.rerun.stats import DeterminismStats, compare_once, report
 from megatron.training.step.weight_check import agreed_mismatch, check_due, weight_fingerprint
 from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
                                          global_grad_norm,
-                                         sync_sequence_parallel_grads, sync_tied_embedding_grads)
+                                         sync_sequence_parallel_grads, sync_tied_embedding_grads,
+                                         tp_partial_grads)
 from recover_patches.collectives import NO_PROBE, PeerFailure, Probe, Regrouped
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
 from recover_patches.recovery.iteration import LiveReplicas
@@ -71,6 +72,7 @@ class GPTReplicaStep:
 
     def __post_init__(self):
         self.params = self.optimizer.model_params  # the order the optimizer takes gradients in
+        self.tp_partial = tp_partial_grads(self.model, self.params)  # summed over TP
         self.device = self.grads.device
         self.timer = MicrobatchTimer(pipeline_depth=self.groups.topology.pp,
                                      chunks=self.config.chunks, group=self.config.vp_group)
@@ -152,7 +154,7 @@ class GPTReplicaStep:
         # Megatron's finalisation, here: a rank rolling forward steps from `reduced` (settle.py)
         grads = [self.grads.reduced_grad(p) for p in self.params]
         sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
-        sync_sequence_parallel_grads(self.params, grads, self.groups.tp)
+        sync_sequence_parallel_grads(grads, self.tp_partial, self.groups.tp)
         return reduced
 
     def confirm(self, news: bool) -> bool:
