@@ -13,7 +13,8 @@ from megatron.training.arguments import build_parser, parse_and_validate
 from megatron.training.arguments.refused import (FACTS, UNCLASSIFIED, is_megatrons_default,
                                                   megatron_flags, refusal_of)
 from megatron.training.config.rules import megatron_differences
-from megatron.training.tools.flag_table import DIFFERENCES, REFUSED_BY_THE_CHECKS, flag_table
+from megatron.training.config import StepConfig
+from megatron.training.tools.flag_table import DIFFERENCES, OWN_WAY, REFUSED_BY_THE_CHECKS, flag_table
 from tests._launch_util import REPO, TINY_GPT
 
 PARSER = build_parser()
@@ -105,6 +106,23 @@ def test_any_other_value_of_a_refused_flag_stops_the_run(given, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_and_validate([*TINY_GPT, "--train-iters", "2", *given], world_size=1)
     assert exit_info.value.code == 2 and f"error: {given[0]}: {given[0]} " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", sorted(OWN_WAY))
+def test_a_flag_done_recovers_way_starts_the_run_and_says_what_happens_instead(flag):
+    args = parse_and_validate([*TINY_GPT, "--train-iters", "2", flag], world_size=1)
+    said = [line for line in megatron_differences(args, "cpu") if line.startswith(flag)]
+    assert len(said) == 1, said
+
+
+def test_test_mode_compares_the_weights_over_the_replicas_every_iteration():
+    """Megatron-LM's --test-mode checks that the q/k norm weights agree in every forward;
+    ReCoVer's equivalent is its weight check at interval 1 (an interval given still wins)."""
+    def interval(*flags: str) -> int:
+        args = parse_and_validate([*TINY_GPT, "--train-iters", "2", *flags], world_size=1)
+        return StepConfig.from_args(args, recovering=True).weight_check_interval
+    assert (interval(), interval("--test-mode")) == (0, 1)
+    assert interval("--test-mode", "--check-weight-hash-across-dp-replicas-interval", "5") == 5
 
 
 def test_the_flag_table_is_current():

@@ -382,7 +382,8 @@ class StepConfig:
                    chunks=model_chunks_of(args) or 1,
                    vp_group=args.microbatch_group_size_per_vp_stage or 0,
                    overlap_warmup_flush=bool(args.overlap_p2p_comm_warmup_flush),
-                   weight_check_interval=args.check_weight_hash_across_dp_replicas_interval or 0,
+                   weight_check_interval=args.check_weight_hash_across_dp_replicas_interval
+                   or (1 if args.test_mode else 0),  # --test-mode: every iteration
                    clip_grad=args.clip_grad, log_num_zeros=bool(args.log_num_zeros_in_grad),
                    log_params_norm=bool(args.log_params_norm),
                    micro_batch_size=args.micro_batch_size,

@@ -103,7 +103,7 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     if args.use_flash_attn:
         lines.append("--use-flash-attn changes nothing (as in current Megatron-LM for megatron-core "
                      "models): the attention kernel is --attention-backend")
-    lines += _checkpoint_differences(args) + _no_effect_lines(args)
+    lines += _checkpoint_differences(args) + _no_effect_lines(args) + own_way_lines(args)
     if args.num_workers != NUM_WORKERS_DEFAULT:
         lines.append(f"--num-workers {args.num_workers} has no effect: each rank reads its "
                      "microbatches by id in the training process, there is no data-loader pool")
@@ -196,3 +196,29 @@ def _non_persistent_differences(args: argparse.Namespace) -> list[str]:
                      "changes nothing: each rank writes its own file and sends nothing")
     return lines
 
+
+def own_way_lines(args: argparse.Namespace) -> list[str]:
+    """The start-up line of each flag of `arguments.flags.own_way` given: what ReCoVer does
+    instead."""
+    lines = []
+    if not args.check_for_nan_in_loss_and_grad:
+        lines.append("--no-check-for-nan-in-loss-and-grad: ReCoVer keeps its check of non-finite "
+                     f"losses (--rerun-mode {args.rerun_mode}"
+                     + ("; --rerun-mode disabled turns it off)" if args.rerun_mode != "disabled"
+                        else ": off already)"))
+    if not args.use_gloo_process_groups:
+        lines.append("--disable-gloo-process-groups changes nothing: ReCoVer builds none of "
+                     "Megatron-LM's gloo groups")
+    if args.async_ckpt_use_cpu_shm:
+        lines.append("--async-ckpt-use-cpu-shm changes nothing: --async-save's writer is a thread "
+                     "of the training process, no shared memory is needed to reach the host copy")
+    if args.test_mode:
+        every = args.check_weight_hash_across_dp_replicas_interval or 1
+        lines.append("--test-mode: the weights are compared over the DP replicas after every "
+                     + ("iteration" if every == 1 else f"{every} iterations")
+                     + " (Megatron-LM compares the q/k norm weights over DP and TP in every "
+                     "attention forward; ReCoVer does not compare TP copies)")
+    if args.grad_reduce_in_bf16:
+        lines.append("--grad-reduce-in-bf16: gradients are reduced in fp32 (ReCoVer's exact "
+                     "reduction): 4 bytes per parameter on the wire instead of 2")
+    return lines

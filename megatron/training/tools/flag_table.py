@@ -87,6 +87,18 @@ NO_EFFECT: dict[str, str] = {
                         "(the kernel is --attention-backend)",
 }
 
+# flag -> what ReCoVer does instead of what it asks (`arguments.flags.own_way`; said at start-up)
+OWN_WAY: dict[str, str] = {
+    "--no-check-for-nan-in-loss-and-grad": "the non-finite-loss check stays (--rerun-mode "
+                                           "governs it): one replica's NaN must not be committed",
+    "--disable-gloo-process-groups": "no effect: ReCoVer builds none of Megatron-LM's gloo groups",
+    "--async-ckpt-use-cpu-shm": "no effect: --async-save's writer is a thread, not a process",
+    "--test-mode": "all weights compared over the DP replicas every iteration instead of the "
+                   "q/k norms' over DP and TP in every forward",
+    "--grad-reduce-in-bf16": "gradients reduced in fp32 (exact reduction): 4 bytes per "
+                             "parameter on the wire, not 2",
+}
+
 
 def _cell(value) -> str:
     text = "" if value is None else str(value)
@@ -116,6 +128,8 @@ def _row(flags: list[str], default, group: str | None, nargs, parser) -> str:
         status, why = "refused: not supported yet", REFUSED_BY_THE_CHECKS[flag]
     elif flag in NO_EFFECT:
         status, why = "accepted, no effect", NO_EFFECT[flag]
+    elif flag in OWN_WAY:
+        status, why = "accepted, done ReCoVer's way", OWN_WAY[flag]
     else:
         status = "honoured"
         why = "; ".join(x for x in (DIFFERENCES.get(flag), SOME_VALUES.get(flag) and

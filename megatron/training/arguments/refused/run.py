@@ -50,9 +50,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--disable-manual-gc-eval": not_yet("changes garbage collection around evaluation, not "
                                         "supported yet"),
     "--iterations-to-skip": not_yet("skips iterations' data, not supported yet"),
-    "--no-check-for-nan-in-loss-and-grad": own_way(
-        "turns off the NaN check; ReCoVer always checks the reduced gradient norm, because a "
-        "NaN from one replica must not be committed by all", "drop the flag"),
     "--dump-param-to-param-group-map": not_yet("dumps the optimizer's parameter groups, not "
                                                "supported yet"),
     "--dataloader-type": own_way("picks Megatron's data loader; ReCoVer reads each microbatch "
@@ -79,7 +76,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--ckpt-convert-update-legacy-dist-opt-format": _CKPT_CONVERT,
     "--async-ckpt-cpu-priority": _FULLY_PARALLEL_TUNING,
     "--async-ckpt-io-priority": _FULLY_PARALLEL_TUNING,
-    "--async-ckpt-use-cpu-shm": _FULLY_PARALLEL_TUNING,
     "--ckpt-fully-parallel-load-exchange-algo": _FULLY_PARALLEL_TUNING,
     "--ckpt-fully-parallel-load-per-rank-objects": _FULLY_PARALLEL_TUNING,
     "--ckpt-fully-parallel-save-process-group": _FULLY_PARALLEL_TUNING,
@@ -99,7 +95,7 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--dist-ckpt-workers": _FULLY_PARALLEL_TUNING,
     "--ckpt-drop-redundant-extra-state": _FULLY_PARALLEL_TUNING,
     # mixed precision
-    "--grad-reduce-in-bf16": _PRECISION_DTYPES, "--fp16-lm-cross-entropy": not_yet(
+    "--fp16-lm-cross-entropy": not_yet(
         "computes the cross entropy in fp16, not supported yet"),
     "--output-logit-dtype": not_yet("sets the logits' dtype, not supported yet"),
     "--use-precision-aware-optimizer": _PRECISION_DTYPES, "--main-grads-dtype": _PRECISION_DTYPES,
@@ -115,9 +111,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--sharp-enabled-group": _NCCL_TUNING, "--high-priority-stream-groups": _NCCL_TUNING,
     "--use-nccl-ub": _NCCL_TUNING, "--disable-symmetric-registration": _NCCL_TUNING,
     "--create-all-gather-group": _NCCL_TUNING,
-    "--disable-gloo-process-groups": own_way("drops gloo groups; ReCoVer's CPU-side agreement "
-                                             "needs none, and on CPU gloo is the backend",
-                                             "drop the flag"),
     "--distributed-timeout-seconds-after-init": own_way(
         "sets the timeout of collectives; ReCoVer bounds every operation by --recover-timeout",
         "drop the flag (set --recover-timeout)"),
@@ -139,10 +132,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--start-eval-at-iter": _EVAL, "--eval-global-batch-size": _EVAL,
     "--eval-micro-batch-size": _EVAL, "--skip-train": _EVAL, "--full-validation": _EVAL,
     "--multiple-validation-sets": _EVAL, "--validation-set-names": _EVAL,
-    "--test-mode": own_way("runs megatron-core's real-time check that the QK-layernorm weights "
-                           "agree across DP ranks, over Megatron's global groups",
-                           "drop the flag (--check-weight-hash-across-dp-replicas-interval N "
-                           "checks that the replicas hold the same weights)"),
     # data
     "--phase-transition-iterations": _BATCH_SCHEDULE,
     "--per-dataset-sequences-path": not_yet("reads per-dataset sequence counts, not supported "
