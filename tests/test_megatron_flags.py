@@ -115,6 +115,24 @@ def test_a_flag_done_recovers_way_starts_the_run_and_says_what_happens_instead(f
     assert len(said) == 1, said
 
 
+@pytest.mark.parametrize("given", [["--export-te-mcore-model"],
+                                   ["--export-kd-teacher-load", "/teacher"]])
+def test_modelopts_flags_are_refused_as_modelopts(given, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate([*TINY_GPT, "--train-iters", "2", *given], world_size=1)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "NVIDIA Model Optimizer" in err and given[0] in err, err
+
+
+def test_modelopts_builder_flags_of_a_pretraining_recipe_change_nothing_and_say_so():
+    """examples/gptoss/02_train.sh passes them to a run with no ModelOpt checkpoint or teacher,
+    where Megatron-LM's pretrain_gpt.py does not build with ModelOpt's builder."""
+    flags = ["--export-force-local-attention", "--enable-gpt-oss"]
+    args = parse_and_validate([*TINY_GPT, "--train-iters", "2", *flags], world_size=1)
+    said = [line for line in megatron_differences(args, "cpu") if "ModelOpt" in line]
+    assert [line.split()[0] for line in said] == flags
+
+
 def test_test_mode_compares_the_weights_over_the_replicas_every_iteration():
     """Megatron-LM's --test-mode checks that the q/k norm weights agree in every forward;
     ReCoVer's equivalent is its weight check at interval 1 (an interval given still wins)."""
@@ -129,3 +147,14 @@ def test_the_flag_table_is_current():
     written = (REPO / "docs" / "megatron_flags.md").read_text()
     assert written == flag_table(), \
         "regenerate: python -m megatron.training.tools.flag_table > docs/megatron_flags.md"
+
+
+def test_the_readme_counts_the_flags_as_the_table_does():
+    statuses = [line.rsplit(" | ", 2)[1] for line in flag_table().splitlines()
+                if line.startswith("| `--")]
+    accepted = sum(s.startswith("accepted") for s in statuses)
+    refused = sum(s.startswith("refused") for s in statuses)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (f"Of Megatron-LM's {len(statuses)} GPT flags" in readme
+            and f"{statuses.count('honoured')} are honoured, {accepted} are accepted" in readme
+            and f"and {refused} are refused" in readme), "update the README's counts"

@@ -21,7 +21,9 @@ from unittest import mock
 
 import typing_extensions
 
-SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments/__init__.py (add_megatron_arguments)"
+SOURCE = ("NVIDIA/Megatron-LM megatron/training/arguments.py (add_megatron_arguments) and "
+          "megatron/post_training/arguments.py (add_modelopt_args, which pretrain_gpt.py adds "
+          "where NVIDIA ModelOpt is installed)")
 # Modules that import triton at their top; the parser never calls into them.
 _TRITON_KERNELS = ("megatron.core.transformer.moe.ops.paged_stash", "megatron.core.ssm.ops")
 
@@ -55,7 +57,10 @@ def megatron_parser(checkout: Path) -> argparse.ArgumentParser:
     sys.path.insert(0, str(checkout))
     sys.argv = ["pretrain_gpt.py"]
     from megatron.training.arguments import add_megatron_arguments  # the checkout's
-    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    from megatron.post_training.arguments import add_modelopt_args
+    # pretrain_gpt.py passes add_modelopt_args as its extra_args_provider where ModelOpt is
+    # installed, so published GPT recipes use its flags (examples/gptoss/02_train.sh)
+    return add_modelopt_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
 
 
 def main() -> None:

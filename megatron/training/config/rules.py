@@ -218,6 +218,12 @@ def own_way_lines(args: argparse.Namespace) -> list[str]:
                      + ("iteration" if every == 1 else f"{every} iterations")
                      + " (Megatron-LM compares the q/k norm weights over DP and TP in every "
                      "attention forward; ReCoVer does not compare TP copies)")
+    for flag, given in (("--export-force-local-attention", args.export_force_local_attention),
+                        ("--enable-gpt-oss", args.enable_gpt_oss)):
+        if given:
+            lines.append(f"{flag} changes nothing: it shapes NVIDIA ModelOpt's model builder, "
+                         "which Megatron-LM uses only to load a ModelOpt checkpoint or to "
+                         "distil from a teacher")
     if args.grad_reduce_in_bf16:
         lines.append("--grad-reduce-in-bf16: gradients are reduced in fp32 (ReCoVer's exact "
                      "reduction): 4 bytes per parameter on the wire instead of 2")

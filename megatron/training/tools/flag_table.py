@@ -85,6 +85,10 @@ NO_EFFECT: dict[str, str] = {
     "--straggler-ctrlr-port": "there is no straggler control server",
     "--use-flash-attn": "read nowhere for megatron-core models in Megatron-LM either "
                         "(the kernel is --attention-backend)",
+    "--export-force-local-attention": "ModelOpt's model builder only (a ModelOpt checkpoint or "
+                                      "a teacher), as in Megatron-LM's pre-training recipes",
+    "--enable-gpt-oss": "ModelOpt's model builder only (a ModelOpt checkpoint or a teacher), as "
+                        "in Megatron-LM's pre-training recipes",
 }
 
 # flag -> what ReCoVer does instead of what it asks (`arguments.flags.own_way`; said at start-up)

@@ -35,4 +35,18 @@ def add_own_way_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-LM: reduce gradients in bf16. ReCoVer reduces them in fp32, as "
                         "Megatron-LM does without the flag: its exact, order-independent "
                         "reduction sums fp32 (4 bytes per parameter on the wire, not 2).")
+    _add_modelopt_builder_args(g)
 
+
+def _add_modelopt_builder_args(g) -> None:
+    """Two of NVIDIA ModelOpt's model-builder flags that a published pre-training recipe passes
+    (examples/gptoss/02_train.sh). Megatron-LM's pretrain_gpt.py builds its model with
+    ModelOpt's builder only to load a ModelOpt checkpoint or to distil from a teacher; that
+    recipe does neither, so there they change nothing, as here. (ModelOpt's other flags are
+    refused: `refused.reasons`.)"""
+    g.add_argument("--export-force-local-attention", action="store_true",
+                   help="ModelOpt's builder: local attention instead of transformer-engine's. "
+                        "Changes nothing here, as in Megatron-LM without a ModelOpt checkpoint.")
+    g.add_argument("--enable-gpt-oss", action="store_true",
+                   help="ModelOpt's builder: GPT-OSS's YaRN rope settings. Changes nothing here, "
+                        "as in Megatron-LM without a ModelOpt checkpoint.")

@@ -34,6 +34,10 @@ GROUPS_NOT_FOR_PRETRAINING: dict[str, str] = {
     "sft": "configures supervised fine-tuning data",
     "heterogeneous architecture": "configures NAS-derived heterogeneous models, not the GPT model",
     "workload inspector": "starts NVIDIA's workload inspector server",
+    "modelopt-generic": "configures NVIDIA Model Optimizer (quantisation, distillation, export, "
+                        "its fine-tuning data and model builder), which Megatron-LM's "
+                        "pretrain_gpt.py takes where ModelOpt is installed; ReCoVer builds "
+                        "megatron-core's GPT and loads no ModelOpt checkpoint",
 }
 
 _MOE = not_yet("is a mixture-of-experts option not supported yet (--num-experts and the MoE "
