@@ -144,7 +144,9 @@ def _no_effect_lines(args: argparse.Namespace) -> list[str]:
          "--overlap-param-gather-with-optimizer-step", "the weights' all-gathers already overlap "
          "the next forward with --overlap-param-gather"),
         (args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute", "it schedules "
-         "transformer-engine's fused weight-gradient GEMMs; the embedding's gradient is the same"))
+         "transformer-engine's fused weight-gradient GEMMs; the embedding's gradient is the same"),
+        (args.wgrad_deferral_limit != 0, f"--wgrad-deferral-limit {args.wgrad_deferral_limit}",
+         "it limits --defer-embedding-wgrad-compute's schedule; the gradient is the same"))
     lines = [f"{flag} changes nothing: {why}" for on, flag, why in given if on]
     kept = [m for m in args.recompute_modules or () if m in KEPT_IN_MEMORY]
     if kept:

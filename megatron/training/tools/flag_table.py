@@ -66,6 +66,7 @@ NO_EFFECT: dict[str, str] = {
     "--ddp-average-in-collective": "gradients are summed and divided by the global token count",
     "--overlap-param-gather-with-optimizer-step": "the all-gathers overlap the next forward",
     "--defer-embedding-wgrad-compute": "a GEMM schedule; the same gradient",
+    "--wgrad-deferral-limit": "the limit of that GEMM schedule; the same gradient",
     "--moe-grouped-gemm": "a kernel choice: the experts' products one GEMM per expert "
                           "(SequentialMLP), not grouped; the same results, slower",
     "--moe-permute-fusion": "a kernel choice: megatron-core's unfused permutation, the same tokens",

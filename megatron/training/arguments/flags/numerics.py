@@ -75,6 +75,9 @@ def _add_activation_args(g) -> None:
     g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
                    help="Accepted, changes nothing: a scheduling of transformer-engine's fused "
                         "weight-gradient GEMMs; the embedding's gradient is the same.")
+    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
+                   help="Accepted, changes nothing: how many microbatches' embedding "
+                        "weight-gradient GEMMs --defer-embedding-wgrad-compute defers (0: all).")
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native"],
                    help="The fused cross entropy's kernel: megatron-core's native one "
                         "(transformer-engine's `te` is not supported yet).")

@@ -64,7 +64,6 @@ MODEL_FLAGS: dict[str, Refusal] = {
                                                 "num-layers / --decoder-last-pipeline-num-layers"),
     "--use-ring-exchange-p2p": not_yet("uses ring-exchange p2p, not supported yet"),
     "--delay-wgrad-compute": not_yet("delays weight-gradient GEMMs, not supported yet"),
-    "--wgrad-deferral-limit": not_yet("defers the embedding's weight gradient, not supported yet"),
     "--model-parallel-size": not_yet("is Megatron-LM's deprecated spelling",
                                      "use --tensor-model-parallel-size"),
 }
