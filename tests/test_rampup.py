@@ -14,7 +14,9 @@ from fractions import Fraction
 
 import pytest
 
+from megatron.training.arguments import parse_and_validate
 from megatron.training.config import BatchSchedule
+from megatron.training.config.batch import parse_step_schedule
 from tests._launch_util import TINY_GPT, launch
 
 
@@ -99,3 +101,72 @@ def test_rampup_run_follows_the_ramp_across_a_failure(tmp_path):
     logged = {int(i): int(b) for i, b in re.findall(
         r"iteration\s+(\d+)/\s*\d+ \|.*?global batch size:\s+(\d+) \|", run.stdout)}
     assert logged == {i + 1: e["global_batch_size"] for i, e in enumerate(expected)}
+
+
+# --- --step-batch-size-schedule -----------------------------------------------------------------
+
+def megatron_step_batch(schedule: list[tuple[int, int]], consumed: int) -> int:
+    """Megatron-LM's rule, written out: the batch of the last threshold reached."""
+    batch = schedule[0][1]
+    for threshold, size in schedule:
+        if consumed >= threshold:
+            batch = size
+    return batch
+
+
+def test_a_step_schedule_is_read_as_megatron_reads_it():
+    steps = parse_step_schedule("0:768, 250B:1536 500B:3072 750b:6144", seq_length=2048)
+    assert steps == ((0, 768), (250 * 10**9 // 2048, 1536), (500 * 10**9 // 2048, 3072),
+                     (750 * 10**9 // 2048, 6144))
+    assert parse_step_schedule("0:8 1.5K:16", seq_length=None) == ((0, 8), (1500, 16))
+    for wrong in ("8:16", "0:8 0:16", "0:8 16", "0:8 100:0", "0:eight"):
+        with pytest.raises(ValueError):
+            parse_step_schedule(wrong, seq_length=None)
+
+
+def test_the_global_batch_steps_at_each_threshold():
+    steps = ((0, 2), (8, 4), (16, 8))
+    at = BatchSchedule(micro_batch_size=1, global_batch_size=8, rampup=None,
+                       steps=steps).global_batch_size_at
+    for consumed in range(40):
+        assert at(consumed) == megatron_step_batch(list(steps), consumed), consumed
+
+
+def without_global_batch() -> list[str]:
+    """TINY_GPT without --global-batch-size: a step schedule sets it."""
+    flags = list(TINY_GPT)
+    at = flags.index("--global-batch-size")
+    return flags[:at] + flags[at + 2:]
+
+
+SCHEDULE = "0:2 256:4 512:8"  # tokens: at seq 32, samples 0, 8 and 16
+STEP_ITERS = 8
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_step_schedule_run_logs_each_iterations_batch(tmp_path):
+    run = launch(1, [*without_global_batch(), "--step-batch-size-schedule", SCHEDULE, "--train-iters",
+                     str(STEP_ITERS)], tmp_path / "metrics.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    consumed, expected = 0, []
+    for _ in range(STEP_ITERS):
+        expected.append(megatron_step_batch([(0, 2), (8, 4), (16, 8)], consumed))
+        consumed += expected[-1]
+    records = [r for r in run.records if "lm_loss" in r]
+    assert [r["global_batch_size"] for r in records] == expected == [2, 2, 2, 2, 4, 4, 8, 8]
+    assert [r["microbatches"] for r in records] == expected  # micro batch 1
+
+
+@pytest.mark.parametrize("given, said", [
+    (["--global-batch-size", "8"], "exclusive"),
+    (["--step-batch-size-schedule", "0:3"], "not a multiple of --micro-batch-size 2"),
+    (["--step-batch-size-schedule", "64:4"], "threshold 0")])
+def test_a_wrong_step_schedule_is_one_line_naming_the_flag(given, said, capsys):
+    flags = [*without_global_batch(), "--train-iters", "2", "--micro-batch-size", "2",
+             "--step-batch-size-schedule", "0:4", *given]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate(flags, world_size=1)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "--step-batch-size-schedule" in err and said in err, err

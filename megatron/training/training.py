@@ -129,7 +129,8 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def microbatch_ids(self) -> list[int]:
-        """The M global ids of the next iteration; M follows --rampup-batch-size if given."""
+        """The M global ids of the next iteration; M follows --rampup-batch-size or
+        --step-batch-size-schedule if given."""
         batches = self.config.batches
         mbs = batches.micro_batch_size
         first = first_microbatch_id(self.state.consumed_samples, mbs)

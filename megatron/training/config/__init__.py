@@ -22,6 +22,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron.training.config.batch import BatchSchedule
 from megatron.training.config.moe import moe_fields
 from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
@@ -287,38 +288,6 @@ class ScheduleConfig:
                    use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
                    override_scheduler=args.override_opt_param_scheduler,
                    wsd_decay_steps=wsd, wsd_decay_style=args.lr_wsd_decay_style)
-
-
-@dataclass(frozen=True)
-class BatchSchedule:
-    """The global batch per iteration: --global-batch-size, ramped up from START in steps of
-    INCR over SAMPLES consumed samples by --rampup-batch-size (Megatron's rule)."""
-    micro_batch_size: int
-    global_batch_size: int
-    rampup: tuple[int, int, int] | None  # START INCR SAMPLES
-
-    def __post_init__(self):
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"global batch {self.global_batch_size} is not a multiple of the "
-                             f"micro batch {self.micro_batch_size}")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BatchSchedule:
-        rampup = None if args.rampup_batch_size is None else tuple(args.rampup_batch_size)
-        return cls(args.micro_batch_size, args.global_batch_size, rampup)
-
-    def global_batch_size_at(self, consumed_samples: int) -> int:
-        """Global batch of the iteration starting after `consumed_samples` samples: the ramp
-        goes up in equal steps, each lasting an equal share of SAMPLES; then the full batch."""
-        final = self.global_batch_size
-        if self.rampup is None:
-            return final
-        start, incr, ramp_samples = self.rampup
-        steps = (final - start) // incr
-        if steps == 0 or ramp_samples <= 0 or consumed_samples > ramp_samples:
-            return final
-        samples_per_step = ramp_samples / steps
-        return min(final, start + int(consumed_samples / samples_per_step) * incr)
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,9 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
                    metavar=("START", "INCR", "SAMPLES"),
                    help="Grow the global batch from START by INCR over SAMPLES samples. Unlike "
                         "Megatron-LM, also allowed with --train-iters.")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help='Global batch by consumed tokens, "THRESHOLD:BATCH ..." (K/M/B/T '
+                        'suffixes; e.g. "0:768 250B:1536"), instead of --global-batch-size.')
     g.add_argument("--train-iters", type=int, default=None, help="Iterations to train for.")
     g.add_argument("--train-samples", type=int, default=None,
                    help="Samples to train for (sets train-iters; excludes --train-iters).")

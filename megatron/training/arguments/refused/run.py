@@ -31,7 +31,7 @@ _TOKENIZER = not_yet("configures a tokenizer ReCoVer does not build yet (GPT2BPE
 _PRECISION_DTYPES = own_way("sets the dtype of main params, grads or Adam moments; ReCoVer keeps "
                             "them in fp32 (its bf16/fp16 recipe)", "drop the flag")
 _BATCH_SCHEDULE = not_yet("changes the batch size during the run other than by "
-                          "--rampup-batch-size, not supported yet")
+                          "--rampup-batch-size or --step-batch-size-schedule, not supported yet")
 _SIGNALS = not_yet("chooses the exit signal or its handlers, not supported yet: "
                    "--exit-signal-handler handles SIGTERM")
 _FREEZE = not_yet("freezes parameters, not supported yet")
@@ -39,8 +39,7 @@ _LOGGING = not_yet("adds a log line or metric ReCoVer does not write yet")
 
 RUN_FLAGS: dict[str, Refusal] = {
     # training
-    "--step-batch-size-schedule": _BATCH_SCHEDULE, "--decrease-batch-size-if-needed":
-        _BATCH_SCHEDULE, "--batch-size": not_yet("is Megatron-LM's deprecated spelling",
+    "--decrease-batch-size-if-needed": _BATCH_SCHEDULE, "--batch-size": not_yet("is Megatron-LM's deprecated spelling",
                                                  "use --micro-batch-size"),
     "--gpu-sniff-test-interval": not_yet("runs GPU health tests, not supported yet"),
     "--train-sync-interval": not_yet("synchronises the host every N iterations, not supported "

@@ -17,6 +17,8 @@ def validate_batch(args: argparse.Namespace, dp: int) -> None:
     if micro < 1:
         raise ArgumentError("--micro-batch-size", f"--micro-batch-size must be >= 1, got {micro}",
                             "pass a positive --micro-batch-size")
+    if args.step_batch_size_schedule is not None:
+        _validate_step_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = micro * dp
     if args.global_batch_size < 1:
@@ -28,6 +30,31 @@ def validate_batch(args: argparse.Namespace, dp: int) -> None:
             f"--micro-batch-size {micro}", "make the global batch a multiple of the micro batch")
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
+
+
+def _validate_step_schedule(args: argparse.Namespace) -> None:
+    """--step-batch-size-schedule: Megatron-LM's format and checks; each batch a multiple of the
+    micro batch (an iteration is M whole microbatches, dealt to whichever replicas live). The
+    global batch is then the last step's."""
+    from megatron.training.config.batch import parse_step_schedule
+    flag = "--step-batch-size-schedule"
+    for other, given in (("--global-batch-size", args.global_batch_size is not None),
+                         ("--rampup-batch-size", args.rampup_batch_size is not None)):
+        if given:
+            raise ArgumentError(flag, f"{flag} and {other} are exclusive (the schedule sets the "
+                                "global batch)", f"drop {other}")
+    try:
+        steps = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+    except ValueError as e:
+        raise ArgumentError(flag, f"{flag} \"{args.step_batch_size_schedule}\": {e}",
+                            'write it as "THRESHOLD:BATCH ...", e.g. "0:256 10B:512" (tokens, '
+                            "K/M/B/T suffixes), the first at 0") from None
+    odd = [size for _, size in steps if size % args.micro_batch_size]
+    if odd:
+        raise ArgumentError(flag, f"{flag}: batch size {odd[0]} is not a multiple of "
+                            f"--micro-batch-size {args.micro_batch_size}",
+                            "make every batch size a multiple of the micro batch")
+    args.global_batch_size = steps[-1][1]
 
 
 def _validate_rampup(args: argparse.Namespace) -> None:
@@ -54,7 +81,14 @@ def global_batch_size_at(args: argparse.Namespace, consumed_samples: int) -> int
 
 
 def _iterations_in_samples(args: argparse.Namespace, train_samples: int) -> int:
-    """Iterations whose whole global batch fits in `train_samples`, following the rampup."""
+    """Iterations whose whole global batch fits in `train_samples`, following the rampup; with
+    a step schedule, Megatron-LM's count: iterations until `train_samples` are reached."""
+    if args.step_batch_size_schedule is not None:
+        consumed = iterations = 0
+        while consumed < train_samples:
+            consumed += global_batch_size_at(args, consumed)
+            iterations += 1
+        return iterations
     if args.rampup_batch_size is None:
         return train_samples // args.global_batch_size
     ramp_samples = args.rampup_batch_size[2]
