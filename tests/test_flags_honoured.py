@@ -73,7 +73,8 @@ BRANCHES = [validated(),
             validated("--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
                       "local", "--replication", "--replication-jump", "1",
                       "--replication-factor", "1"),
-            validated("--num-experts", "4", "--disable-bias-linear")]  # the MoE fields
+            validated("--num-experts", "4", "--disable-bias-linear"),  # the MoE fields
+            validated("--multi-latent-attention", "--rope-type", "yarn")]  # the MLA fields
 
 
 def read_by_the_entry_point() -> set[str]:

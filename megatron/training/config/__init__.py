@@ -20,6 +20,7 @@ from megatron.core.activations import squared_relu
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron.training.config.batch import BatchSchedule
@@ -123,7 +124,10 @@ class ModelConfig:
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    return TransformerConfig(
+    # multi-latent attention: megatron-core's config of it, as Megatron-LM picks the class
+    mla = args.multi_latent_attention
+    return (MLATransformerConfig if mla else TransformerConfig)(
+        **(_mla_fields(args) if mla else {}),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -181,6 +185,17 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         **moe_fields(args),
     )
+
+
+def _mla_fields(args: argparse.Namespace) -> dict:
+    """MLATransformerConfig's own fields, from Megatron-LM's flags of the same names (its rope
+    type stays megatron-core's default, yarn, unless --rope-type is given)."""
+    fields = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+                  qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+                  v_head_dim=args.v_head_dim, rotary_scaling_factor=args.rotary_scaling_factor,
+                  mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
+                  rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
+    return fields if args.rope_type is None else {**fields, "rope_type": args.rope_type}
 
 
 def _kernels(args: argparse.Namespace) -> dict:

@@ -97,7 +97,7 @@ def megatron_differences(args: argparse.Namespace, device: str) -> list[str]:
     for flag, given in (("--openai-gelu", args.openai_gelu), ("--onnx-safe", args.onnx_safe)):
         if given:
             lines.append(f"{flag} changes nothing (current Megatron-LM reads it nowhere either)")
-    if args.rope_type == "rope":  # yarn is refused by the checks
+    if args.rope_type == "rope" and not args.multi_latent_attention:  # (yarn: MLA only)
         lines.append("--rope-type rope changes nothing: GPT attention's rope is rope (the type "
                      "matters to multi-latent attention only, as in Megatron-LM)")
     if args.use_flash_attn:

@@ -11,6 +11,7 @@ last-stage outputs to fp32 (the loss does that), and it would nest every state-d
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import re
@@ -32,6 +33,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
@@ -65,7 +68,9 @@ class SDPACoreAttention(MegatronModule):
                AttnBackend.unfused: [SDPBackend.MATH], AttnBackend.local: [SDPBackend.MATH]}
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                 k_channels=None, v_channels=None):
+        # k_channels / v_channels: multi-latent attention's head sizes; SDPA reads the tensors'
         super().__init__(config=config)
         # read by megatron-core's default sharded_state_dict (a torch_dist checkpoint): it has no
         # parameters, but without a group of its own it would look up the global TP group
@@ -153,7 +158,7 @@ class TorchNorm:
 
 
 def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | None,
-               pp_rank: int):
+               pp_rank: int, tp_group=None):
     """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
     loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules."""
     te = implementation == "transformer_engine"  # a GPU with TE installed (checked before)
@@ -162,7 +167,7 @@ def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | N
                                            normalization=config.normalization,
                                            vp_stage=vp_stage, pp_rank=pp_rank)
         for spec in {id(s): s for s in block.layer_specs}.values():  # the dense and MoE specs
-            _recover_modules(spec, config, te)
+            _recover_modules(spec, config, te, tp_group)
             if not te and spec.submodules.mlp.module is MoELayer:
                 spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertOutputLinear
         if not te:
@@ -172,17 +177,18 @@ def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | N
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-        _recover_modules(spec, config, te)
+        _recover_modules(spec, config, te, tp_group)
         return spec
     spec = get_gpt_layer_local_spec(normalization=config.normalization,
-                                    qk_layernorm=config.qk_layernorm)
-    _recover_modules(spec, config, te)
+                                    qk_layernorm=config.qk_layernorm,
+                                    multi_latent_attention=config.multi_latent_attention)
+    _recover_modules(spec, config, te, tp_group)
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
         layer_norm=TorchNorm)
 
 
-def _recover_modules(spec, config: TransformerConfig, te: bool) -> None:
+def _recover_modules(spec, config: TransformerConfig, te: bool, tp_group) -> None:
     """ReCoVer's attention and norms in a megatron-core layer spec (with transformer-engine,
     only the attention with CP: not run on a GPU yet)."""
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
@@ -192,7 +198,14 @@ def _recover_modules(spec, config: TransformerConfig, te: bool) -> None:
         return
     attention.core_attention = SDPACoreAttention
     layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
-    if config.qk_layernorm:
+    if config.multi_latent_attention and config.q_lora_rank is None:
+        # megatron-core 0.16.1 builds MLA's query projection without its TP group (then looked
+        # up in parallel_state, which ReCoVer does not set up): the spec hands it over
+        attention.linear_q_proj = ModuleSpec(module=attention.linear_q_proj,
+                                             params={"tp_group": tp_group})
+    if config.qk_layernorm and config.multi_latent_attention:  # the latents' norms
+        attention.q_layernorm = attention.kv_layernorm = TorchNorm
+    elif config.qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = TorchNorm
 
 
@@ -254,12 +267,17 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
         moe_utils.te_general_gemm = None
     if config.num_moe_experts and not torch.cuda.is_available():
         use_host_alltoall()  # megatron-core's alltoall dispatcher asks for a CUDA stream
+    if config.multi_latent_attention and importlib.util.find_spec("transformer_engine") is None:
+        # megatron-core 0.16.1's MLA takes its transformer-engine names from a module that
+        # answers mocks without transformer-engine, and then asks isinstance(.., the mock)
+        multi_latent_attention.HAVE_TE = False
     vp = m.model_chunks
     first, last = pp_stage == 0, pp_stage == config.pipeline_model_parallel_size - 1
     chunks = [
         RecoverGPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(m.implementation, config, vp_stage, pp_stage),
+            transformer_layer_spec=layer_spec(m.implementation, config, vp_stage, pp_stage,
+                                              pg_collection.tp),
             vocab_size=m.padded_vocab_size,
             max_sequence_length=m.max_sequence_length,
             pre_process=first and not vp_stage,

@@ -40,7 +40,7 @@ DIFFERENCES: dict[str, str] = {
 REFUSED_BY_THE_CHECKS: dict[str, str] = {}
 # flag -> the values ReCoVer refuses (each refused in one line naming the flag)
 SOME_VALUES: dict[str, str] = {
-    "--recompute-modules": "mla_up_proj (multi-latent attention is not supported)",
+    "--recompute-modules": "mla_up_proj (a transformer-engine module of multi-latent attention)",
     "--context-parallel-size": "any; not yet with --use-distributed-optimizer, "
                                "--overlap-grad-reduce, --sequence-parallel, a virtual pipeline, "
                                "checkpoints, --reset-attention-mask, transformer-engine",
@@ -80,7 +80,6 @@ NO_EFFECT: dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "ReCoVer's only mode",
     "--calculate-per-token-loss": "ReCoVer's only mode",
     "--auto-detect-ckpt-format": "--load always detects the format",
-    "--rope-type": "rope is GPT attention's only type (yarn, multi-latent attention's, refused)",
     "--openai-gelu": "read nowhere in current Megatron-LM either",
     "--onnx-safe": "read nowhere in current Megatron-LM either",
     "--straggler-ctrlr-port": "there is no straggler control server",

@@ -87,9 +87,11 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
     (r"mtp-", not_yet("belongs to multi-token prediction, not supported yet")),
     (r"(use-)?mup", not_yet("belongs to muP parametrisation, not supported yet")),
     (r"muon-|lion-|sgd-", _OPTIMIZER),
-    (r"q-lora-rank|kv-lora-rank|qk-head-dim|qk-pos-emb|v-head-dim|rotary-scaling-factor|"
-     r"mscale|cache-mla|mla-|multi-latent", not_yet("belongs to multi-latent attention, not "
-                                                     "supported yet")),
+    (r"cache-mla", Refusal(NOT_FOR_PRETRAINING, "caches multi-latent attention's latents "
+                                                 "for inference")),
+    (r"mla-", not_yet("is a transformer-engine kernel choice of multi-latent attention, not "
+                      "supported yet (--multi-latent-attention runs megatron-core's local "
+                      "layers)")),
     (r"inference-|flash-decode|batch-invariant|symmetric-ar|nccl-all-reduce-for-prefill",
      Refusal(NOT_FOR_PRETRAINING, "configures inference")),
     (r"(use-pytorch-)?profile|pytorch-profiler|nvtx|record-memory|memory-snapshot|record-shapes",

@@ -106,7 +106,8 @@ def _validate_recompute(args: argparse.Namespace) -> None:
     if unknown:
         raise ArgumentError("--recompute-modules", f"--recompute-modules {' '.join(sorted(unknown))}"
                             ": not a module megatron-core recomputes for a GPT here (mla_up_proj"
-                            " needs multi-latent attention, not supported)",
+                            " is multi-latent attention's under transformer-engine, not "
+                            "supported yet)",
                             f"choose from {' '.join(RECOMPUTABLE + KEPT_IN_MEMORY)}")
     if args.recompute_method is not None and not 1 <= args.recompute_num_layers <= per_stage:
         raise ArgumentError("--recompute-num-layers", f"--recompute-num-layers "
@@ -130,9 +131,11 @@ def _derive_kv_channels(args: argparse.Namespace) -> None:
             option = "--" + flag.replace("_", "-")
             raise ArgumentError(option, f"{option} and --swiglu each choose the MLP's activation",
                                 f"drop {option} or --swiglu")
-    if args.rope_type == "yarn":  # Megatron-LM: only multi-latent attention takes yarn
-        raise ArgumentError("--rope-type", "--rope-type yarn is for multi-latent attention, which "
-                            "is not supported yet", "use --rope-type rope (or drop the flag)")
+    if args.rope_type == "yarn" and not args.multi_latent_attention:  # as Megatron-LM
+        raise ArgumentError("--rope-type", "--rope-type yarn is for multi-latent attention",
+                            "use --rope-type rope (or drop the flag), or add "
+                            "--multi-latent-attention")
+    _validate_mla(args)
     # Rotary embeddings rotate channel pairs, so every head needs an even channel count.
     if position_embedding_type_of(args) == "rope" and args.kv_channels % 2 != 0:
         raise ArgumentError("--kv-channels", f"rope needs an even per-head size, got kv-channels "
@@ -185,10 +188,31 @@ def validate_device_flags(args: argparse.Namespace, device: str) -> None:
     _validate_attention(args)
 
 
+def _validate_mla(args: argparse.Namespace) -> None:
+    """--multi-latent-attention: megatron-core's MLASelfAttention in its local layers, whole on
+    each rank (what TP and CP would split is not built yet)."""
+    if not args.multi_latent_attention:
+        return
+    flag = "--multi-latent-attention"
+    for given, other in ((args.group_query_attention, "--group-query-attention"),
+                         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
+                         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
+                         (args.transformer_impl == "transformer_engine",
+                          "--transformer-impl transformer_engine")):
+        if given:
+            exclusive = other == "--group-query-attention"  # Megatron-LM asserts it too
+            raise ArgumentError(flag, f"{flag} with {other} is " + (
+                "not possible: MLA has its own key/value sharing" if exclusive else
+                "not supported yet (megatron-core's local MLA layers, whole on each rank)"),
+                f"drop {other.split()[0]}" if exclusive or "transformer" in other
+                else f"drop {other.split()[0]} (DP and PP are supported)")
+
+
 def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
     te_available = importlib.util.find_spec("transformer_engine") is not None
     if args.transformer_impl is None:  # with CP, ReCoVer's own attention (TE's is refused)
-        te_default = not on_cpu and te_available and args.context_parallel_size == 1
+        te_default = not on_cpu and te_available and args.context_parallel_size == 1 \
+            and not args.multi_latent_attention  # MLA: megatron-core's local layers
         args.transformer_impl = "transformer_engine" if te_default else "local"
     elif args.transformer_impl == "transformer_engine":
         if on_cpu:
