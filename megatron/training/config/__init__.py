@@ -154,6 +154,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         normalization=args.normalization,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
+        attention_output_gate=args.attention_output_gate,
         add_bias_linear=args.add_bias_linear,
         gated_linear_unit=args.swiglu or args.quick_geglu,
         activation_func=activation_of(args),

@@ -27,7 +27,10 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-LM's older spelling of --position-embedding-type rope.")
     g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
                    help="Rope variant. Attention other than multi-latent takes only rope (as in "
-                        "Megatron-LM); yarn is refused.")
+                        "Megatron-LM); multi-latent attention defaults to yarn.")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="Gated attention: the query projection also gives a gate per head, and "
+                        "the attention's output is multiplied by its sigmoid (megatron-core).")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                    help="Rope: divide positions by this factor (linear interpolation).")
     g.add_argument("--use-rope-scaling", action="store_true",

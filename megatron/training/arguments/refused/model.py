@@ -29,7 +29,7 @@ MODEL_FLAGS: dict[str, Refusal] = {
     "--short-seq-prob": _T5_BERT,
     "--sample-rate": not_yet("subsamples the datasets, not supported yet"),
     "--window-size": _ATTENTION_VARIANT, "--window-attn-skip-freq": _ATTENTION_VARIANT,
-    "--softmax-type": _ATTENTION_VARIANT, "--attention-output-gate": _ATTENTION_VARIANT,
+    "--softmax-type": _ATTENTION_VARIANT,
     "--qk-l2-norm": _ATTENTION_VARIANT, "--qk-clip": _ATTENTION_VARIANT,
     "--qk-clip-alpha": _ATTENTION_VARIANT, "--qk-clip-threshold": _ATTENTION_VARIANT,
     "--log-max-attention-logit": _ATTENTION_VARIANT,

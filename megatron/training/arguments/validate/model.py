@@ -193,19 +193,20 @@ def _validate_mla(args: argparse.Namespace) -> None:
     each rank (what TP and CP would split is not built yet)."""
     if not args.multi_latent_attention:
         return
-    flag = "--multi-latent-attention"
-    for given, other in ((args.group_query_attention, "--group-query-attention"),
-                         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
-                         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
-                         (args.transformer_impl == "transformer_engine",
-                          "--transformer-impl transformer_engine")):
+    flag, whole = "--multi-latent-attention", "megatron-core's local MLA layers, whole on each rank"
+    for given, other, why, fix in (
+            (args.group_query_attention, "--group-query-attention",  # Megatron-LM asserts it
+             "not possible: MLA shares its keys and values through a latent", "drop it"),
+            (args.attention_output_gate, "--attention-output-gate",  # megatron-core raises
+             "not supported by megatron-core's MLA yet", "drop it"),
+            (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1",
+             f"not supported yet ({whole})", "use DP and PP"),
+            (args.context_parallel_size > 1, "--context-parallel-size > 1",
+             f"not supported yet ({whole})", "use DP and PP"),
+            (args.transformer_impl == "transformer_engine", "--transformer-impl "
+             "transformer_engine", f"not supported yet ({whole})", "use --transformer-impl local")):
         if given:
-            exclusive = other == "--group-query-attention"  # Megatron-LM asserts it too
-            raise ArgumentError(flag, f"{flag} with {other} is " + (
-                "not possible: MLA has its own key/value sharing" if exclusive else
-                "not supported yet (megatron-core's local MLA layers, whole on each rank)"),
-                f"drop {other.split()[0]}" if exclusive or "transformer" in other
-                else f"drop {other.split()[0]} (DP and PP are supported)")
+            raise ArgumentError(flag, f"{flag} with {other} is {why}", f"{fix} ({other.split()[0]})")
 
 
 def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
