@@ -153,16 +153,12 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         init_method_std=args.init_method_std,
         normalization=args.normalization,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        qk_layernorm=args.qk_layernorm,
-        attention_output_gate=args.attention_output_gate,
+        **_attention(args),
         add_bias_linear=args.add_bias_linear,
         gated_linear_unit=args.swiglu or args.quick_geglu,
         activation_func=activation_of(args),
         glu_linear_offset=args.glu_linear_offset,
         activation_func_clamp_value=args.activation_func_clamp_value,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
-        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-        attention_backend=AttnBackend[args.attention_backend],
         rotary_interleaved=args.rotary_interleaved,
         deterministic_mode=args.deterministic_mode,
         # megatron-core's recompute saves and restores the RNG states (our tracker's included), so
@@ -186,6 +182,14 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         **moe_fields(args),
     )
+
+
+def _attention(args: argparse.Namespace) -> dict:
+    """The attention's options (megatron-core's SelfAttention and its core attention)."""
+    return dict(qk_layernorm=args.qk_layernorm, attention_output_gate=args.attention_output_gate,
+                apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+                attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+                attention_backend=AttnBackend[args.attention_backend])
 
 
 def _mla_fields(args: argparse.Namespace) -> dict:
