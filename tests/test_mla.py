@@ -1,6 +1,6 @@
 """Multi-latent attention (`--multi-latent-attention`): megatron-core's MLASelfAttention in the
-GPT layers, whole on each rank. DP 2 with a rank killed in its backward keeps one process's
-losses; what is not built yet (TP, CP, transformer-engine layers) is one line naming the flag."""
+GPT layers, whole on each rank. DP 2 with a rank killed in its backward, and PP 2, keep one
+process's losses; what is not built yet (TP, CP, transformer-engine layers) is one line naming the flag."""
 from __future__ import annotations
 
 import math
@@ -57,15 +57,19 @@ def test_a_killed_mla_rank_keeps_one_process_losses(tmp_path):
     """The query projected directly (no --q-lora-rank: megatron-core builds that projection
     without its TP group, which ReCoVer's spec hands over). DP 2, rank 1 killed in a backward
     of iteration 2: replica 0 recomputes its microbatches in the same iteration. Also one
-    process with the query latent, its norms and yarn rope trains (finite, falling losses)."""
+    process with the query latent, its norms and yarn rope trains (finite, falling losses), and
+    PP 2 follows one process."""
     runs = [launch(1, FLAGS, tmp_path / "one.jsonl"),
             launch(2, [*FLAGS, "--recover-spares", "off",
                        "--inject-fault", "kill:rank=1,iter=2,phase=backward"],
                    tmp_path / "two.jsonl", launcher_args=[], timeout=240),
             launch(1, [*FLAGS, "--q-lora-rank", "24", "--qk-layernorm", "--rope-type", "yarn",
-                       "--rotary-scaling-factor", "4"], tmp_path / "latent.jsonl")]
+                       "--rotary-scaling-factor", "4"], tmp_path / "latent.jsonl"),
+            launch(2, [*FLAGS, "--pipeline-model-parallel-size", "2"], tmp_path / "pp2.jsonl")]
     assert all(r.returncode == 0 for r in runs), runs[1].stdout[-3000:] + runs[1].stderr[-3000:]
-    one, two, latent = ([r for r in run.records if "lm_loss" in r] for run in runs)
+    one, two, latent, pp2 = ([r for r in run.records if "lm_loss" in r] for run in runs)
+    for mine, ref in zip(pp2, one, strict=True):  # the layers split over two stages
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * ref["lm_loss"], (mine, ref)
     assert [r["live_replicas"] for r in two] == [[0, 1]] + [[0]] * (ITERS - 1)
     for mine, ref in zip(two, one, strict=True):
         assert mine["microbatches"] == 8, mine
