@@ -9,6 +9,7 @@ import pytest
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron.training.arguments import parse_and_validate
+from megatron.training.checkpointing import LATEST_FILE
 from megatron.training.config import transformer_config
 from tests._launch_util import TINY_GPT, launch
 
@@ -58,18 +59,24 @@ def test_a_killed_mla_rank_keeps_one_process_losses(tmp_path):
     without its TP group, which ReCoVer's spec hands over). DP 2, rank 1 killed in a backward
     of iteration 2: replica 0 recomputes its microbatches in the same iteration. Also one
     process with the query latent, its norms and yarn rope trains (finite, falling losses), and
-    PP 2 follows one process."""
+    PP 2 follows one process, and one process resumes from PP 2's checkpoint of iteration 2."""
     runs = [launch(1, FLAGS, tmp_path / "one.jsonl"),
             launch(2, [*FLAGS, "--recover-spares", "off",
                        "--inject-fault", "kill:rank=1,iter=2,phase=backward"],
                    tmp_path / "two.jsonl", launcher_args=[], timeout=240),
             launch(1, [*FLAGS, "--q-lora-rank", "24", "--qk-layernorm", "--rope-type", "yarn",
                        "--rotary-scaling-factor", "4"], tmp_path / "latent.jsonl"),
-            launch(2, [*FLAGS, "--pipeline-model-parallel-size", "2"], tmp_path / "pp2.jsonl")]
+            launch(2, [*FLAGS, "--pipeline-model-parallel-size", "2", "--save",
+                       str(tmp_path / "ckpt"), "--save-interval", "2"], tmp_path / "pp2.jsonl")]
     assert all(r.returncode == 0 for r in runs), runs[1].stdout[-3000:] + runs[1].stderr[-3000:]
     one, two, latent, pp2 = ([r for r in run.records if "lm_loss" in r] for run in runs)
     for mine, ref in zip(pp2, one, strict=True):  # the layers split over two stages
         assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * ref["lm_loss"], (mine, ref)
+    (tmp_path / "ckpt" / LATEST_FILE).write_text("2")  # PP 2's checkpoint, read by one process
+    resumed = launch(1, [*FLAGS, "--load", str(tmp_path / "ckpt")], tmp_path / "resumed.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert all(abs(a - b["lm_loss"]) <= 1e-5 * b["lm_loss"]
+               for a, b in zip(resumed.losses(), one[2:], strict=True)), resumed.losses()
     assert [r["live_replicas"] for r in two] == [[0, 1]] + [[0]] * (ITERS - 1)
     for mine, ref in zip(two, one, strict=True):
         assert mine["microbatches"] == 8, mine
