@@ -36,7 +36,8 @@ def test_the_flags_build_megatron_cores_mla_config():
     (["--tensor-model-parallel-size", "2"], "not supported yet"),
     (["--group-query-attention", "--num-query-groups", "2"], "shares its keys and values through a latent"),
     (["--transformer-impl", "transformer_engine"], "not supported yet"),
-    (["--attention-output-gate"], "not supported by megatron-core's MLA")])
+    (["--attention-output-gate"], "not supported by megatron-core's MLA"),
+    (["--qk-l2-norm"], "not supported by megatron-core's MLA")])
 def test_what_mla_does_not_take_yet_is_one_line(given, said, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_and_validate([*FLAGS, *given], world_size=2)

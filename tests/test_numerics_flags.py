@@ -35,6 +35,15 @@ def test_norm_epsilon_and_qkv_bias(tmp_path):
     assert "decoder.layers.0.self_attention.linear_qkv.bias" not in plain
 
 
+def test_qk_l2_norm_builds_megatron_cores_l2_norms_in_place_of_the_layernorms(tmp_path):
+    from megatron.core.transformer.torch_norm import L2Norm
+    attention = built(tmp_path, "--qk-l2-norm", "--qk-layernorm").model.decoder.layers[0] \
+        .self_attention
+    assert isinstance(attention.q_layernorm, L2Norm) and isinstance(attention.k_layernorm, L2Norm)
+    layernormed = built(tmp_path, "--qk-layernorm").model.decoder.layers[0].self_attention
+    assert not isinstance(layernormed.q_layernorm, L2Norm)
+
+
 def test_rope_flags(tmp_path):
     old_spelling = built(tmp_path, "--use-rotary-position-embeddings")
     assert old_spelling.model.position_embedding_type == "rope"

@@ -176,12 +176,14 @@ def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | N
     if te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm,
+                                                          qk_l2_norm=config.qk_l2_norm)
         _recover_modules(spec, config, te, tp_group)
         return spec
     spec = get_gpt_layer_local_spec(normalization=config.normalization,
                                     qk_layernorm=config.qk_layernorm,
-                                    multi_latent_attention=config.multi_latent_attention)
+                                    multi_latent_attention=config.multi_latent_attention,
+                                    qk_l2_norm=config.qk_l2_norm)
     _recover_modules(spec, config, te, tp_group)
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
@@ -205,7 +207,7 @@ def _recover_modules(spec, config: TransformerConfig, te: bool, tp_group) -> Non
                                              params={"tp_group": tp_group})
     if config.qk_layernorm and config.multi_latent_attention:  # the latents' norms
         attention.q_layernorm = attention.kv_layernorm = TorchNorm
-    elif config.qk_layernorm:
+    elif config.qk_layernorm and not config.qk_l2_norm:  # (megatron-core's L2Norm wins)
         attention.q_layernorm = attention.k_layernorm = TorchNorm
 
 

@@ -28,6 +28,9 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
                    help="Rope variant. Attention other than multi-latent takes only rope (as in "
                         "Megatron-LM); multi-latent attention defaults to yarn.")
+    g.add_argument("--qk-l2-norm", action="store_true",
+                   help="L2-normalise each head's queries and keys (megatron-core's L2Norm, "
+                        "Llama 4); it takes the place of --qk-layernorm's norms.")
     g.add_argument("--attention-output-gate", action="store_true",
                    help="Gated attention: the query projection also gives a gate per head, and "
                         "the attention's output is multiplied by its sigmoid (megatron-core).")

@@ -30,7 +30,7 @@ MODEL_FLAGS: dict[str, Refusal] = {
     "--sample-rate": not_yet("subsamples the datasets, not supported yet"),
     "--window-size": _ATTENTION_VARIANT, "--window-attn-skip-freq": _ATTENTION_VARIANT,
     "--softmax-type": _ATTENTION_VARIANT,
-    "--qk-l2-norm": _ATTENTION_VARIANT, "--qk-clip": _ATTENTION_VARIANT,
+    "--qk-clip": _ATTENTION_VARIANT,
     "--qk-clip-alpha": _ATTENTION_VARIANT, "--qk-clip-threshold": _ATTENTION_VARIANT,
     "--log-max-attention-logit": _ATTENTION_VARIANT,
     "--flash-attention-version": not_yet(_KERNEL), "--use-te-activation-func": not_yet(_KERNEL),

@@ -199,6 +199,8 @@ def _validate_mla(args: argparse.Namespace) -> None:
              "not possible: MLA shares its keys and values through a latent", "drop it"),
             (args.attention_output_gate, "--attention-output-gate",  # megatron-core raises
              "not supported by megatron-core's MLA yet", "drop it"),
+            (args.qk_l2_norm, "--qk-l2-norm", "not supported by megatron-core's MLA yet",
+             "drop it"),
             (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1",
              f"not supported yet ({whole})", "use DP and PP"),
             (args.context_parallel_size > 1, "--context-parallel-size > 1",
