@@ -188,6 +188,7 @@ def _attention(args: argparse.Namespace) -> dict:
     """The attention's options (megatron-core's SelfAttention and its core attention)."""
     return dict(qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm,
                 attention_output_gate=args.attention_output_gate,
+                window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
                 apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
                 attention_softmax_in_fp32=args.attention_softmax_in_fp32,
                 attention_backend=AttnBackend[args.attention_backend])

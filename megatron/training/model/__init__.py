@@ -26,6 +26,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
                                                       get_gpt_layer_local_spec)
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -83,6 +84,9 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         kernels = self.KERNELS.get(config.attention_backend)
         self.kernels = contextlib.nullcontext if kernels is None else (lambda: sdpa_kernel(kernels))
+        # --window-size (LEFT, RIGHT) on this layer unless --window-attn-skip-freq skips it
+        self.window = config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -97,12 +101,27 @@ class SDPACoreAttention(MegatronModule):
         # megatron: [seq, batch, heads, head_dim]; sdpa: [batch, heads, seq, head_dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked out
+        if self.window is not None:
+            mask = windowed(self.window, q.size(2), mask, q.device)
         with rng, self.kernels():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                 scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def windowed(window: tuple[int, int], seq: int, mask: torch.Tensor | None,
+             device) -> torch.Tensor:
+    """Sliding-window attention's mask (True = attend) for causal self-attention over `seq`
+    positions: query i sees keys j with i - LEFT <= j <= i (+ RIGHT, which causality caps;
+    -1: unbounded), as transformer-engine reads megatron-core's window_size; within `mask`."""
+    left, right = window
+    i = torch.arange(seq, device=device).unsqueeze(1)
+    j = torch.arange(seq, device=device).unsqueeze(0)
+    allowed = (j <= i) & ((j >= i - left) if left >= 0 else True) \
+        & ((j <= i + right) if right >= 0 else True)
+    return allowed if mask is None else allowed & mask
 
 
 class RecoverGPTModel(GPTModel):

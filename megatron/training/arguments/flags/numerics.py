@@ -7,6 +7,19 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.arguments.flags.moe import moe_layer_freq
+
+
+def window_size(text: str) -> tuple[int, int]:
+    """Megatron-LM's tuple of --window-size: "LEFT,RIGHT", brackets allowed."""
+    try:
+        values = tuple(int(v) for v in text.strip().strip("()").split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or min(values) < -1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (integers >= -1, e.g. 128,0)")
+    return values[0], values[1]
+
 
 def add_numerics_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and optimizer numerics")
@@ -28,6 +41,12 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
                    help="Rope variant. Attention other than multi-latent takes only rope (as in "
                         "Megatron-LM); multi-latent attention defaults to yarn.")
+    g.add_argument("--window-size", type=window_size, default=None,
+                   help='Sliding-window attention: "LEFT,RIGHT" keys before and after each query '
+                        "(-1: unbounded; causal attention ignores RIGHT). Default: off.")
+    g.add_argument("--window-attn-skip-freq", type=moe_layer_freq, default=None,
+                   help="With --window-size: every N-th layer attends to everything, or a 0/1 "
+                        "list expression per layer (1: windowed).")
     g.add_argument("--qk-l2-norm", action="store_true",
                    help="L2-normalise each head's queries and keys (megatron-core's L2Norm, "
                         "Llama 4); it takes the place of --qk-layernorm's norms.")

@@ -14,8 +14,8 @@ _KERNEL = "selects a GPU kernel or fusion that ReCoVer does not build yet"
 _T5_BERT = Refusal(NOT_FOR_PRETRAINING, "configures encoder-decoder (T5) or BERT models")
 _INIT = not_yet("changes weight initialisation; ReCoVer draws every weight by name from "
                 "--init-method-std so that any layout starts from the same weights")
-_ATTENTION_VARIANT = not_yet("changes attention (sliding window, softmax variants, gates, clipping)"
-                             ", not supported by ReCoVer's attention yet")
+_ATTENTION_VARIANT = not_yet("changes attention (softmax variants, clipping, logit logging), not "
+                             "supported by ReCoVer's attention yet")
 _YARN = not_yet("configures YaRN rope scaling, not supported yet")
 _DEPRECATED_POSITION = not_yet("is a deprecated spelling Megatron-LM keeps; not supported",
                                "use --position-embedding-type")
@@ -28,7 +28,6 @@ MODEL_FLAGS: dict[str, Refusal] = {
     "--bert-no-binary-head": _T5_BERT, "--vocab-extra-ids": _T5_BERT, "--mask-prob": _T5_BERT,
     "--short-seq-prob": _T5_BERT,
     "--sample-rate": not_yet("subsamples the datasets, not supported yet"),
-    "--window-size": _ATTENTION_VARIANT, "--window-attn-skip-freq": _ATTENTION_VARIANT,
     "--softmax-type": _ATTENTION_VARIANT,
     "--qk-clip": _ATTENTION_VARIANT,
     "--qk-clip-alpha": _ATTENTION_VARIANT, "--qk-clip-threshold": _ATTENTION_VARIANT,

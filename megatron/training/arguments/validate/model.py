@@ -136,6 +136,7 @@ def _derive_kv_channels(args: argparse.Namespace) -> None:
                             "use --rope-type rope (or drop the flag), or add "
                             "--multi-latent-attention")
     _validate_mla(args)
+    _validate_window(args)
     # Rotary embeddings rotate channel pairs, so every head needs an even channel count.
     if position_embedding_type_of(args) == "rope" and args.kv_channels % 2 != 0:
         raise ArgumentError("--kv-channels", f"rope needs an even per-head size, got kv-channels "
@@ -186,6 +187,18 @@ def validate_device_flags(args: argparse.Namespace, device: str) -> None:
     _resolve_transformer_impl(args, on_cpu)
     _resolve_precision(args)
     _validate_attention(args)
+
+
+def _validate_window(args: argparse.Namespace) -> None:
+    """--window-size: ReCoVer's attention masks the band; its context-parallel exchange does not."""
+    skip = args.window_attn_skip_freq
+    if args.window_size is not None and args.context_parallel_size > 1:
+        raise ArgumentError("--window-size", "--window-size with --context-parallel-size > 1 is "
+                            "not supported yet", "drop one of them")
+    if isinstance(skip, list) and len(skip) != args.num_layers:
+        raise ArgumentError("--window-attn-skip-freq", f"--window-attn-skip-freq gives {len(skip)} "
+                            f"layers, the model has --num-layers {args.num_layers}",
+                            "give one 0/1 per layer")
 
 
 def _validate_mla(args: argparse.Namespace) -> None:
