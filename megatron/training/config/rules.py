@@ -203,11 +203,12 @@ def own_way_lines(args: argparse.Namespace) -> list[str]:
     """The start-up line of each flag of `arguments.flags.own_way` given: what ReCoVer does
     instead."""
     lines = []
-    if not args.check_for_nan_in_loss_and_grad:
+    if not args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled":
         lines.append("--no-check-for-nan-in-loss-and-grad: ReCoVer keeps its check of non-finite "
-                     f"losses (--rerun-mode {args.rerun_mode}"
-                     + ("; --rerun-mode disabled turns it off)" if args.rerun_mode != "disabled"
-                        else ": off already)"))
+                     f"losses (--rerun-mode {args.rerun_mode}; --rerun-mode disabled turns it off)")
+    elif not args.check_for_nan_in_loss_and_grad:
+        lines.append("--no-check-for-nan-in-loss-and-grad changes nothing: --rerun-mode disabled "
+                     "already turns the check of non-finite losses off")
     if not args.use_gloo_process_groups:
         lines.append("--disable-gloo-process-groups changes nothing: ReCoVer builds none of "
                      "Megatron-LM's gloo groups")
