@@ -154,7 +154,9 @@ def _check_inputs(args, layout) -> _Inputs:
                                   args.tensor_model_parallel_size)
         run = RunConfig.from_args(args, layout, vocab, recovering=bool(
             args.recover and os.environ.get("RECOVER_COORDINATOR")))
-        validate_data(run.data)
+        for line in validate_data(run.data, tokenizer):  # --fim-data's tokens
+            if layout.rank == 0:
+                logger.info(line)
         faults = FaultInjector.from_specs(list(run.fault_tolerance.inject_fault), layout.rank)
         # validates --load before anything runs
         checkpointer = Checkpointer(run.checkpoint, layout.rank, layout.world_size)

@@ -89,7 +89,7 @@ def test_a_refused_flag_stops_the_run_with_one_line_naming_it(row, capsys):
 
 
 @pytest.mark.parametrize("given", [["--softmax-type", "vanilla"],
-                                   ["--fim-rate", "0.50"], ["--cuda-graph-impl", "none"],
+                                   ["--query-in-block-prob", "0.10"], ["--cuda-graph-impl", "none"],
                                    ["--exit-signal", "15"]])
 def test_a_refused_flag_given_megatrons_default_is_accepted_and_said(given):
     """Megatron-LM without the flag does the same: nothing to refuse, one start-up line."""
@@ -100,8 +100,8 @@ def test_a_refused_flag_given_megatrons_default_is_accepted_and_said(given):
 
 
 @pytest.mark.parametrize("given", [["--softmax-type", "off-by-one"], ["--cp-comm-type", "ring"],
-                                   ["--cp-comm-type", "p2p", "a2a"], ["--fim-rate", "0.4"],
-                                   ["--fim-rate", "half"], ["--moe-enable-deepep"]])
+                                   ["--cp-comm-type", "p2p", "a2a"], ["--query-in-block-prob", "0.4"],
+                                   ["--query-in-block-prob", "half"], ["--moe-enable-deepep"]])
 def test_any_other_value_of_a_refused_flag_stops_the_run(given, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_and_validate([*TINY_GPT, "--train-iters", "2", *given], world_size=1)

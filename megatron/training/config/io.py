@@ -17,6 +17,36 @@ if TYPE_CHECKING:  # config.py imports megatron-core: not for a parse
 
 
 @dataclass(frozen=True)
+class FimFlags:
+    """--fim-data's flags (Megatron-LM's names and defaults): data/fim.py applies them."""
+    rate: float  # --fim-rate
+    spm_rate: float  # --fim-spm-rate
+    split_sample: str | None = None  # --fim-split-sample
+    fragment_rate: float | None = None  # --fim-fragment-rate
+    no_prefix: str | None = None  # --fim-no-prefix
+    # --fim-prefix-token, --fim-middle-token, --fim-suffix-token, --fim-pad-token, --fim-eod-token
+    tokens: tuple[str, str, str, str, str] = (
+        "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<|endoftext|>")
+
+    def __post_init__(self):
+        for flag, rate in (("--fim-rate", self.rate), ("--fim-spm-rate", self.spm_rate),
+                           ("--fim-fragment-rate", self.fragment_rate)):
+            if rate is not None and not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{flag} {rate} is not a probability")
+        if self.split_sample is not None and self.fragment_rate is None:
+            raise ValueError("--fim-split-sample needs --fim-fragment-rate")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FimFlags | None:
+        if not args.fim_data:
+            return None
+        return cls(args.fim_rate, args.fim_spm_rate, args.fim_split_sample, args.fim_fragment_rate,
+                   args.fim_no_prefix, (args.fim_prefix_token, args.fim_middle_token,
+                                        args.fim_suffix_token, args.fim_pad_token,
+                                        args.fim_eod_token))
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """The training data: megatron-core's GPT datasets (or mock data) and their sample counts."""
     mock: bool  # --mock-data
@@ -33,10 +63,13 @@ class DataConfig:
     sizes: tuple[int, int, int]  # samples requested per split (train, valid, test)
     builder_threads: int = 1  # --num-dataset-builder-threads
     mid_level_surplus: float = 0.005  # --mid-level-dataset-surplus
+    fim: FimFlags | None = None  # --fim-data: fill-in-the-middle samples
 
     def __post_init__(self):
         if min(self.sizes) < 0 or self.seq_length < 1:
             raise ValueError(f"split sizes {self.sizes}, sequence length {self.seq_length}")
+        if self.fim is not None and self.mock:
+            raise ValueError("--fim-data rewrites real text; mock data has none")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataConfig:
@@ -48,7 +81,8 @@ class DataConfig:
                    create_attention_mask=bool(args.create_attention_mask_in_dataloader),
                    mmap_bin_files=bool(args.mmap_bin_files), sizes=dataset_sizes(args),
                    builder_threads=args.num_dataset_builder_threads,
-                   mid_level_surplus=args.mid_level_dataset_surplus)
+                   mid_level_surplus=args.mid_level_dataset_surplus,
+                   fim=FimFlags.from_args(args))
 
 
 def dataset_sizes(args: argparse.Namespace) -> tuple[int, int, int]:

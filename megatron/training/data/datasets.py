@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 
 from megatron.training.errors import UserError
 from megatron.training.config.io import DataConfig
+from megatron.training.data.fim import FillInTheMiddle, resolve_token_ids, sample_generator
 
 # .idx layout (megatron-core IndexedDataset): magic(9) version<Q> dtype<B> sequences<Q> documents<Q>,
 # then int32 lengths[sequences], int64 byte pointers[sequences], int64 document starts[documents].
@@ -87,22 +88,32 @@ def split_matrix(split: Optional[str]) -> list[Optional[tuple[float, float]]]:
     return convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(parts)))
 
 
-def validate_data(data: DataConfig) -> None:
-    """Check every data file and the split before building; raise DataError on the first problem."""
+def validate_data(data: DataConfig, tokenizer=None) -> list[str]:
+    """Check every data file and the split before building; raise DataError on the first problem.
+    Returns the start-up lines of --fim-data's tokens (with the tokenizer)."""
     if data.mock:
-        return
+        return []
     _check_cache_dir(data.cache_path)
     sources = data.sources
     if sources.per_split is not None:  # each file is wholly its split's
         for flag, blend in zip(sources.split_flags, sources.per_split):
             for prefix in parse_blend(list(blend))[0] if blend else []:
                 _read_sequence_lengths(prefix, flag)
-        return
-    prefixes, _ = parse_blend(list(sources.blend or ()))
-    matrix = split_matrix(data.split)
-    for prefix in prefixes:
-        lengths = _read_sequence_lengths(prefix, sources.blend_flag)
-        _check_splits(prefix, lengths, matrix, data.sizes, data.split or _DEFAULT_SPLIT)
+    else:
+        prefixes, _ = parse_blend(list(sources.blend or ()))
+        matrix = split_matrix(data.split)
+        for prefix in prefixes:
+            lengths = _read_sequence_lengths(prefix, sources.blend_flag)
+            _check_splits(prefix, lengths, matrix, data.sizes, data.split or _DEFAULT_SPLIT)
+    return [] if tokenizer is None else fill_in_the_middle(data, tokenizer)[1]
+
+
+def fill_in_the_middle(data: DataConfig, tokenizer) -> tuple[Optional[FillInTheMiddle], list[str]]:
+    """--fim-data's transformation (None without it) and its start-up lines."""
+    if data.fim is None:
+        return None, []
+    ids, notes = resolve_token_ids(data.fim, tokenizer, tokenizer.unknown_id)
+    return FillInTheMiddle(data.fim, ids, tokenizer), notes
 
 
 def build_datasets(data: DataConfig, tokenizer
@@ -114,7 +125,8 @@ def build_datasets(data: DataConfig, tokenizer
         cls, blend, split = MockGPTDataset, None, _DEFAULT_SPLIT
     else:
         validate_data(data)
-        cls, sources = _CachedGPTDataset, data.sources
+        sources = data.sources
+        cls = _CachedGPTDataset if data.fim is None else _CachedGPTFIMDataset
         if sources.per_split is None:
             blend = parse_blend(list(sources.blend or ()))
         else:
@@ -137,6 +149,7 @@ def build_datasets(data: DataConfig, tokenizer
         mid_level_dataset_surplus=data.mid_level_surplus,
         num_dataset_builder_threads=data.builder_threads,
         mmap_bin_files=data.mmap_bin_files,  # --no-mmap-bin-files: read the .bin with file reads
+        fim=fill_in_the_middle(data, tokenizer)[0],
     )
     train, valid, test = _LocalBuilder(cls, list(data.sizes), lambda: True, config).build()
     return train, valid, test
@@ -255,6 +268,8 @@ def _check_splits(prefix, lengths, matrix, sizes, split_text: str) -> None:
 class _IndexCacheConfig(GPTDatasetConfig):
     index_cache_dir: Optional[str] = None
     """--data-cache-path: where finished GPT index arrays are shared between ranks and runs."""
+    fim: Optional[FillInTheMiddle] = None
+    """--fim-data: the fill-in-the-middle rewrite of each sample."""
 
 
 class _LocalBuilder(BlendedMegatronDatasetBuilder):
@@ -299,6 +314,20 @@ class _CachedGPTDataset(GPTDataset):
         arrays = super()._build_document_sample_shuffle_indices()
         _publish_entry(entry, arrays)
         return arrays
+
+
+class _CachedGPTFIMDataset(_CachedGPTDataset):
+    """Fill-in-the-middle samples: sample `idx` drawn from its own generator (data/fim.py)."""
+
+    def _query_document_sample_shuffle_indices(self, idx):
+        text, documents = super()._query_document_sample_shuffle_indices(idx)
+        # megatron-core pads a short last sample; Megatron-LM's FIM rewrites the tokens before it
+        stop = len(text)
+        while stop and text[stop - 1] == self._pad_token_id:
+            stop -= 1
+        seed = self.config.random_seed
+        rewritten = self.config.fim(text[:stop], sample_generator(seed, idx))
+        return numpy.concatenate([rewritten, text[stop:]]), documents
 
 
 def _lengths_digest(indexed_dataset) -> str:

@@ -56,6 +56,19 @@ class Tokenizer(ABC):
     def unique_identifiers(self) -> OrderedDict:
         return OrderedDict({"class": type(self).__name__, "vocab_size": self.vocab_size})
 
+    # Fill-in-the-middle (data/fim.py) needs tokens by name and a sample's text: the text
+    # tokenizers give them (arguments.validate refuses --fim-data with the others).
+    @property
+    def unknown_id(self) -> int | None:
+        """The id Megatron-LM's tokenizer gives a token outside the vocabulary, if any."""
+        return None
+
+    def token_id(self, token: str) -> int | None:
+        raise NotImplementedError(f"{type(self).__name__} does not look tokens up by name")
+
+    def text_without_specials(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError(f"{type(self).__name__} does not give text back")
+
 
 class GPT2BPETokenizer(Tokenizer):
     """GPT-2 byte-level BPE read from a local vocab.json + merges.txt; never touches the network.
@@ -118,6 +131,16 @@ class GPT2BPETokenizer(Tokenizer):
         return self._hf.decode(list(ids), skip_special_tokens=False)
 
     @property
+    def unknown_id(self) -> int:
+        return self._eod  # transformers' GPT-2 tokenizer: its unknown token is <|endoftext|>
+
+    def token_id(self, token: str) -> int | None:
+        return self._vocab.get(token)
+
+    def text_without_specials(self, ids: Sequence[int]) -> str:
+        return self._hf.decode([i for i in ids if i != self._eod], skip_special_tokens=False)
+
+    @property
     def unique_identifiers(self) -> OrderedDict:
         ids = super().unique_identifiers
         ids["vocab_file"], ids["merge_file"] = self._files
@@ -170,6 +193,12 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._hf.token_to_id(token)
+
+    def text_without_specials(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=True)
 
     @property
     def unique_identifiers(self) -> OrderedDict:

@@ -35,6 +35,10 @@ DIFFERENCES: dict[str, str] = {
     "--wandb-exp-name": "default '' (Megatron: None)",
     "--wandb-save-dir": "default '' (Megatron: None)",
     "--wandb-entity": "default '' (Megatron: None)",
+    "--fim-data": "each sample draws from a generator of its own (--seed and its index), not "
+                  "from one per dataset in reading order, so no replica's failure changes the "
+                  "data; given the same draws, Megatron-LM's bytes. With GPT2BPETokenizer or "
+                  "HuggingFaceTokenizer",
 }
 # flag -> why the argument checks refuse it whenever it is given
 REFUSED_BY_THE_CHECKS: dict[str, str] = {}

@@ -105,5 +105,4 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
         "drop the flag")),
     (r"adlr-autoresume", own_way("is ADLR's cluster auto-resume; ReCoVer resumes in the running "
                                   "job, and from --load after a restart", "drop the flag")),
-    (r"fim-", not_yet("belongs to fill-in-the-middle data, not supported yet")),
 )

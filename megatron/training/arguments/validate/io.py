@@ -50,7 +50,33 @@ def validate_data(args: argparse.Namespace) -> list[str]:
     if not args.mid_level_dataset_surplus >= 0:
         raise ArgumentError("--mid-level-dataset-surplus", "--mid-level-dataset-surplus must be "
                             ">= 0", "pass --mid-level-dataset-surplus 0.005")
+    if args.fim_data:
+        _validate_fim(args)
     return warnings
+
+
+# Tokenizers whose text round trip fill-in-the-middle needs (tokens to text, and back).
+FIM_TOKENIZERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
+
+
+def _validate_fim(args: argparse.Namespace) -> None:
+    if args.mock_data:
+        raise ArgumentError("--fim-data", "fill-in-the-middle rewrites real text, and --mock-data "
+                            "has none", "pass --data-path, or drop --fim-data")
+    for flag, rate in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
+                       ("--fim-fragment-rate", args.fim_fragment_rate)):
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            raise ArgumentError(flag, f"{flag} {rate} is not a probability",
+                                f"pass {flag} between 0 and 1")
+    if args.fim_split_sample is not None and args.fim_fragment_rate is None:
+        raise ArgumentError("--fim-fragment-rate", "--fim-split-sample rewrites each fragment at "
+                            "--fim-fragment-rate, which is not given",
+                            "pass --fim-fragment-rate, e.g. 0.5")
+    kind = args.tokenizer_type or "GPT2BPETokenizer"
+    if kind not in FIM_TOKENIZERS:
+        raise ArgumentError("--fim-data", f"fill-in-the-middle cuts a sample's text, which "
+                            f"{kind} does not give back", f"use --tokenizer-type "
+                            f"{' or '.join(FIM_TOKENIZERS)}")
 
 
 def _is_number(text: str) -> bool:
