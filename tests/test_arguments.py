@@ -405,7 +405,7 @@ def test_parse_and_validate_exits_2_with_one_stderr_line(capsys):
 
 @pytest.mark.parametrize("extra, line", [
     (["--hiden-size", "64"], "--hiden-size: unknown flag --hiden-size. Fix: did you mean --hidden-size?"),
-    (["--frobnicate"], "--frobnicate: unknown flag --frobnicate. Fix: drop it"),
+    (["--zyzzyva"], "--zyzzyva: unknown flag --zyzzyva. Fix: drop it"),
     (["--lr"], "--lr: expected one argument. Fix: see pretrain_gpt_recover.py --help for --lr"),
 ])
 def test_argparse_errors_are_one_line_naming_the_flag(capsys, extra, line):

@@ -44,7 +44,7 @@ def make_args(**overrides) -> DataConfig:
                   train_samples=None, create_attention_mask_in_dataloader=True,
                   mmap_bin_files=True, data_args_path=None, train_data_path=None,
                   valid_data_path=None, test_data_path=None, per_split_data_args_path=None,
-                  num_dataset_builder_threads=1, mid_level_dataset_surplus=0.005)
+                  num_dataset_builder_threads=1, mid_level_dataset_surplus=0.005, fim_data=False)
     values.update(overrides)
     return DataConfig.from_args(argparse.Namespace(**values))
 

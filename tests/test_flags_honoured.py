@@ -74,7 +74,13 @@ BRANCHES = [validated(),
                       "local", "--replication", "--replication-jump", "1",
                       "--replication-factor", "1"),
             validated("--num-experts", "4", "--disable-bias-linear"),  # the MoE fields
-            validated("--multi-latent-attention", "--rope-type", "yarn")]  # the MLA fields
+            validated("--multi-latent-attention", "--rope-type", "yarn"),  # the MLA fields
+            validated("--experimental-attention-variant", "gdn", "--linear-attention-freq", "2"),
+            parse_and_validate([*(f for f in TINY_GPT if f != "--mock-data"), "--train-iters", "4",
+                                "--data-path", "corpus", "--tokenizer-type",
+                                "HuggingFaceTokenizer", "--tokenizer-model", "tokenizer.json",
+                                "--fim-data", "--fim-split-sample", "|", "--fim-fragment-rate",
+                                "0.5"], world_size=1)]  # the FIM fields
 
 
 def read_by_the_entry_point() -> set[str]:

@@ -29,6 +29,7 @@ from megatron.training.arguments.flags import (
     add_parallel_args, add_precision_args)
 from megatron.training.arguments.flags.checkpoint import add_checkpoint_args
 from megatron.training.arguments.flags.fim import add_fim_args
+from megatron.training.arguments.flags.linear_attention import add_linear_attention_args
 from megatron.training.arguments.flags.mla import add_mla_args
 from megatron.training.arguments.flags.numerics import add_numerics_args
 from megatron.training.arguments.flags.own_way import add_own_way_args
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (add_model_args, add_parallel_args, add_batch_args, add_optimizer_args,
                       add_data_args, add_checkpoint_args, add_logging_args, add_precision_args,
                       add_numerics_args, add_recover_args, add_ft_package_args, add_moe_args,
-                      add_mla_args, add_fim_args, add_own_way_args, add_refused_args):
+                      add_mla_args, add_linear_attention_args, add_fim_args, add_own_way_args,
+                      add_refused_args):
         add_group(parser)
     add_megatron_refusals(parser)  # last: every Megatron-LM flag not declared above
     return parser

@@ -21,9 +21,9 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
-from megatron.core.transformer.enums import AttnBackend
 
 from megatron.training.config.batch import BatchSchedule
+from megatron.training.config.attention import attention_fields, mla_fields
 from megatron.training.config.moe import moe_fields
 from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
@@ -127,7 +127,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     # multi-latent attention: megatron-core's config of it, as Megatron-LM picks the class
     mla = args.multi_latent_attention
     return (MLATransformerConfig if mla else TransformerConfig)(
-        **(_mla_fields(args) if mla else {}),
+        **(mla_fields(args) if mla else {}),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -153,7 +153,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         init_method_std=args.init_method_std,
         normalization=args.normalization,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        **_attention(args),
+        **attention_fields(args),
         add_bias_linear=args.add_bias_linear,
         gated_linear_unit=args.swiglu or args.quick_geglu,
         activation_func=activation_of(args),
@@ -182,27 +182,6 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         **moe_fields(args),
     )
-
-
-def _attention(args: argparse.Namespace) -> dict:
-    """The attention's options (megatron-core's SelfAttention and its core attention)."""
-    return dict(qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm,
-                attention_output_gate=args.attention_output_gate,
-                window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
-                apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
-                attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-                attention_backend=AttnBackend[args.attention_backend])
-
-
-def _mla_fields(args: argparse.Namespace) -> dict:
-    """MLATransformerConfig's own fields, from Megatron-LM's flags of the same names (its rope
-    type stays megatron-core's default, yarn, unless --rope-type is given)."""
-    fields = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
-                  qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-                  v_head_dim=args.v_head_dim, rotary_scaling_factor=args.rotary_scaling_factor,
-                  mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
-                  rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
-    return fields if args.rope_type is None else {**fields, "rope_type": args.rope_type}
 
 
 def _kernels(args: argparse.Namespace) -> dict:

@@ -14,7 +14,6 @@ import contextlib
 import importlib.util
 import logging
 import math
-import re
 from typing import cast
 
 import torch
@@ -45,8 +44,9 @@ from megatron.training.model.context_parallel import (context_parallel_attention
                                                 pos_emb_on_this_cp_rank)
 from megatron.training.model.context_parallel.comm import ring_attention, ulysses_attention
 from megatron.training.model.expert_linear import ExpertOutputLinear
+from megatron.training.model.gated_delta_net import use_torch_gated_delta_rule, with_linear_attention
+from megatron.training.model.initialization import global_parameter_name, init_parameters_by_name
 from megatron.training.model.moe_cpu import use_host_alltoall
-from recover_patches.pipeline.rng import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,16 @@ class TorchNorm:
 def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | None,
                pp_rank: int, tp_group=None):
     """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
-    loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules."""
+    loss counted as a layer, model chunks) with ReCoVer's CPU-capable modules; gated delta nets
+    on the layers --linear-attention-freq names (only with local layers: checked before)."""
+    block = _standard_layers(implementation, config, vp_stage, pp_rank, tp_group)
+    if config.experimental_attention_variant is None:
+        return block
+    return with_linear_attention(block, config, TorchNorm, vp_stage, pp_rank)
+
+
+def _standard_layers(implementation: str, config: TransformerConfig, vp_stage: int | None,
+                     pp_rank: int, tp_group):
     te = implementation == "transformer_engine"  # a GPU with TE installed (checked before)
     if config.num_moe_experts:  # megatron-core's dense / MoE layers by --moe-layer-freq
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
@@ -272,26 +281,7 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
     """This rank's GPTModel, or its `ModelChunks` with an interleaved schedule."""
     m, config = model_config, model_config.transformer
     parallel_state._GLOBAL_MEMORY_BUFFER = DeviceMemoryBuffer(device)
-    if not torch.cuda.is_available():
-        # megatron-core's sequence-parallel mappings allocate their outputs on
-        # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
-        # those allocations into CPU ones and nothing else (CUDA stays unavailable).
-        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    if config.context_parallel_size > 1:
-        # rope's table is cut to this CP rank's chunks by a megatron-core function that moves its
-        # index with `.cuda()`; the module reads it by name at each call, so the CPU-capable one
-        # of the same meaning goes there (the only way in: it is not a constructor argument)
-        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
-    if config.num_moe_experts and not hasattr(moe_utils, "te_general_gemm"):
-        # megatron-core 0.16.1's router reads this name when transformer-engine is absent too
-        # (its import failed, so the name is undefined); None is the value its check expects
-        moe_utils.te_general_gemm = None
-    if config.num_moe_experts and not torch.cuda.is_available():
-        use_host_alltoall()  # megatron-core's alltoall dispatcher asks for a CUDA stream
-    if config.multi_latent_attention and importlib.util.find_spec("transformer_engine") is None:
-        # megatron-core 0.16.1's MLA takes its transformer-engine names from a module that
-        # answers mocks without transformer-engine, and then asks isinstance(.., the mock)
-        multi_latent_attention.HAVE_TE = False
+    _fit_megatron_core_to_this_host(config)
     vp = m.model_chunks
     first, last = pp_stage == 0, pp_stage == config.pipeline_model_parallel_size - 1
     chunks = [
@@ -326,6 +316,33 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
     return model.to(device=device, dtype=config.params_dtype)
 
 
+def _fit_megatron_core_to_this_host(config: TransformerConfig) -> None:
+    """Where megatron-core 0.16.1 assumes CUDA, transformer-engine or fla, the CPU-capable
+    piece of the same meaning, put where megatron-core looks it up."""
+    if not torch.cuda.is_available():
+        # megatron-core's sequence-parallel mappings allocate their outputs on
+        # `torch.cuda.current_device()`; on a CPU-only build that raises. Answering "cpu" turns
+        # those allocations into CPU ones and nothing else (CUDA stays unavailable).
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    if config.context_parallel_size > 1:
+        # rope's table is cut to this CP rank's chunks by a megatron-core function that moves its
+        # index with `.cuda()`; the module reads it by name at each call, so the CPU-capable one
+        # of the same meaning goes there (the only way in: it is not a constructor argument)
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    if config.num_moe_experts and not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1's router reads this name when transformer-engine is absent too
+        # (its import failed, so the name is undefined); None is the value its check expects
+        moe_utils.te_general_gemm = None
+    if config.num_moe_experts and not torch.cuda.is_available():
+        use_host_alltoall()  # megatron-core's alltoall dispatcher asks for a CUDA stream
+    if config.multi_latent_attention and importlib.util.find_spec("transformer_engine") is None:
+        # megatron-core 0.16.1's MLA takes its transformer-engine names from a module that
+        # answers mocks without transformer-engine, and then asks isinstance(.., the mock)
+        multi_latent_attention.HAVE_TE = False
+    if config.experimental_attention_variant is not None:
+        use_torch_gated_delta_rule()
+
+
 def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_shards: int = 1
                 ) -> None:
     """Start-up line: bytes per parameter of weights, fp32 main weights, Adam, gradient buffers;
@@ -339,55 +356,3 @@ def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_sha
                 f" + {adam:g} (Adam) + {grad_bytes_per_param} (gradient buffers: local + "
                 f"out-of-place reduced; Megatron's DDP keeps one, 4) = "
                 f"{weight + main + adam + grad_bytes_per_param:g} bytes per parameter{sharded}")
-
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-_SCALED_INIT = ("linear_proj.weight", "linear_fc2.weight")  # Megatron's output_layer_init_method
-
-
-def global_parameter_name(model: GPTModel, local_name: str) -> str:
-    """The parameter's name in the unsplit model: global layer index, tied copies share a name."""
-    match = _LAYER.match(local_name)
-    if match:
-        layer = model.decoder.layers[int(match.group(1))]
-        rest = local_name[match.end():]
-        expert = _EXPERT.match("." + rest)
-        if expert:  # MoE: with expert parallelism, local expert i is global expert offset + i
-            rest = (f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(expert[1])]}."
-                    + rest[expert.end() - 1:])
-        return f"decoder.layers.{layer.layer_number - 1}." + rest
-    if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"
-    return local_name
-
-
-@torch.no_grad()
-def init_parameters_by_name(model: GPTModel, *, seed: int, std: float, num_layers: int,
-                            tp_size: int, tp_rank: int, gated: bool = False) -> None:
-    """Draw each parameter's *full* tensor from a generator keyed by (seed, global name), then keep
-    this TP rank's shard. Constant-initialised parameters (norm weights, biases) keep megatron's
-    values. The result does not depend on TP, PP or DP -- the basis of parallel equivalence."""
-    for local_name, param in model.named_parameters():
-        if param.numel() == 0 or bool((param == param.reshape(-1)[0]).all()):
-            continue
-        name = global_parameter_name(model, local_name)
-        scaled = name.endswith(_SCALED_INIT)
-        sigma = std / math.sqrt(2.0 * num_layers) if scaled else std
-        full_shape = list(param.shape)
-        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
-        if split:
-            full_shape[param.partition_dim] *= tp_size
-        generator = torch.Generator().manual_seed(derive_seed(seed, *name.encode()))
-        # drawn in fp32 on the CPU whatever the training dtype and device: a bf16 model starts
-        # from the fp32 model's weights, rounded
-        full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, sigma, generator=generator)
-        if split:
-            dim = param.partition_dim
-            if gated and ".linear_fc1." in name:
-                # a gated MLP's fc1 is [gate; up], and each TP rank holds [gate shard; up shard]
-                full = torch.cat([half.chunk(tp_size, dim=dim)[tp_rank]
-                                  for half in full.chunk(2, dim=dim)], dim=dim)
-            else:
-                full = full.chunk(tp_size, dim=dim)[tp_rank]
-        param.copy_(full)

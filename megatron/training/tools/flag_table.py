@@ -35,6 +35,9 @@ DIFFERENCES: dict[str, str] = {
     "--wandb-exp-name": "default '' (Megatron: None)",
     "--wandb-save-dir": "default '' (Megatron: None)",
     "--wandb-entity": "default '' (Megatron: None)",
+    "--linear-attention-freq": "without flash-linear-attention (always on a CPU), megatron-core's "
+                               "torch path of the chunked delta rule, and an L2 norm of fla's "
+                               "definition",
     "--fim-data": "each sample draws from a generator of its own (--seed and its index), not "
                   "from one per dataset in reading order, so no replica's failure changes the "
                   "data; given the same draws, Megatron-LM's bytes. With GPT2BPETokenizer or "
@@ -50,6 +53,9 @@ SOME_VALUES: dict[str, str] = {
                                "checkpoints, --reset-attention-mask, transformer-engine",
     "--cp-comm-type": "allgather (with --context-parallel-size > 1: ReCoVer's own attention)",
     "--optimizer": "only adam",
+    "--experimental-attention-variant": "gated_delta_net and gdn (megatron-core 0.16.1's layer; "
+                                        "not gdn2 or dsa); not yet with TP or CP > 1, MLA or "
+                                        "transformer-engine layers",
     "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer",
     "--position-embedding-type": "learned_absolute and rope",

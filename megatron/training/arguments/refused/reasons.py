@@ -53,7 +53,7 @@ _FSDP = own_way("configures FSDP; ReCoVer shards optimizer state with --use-dist
 _CUDA_GRAPHS = not_yet("captures CUDA graphs, not supported yet: a recovery rebuilds the process "
                         "groups a captured graph would hold")
 _OFFLOAD = not_yet("offloads activations or optimizer state to the CPU, not supported yet")
-_NOT_GPT_LAYERS = Refusal(NOT_FOR_PRETRAINING, "configures hybrid (Mamba, linear or sparse "
+_NOT_GPT_LAYERS = Refusal(NOT_FOR_PRETRAINING, "configures hybrid (Mamba or sparse "
                           "attention) models; pretrain_gpt_recover.py builds megatron-core's GPT")
 _TELEMETRY = own_way("sends telemetry to an NVIDIA service; ReCoVer logs to stdout, TensorBoard, "
                       "W&B and --metrics-file", "drop the flag")
@@ -82,8 +82,8 @@ FAMILIES: tuple[tuple[str, Refusal], ...] = (
     (r"cpu-offloading|(fine-grained-)?(activation-)?offload|min-offloaded|delay-offload|"
      r"delta-offload|optimizer-cpu-offload|optimizer-offload|use-torch-optimizer-for-cpu|"
      r"overlap-cpu-optimizer|no-pin-cpu", _OFFLOAD),
-    (r"mamba-|is-hybrid-model|hybrid-|gdp-|(no-)?dsa-|linear-(conv|key|value|num|attention)|"
-     r"experimental-attention-variant|mlp-chunks|mhc-|enable-mhc", _NOT_GPT_LAYERS),
+    (r"mamba-|is-hybrid-model|hybrid-|gdp-|(no-)?dsa-|mlp-chunks|mhc-|enable-mhc",
+     _NOT_GPT_LAYERS),
     (r"mtp-", not_yet("belongs to multi-token prediction, not supported yet")),
     (r"(use-)?mup", not_yet("belongs to muP parametrisation, not supported yet")),
     (r"muon-|lion-|sgd-", _OPTIMIZER),

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 
 from megatron.training.errors import ArgumentError
+from megatron.training.arguments.validate.linear_attention import validate_linear_attention
 from megatron.training.arguments.validate.pipeline import validate_pipeline_split
 from megatron.training.config.rules import (KEPT_IN_MEMORY, RECOMPUTABLE,
                                             position_embedding_type_of, recompute_granularity_of)
@@ -136,6 +137,7 @@ def _derive_kv_channels(args: argparse.Namespace) -> None:
                             "use --rope-type rope (or drop the flag), or add "
                             "--multi-latent-attention")
     _validate_mla(args)
+    validate_linear_attention(args)
     _validate_window(args)
     # Rotary embeddings rotate channel pairs, so every head needs an even channel count.
     if position_embedding_type_of(args) == "rope" and args.kv_channels % 2 != 0:
@@ -228,7 +230,8 @@ def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
     te_available = importlib.util.find_spec("transformer_engine") is not None
     if args.transformer_impl is None:  # with CP, ReCoVer's own attention (TE's is refused)
         te_default = not on_cpu and te_available and args.context_parallel_size == 1 \
-            and not args.multi_latent_attention  # MLA: megatron-core's local layers
+            and not args.multi_latent_attention \
+            and args.experimental_attention_variant is None  # megatron-core's local layers
         args.transformer_impl = "transformer_engine" if te_default else "local"
     elif args.transformer_impl == "transformer_engine":
         if on_cpu:
