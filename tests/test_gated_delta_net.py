@@ -26,6 +26,11 @@ GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attentio
 PLAIN = [*TINY_GPT, "--train-iters", str(ITERS), "--normalization", "RMSNorm",
          "--recover-balance", "even"]
 FLAGS = [*PLAIN, *GDN]
+# as Megatron-LM's gated delta net jobs (Qwen3-Next's layers): experts with a gated shared expert,
+# gated softmax attention, split over TP 2 with sequence parallelism
+HYBRID = [*FLAGS, "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
+          "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+          "--attention-output-gate", "--disable-bias-linear"]
 
 
 def gated_delta_recurrence(q, k, v, g, beta):
@@ -115,7 +120,9 @@ def test_decay_rates_and_convolutions_start_as_megatron_core_draws_them():
     (["--experimental-attention-variant", "gdn2"], "gdn2 is not supported yet"),
     (["--linear-attention-freq", "[1,0,1]"], "gives 3 layers, the model has --num-layers 4"),
     (["--linear-num-value-heads", "3"], "is not a multiple of --linear-num-key-heads 2"),
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1 is not supported")])
+    (["--tensor-model-parallel-size", "2", "--linear-num-key-heads", "1",
+      "--linear-num-value-heads", "2"], "--linear-num-key-heads 1 does not split over"),
+    (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported yet")])
 def test_what_gated_delta_nets_do_not_take_yet_is_one_line(given, said, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_and_validate([*FLAGS, *given], world_size=2)
@@ -135,16 +142,25 @@ def test_a_killed_rank_in_a_gated_delta_net_job_keeps_one_process_losses(tmp_pat
     """DP 2, rank 1 killed in a backward of iteration 2: replica 0 recomputes its microbatches
     in the same iteration. PP 2 (two gated delta nets, then one and a softmax layer) follows one
     process, and one process resumes from its checkpoint of iteration 2. Plain attention in
-    every layer gives other losses: the gated delta nets are there."""
+    every layer gives other losses: the gated delta nets are there. The hybrid with experts at
+    TP 2 with sequence parallelism (each rank its heads' part of every projection) follows its
+    one-process run."""
     runs = [launch(1, FLAGS, tmp_path / "one.jsonl"),
             launch(2, [*FLAGS, "--recover-spares", "off",
                        "--inject-fault", "kill:rank=1,iter=2,phase=backward"],
                    tmp_path / "two.jsonl", launcher_args=[], timeout=240),
             launch(2, [*FLAGS, "--pipeline-model-parallel-size", "2", "--save",
                        str(tmp_path / "ckpt"), "--save-interval", "2"], tmp_path / "pp2.jsonl"),
-            launch(1, PLAIN, tmp_path / "plain.jsonl")]
-    assert all(r.returncode == 0 for r in runs), runs[1].stdout[-3000:] + runs[1].stderr[-3000:]
-    one, two, pp2, plain = ([r for r in run.records if "lm_loss" in r] for run in runs)
+            launch(1, PLAIN, tmp_path / "plain.jsonl"),
+            launch(1, HYBRID, tmp_path / "hybrid.jsonl"),
+            launch(2, [*HYBRID, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                   tmp_path / "hybrid_tp2.jsonl")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    one, two, pp2, plain, hybrid, hybrid_tp2 = ([r for r in run.records if "lm_loss" in r]
+                                                for run in runs)
+    for mine, ref in zip(hybrid_tp2, hybrid, strict=True):
+        assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * ref["lm_loss"], (mine, ref)
+        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"], (mine, ref)
     for mine, ref in zip(pp2, one, strict=True):
         assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * ref["lm_loss"], (mine, ref)
     assert [r["live_replicas"] for r in two] == [[0, 1]] + [[0]] * (ITERS - 1)

@@ -237,6 +237,8 @@ def test_moe_flags_are_checked_and_what_is_not_built_is_refused_by_name():
                                     "--sequence-parallel")  # megatron-core's own check, one line
     assert "works only with --moe-router-topk 1, got 2" in refusal(*moe,
                                                                   "--moe-apply-probs-on-input")
+    assert "shared experts have no biases" in refusal(  # megatron-core raises at build
+        "--num-experts", "4", "--moe-shared-expert-intermediate-size", "32")
     assert refusal("--expert-model-parallel-size", "2").startswith("--expert-model-parallel-size")
     args = validate_args(parse_args([*TINY_GPT, "--train-iters", "1", *MOE]), 2)
     assert (args.num_experts, args.moe_layer_freq) == (4, [1, 0, 1, 0])

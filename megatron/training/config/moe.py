@@ -20,6 +20,7 @@ def moe_fields(args: argparse.Namespace) -> dict:
         moe_layer_freq=args.moe_layer_freq,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_router_topk=args.moe_router_topk,
         moe_router_score_function=args.moe_router_score_function,
         moe_router_pre_softmax=args.moe_router_pre_softmax,

@@ -41,9 +41,24 @@ def use_torch_gated_delta_rule() -> bool:
     return True
 
 
-class EagerGatedDeltaNet(gated_delta_net.GatedDeltaNet):
-    """megatron-core's GatedDeltaNet with its output norm and gate run as written, not through
-    torch.compile: compiling that small function takes about 20 s per process on a CPU."""
+class RecoverGatedDeltaNet(gated_delta_net.GatedDeltaNet):
+    """megatron-core's GatedDeltaNet, its TP-split parameters described for initialisation by
+    name: the dimension each is split along, and for the stacked projections the sections each
+    split over TP (every rank holds its part of each: megatron-core's layout)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        qk, v, heads = self.qk_dim, self.v_dim, self.num_value_heads
+        # in_proj gives [q, k, v, output gate, beta, alpha]; the convolution runs over [q, k, v]
+        setattr(self.in_proj.weight, "tp_sections", (qk, qk, v, v, heads, heads))
+        setattr(self.conv1d.weight, "tp_sections", (qk, qk, v))
+        for param in (self.conv1d.weight, self.A_log, self.dt_bias):
+            setattr(param, "partition_dim", 0)
+
+
+class EagerGatedDeltaNet(RecoverGatedDeltaNet):
+    """With its output norm and gate run as written, not through torch.compile: compiling that
+    small function takes about 20 s per process on a CPU."""
     _apply_gated_norm = gated_delta_net.GatedDeltaNet._apply_gated_norm.__wrapped__
 
 
@@ -51,7 +66,7 @@ def gated_delta_net_spec(norm: type) -> ModuleSpec:
     """megatron-core's GatedDeltaNet with local modules: the layer's own input norm before
     `in_proj` (transformer-engine fuses the two), `norm` on each value head's output."""
     on_gpu = torch.cuda.is_available()
-    return ModuleSpec(module=gated_delta_net.GatedDeltaNet if on_gpu else EagerGatedDeltaNet,
+    return ModuleSpec(module=RecoverGatedDeltaNet if on_gpu else EagerGatedDeltaNet,
                       submodules=gated_delta_net.GatedDeltaNetSubmodules(
                           in_proj=ColumnParallelLinear, out_norm=norm,
                           out_proj=RowParallelLinear))

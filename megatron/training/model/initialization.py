@@ -55,13 +55,8 @@ def init_parameters_by_name(model: GPTModel, *, seed: int, std: float, num_layer
         if not _drawn_by_its_own_law(name, full, generator):
             full.normal_(0.0, sigma, generator=generator)
         if split:
-            dim = param.partition_dim
-            if gated and ".linear_fc1." in name:
-                # a gated MLP's fc1 is [gate; up], and each TP rank holds [gate shard; up shard]
-                full = torch.cat([half.chunk(tp_size, dim=dim)[tp_rank]
-                                  for half in full.chunk(2, dim=dim)], dim=dim)
-            else:
-                full = full.chunk(tp_size, dim=dim)[tp_rank]
+            full = _this_ranks_part(full, param, tp_size, tp_rank,
+                                    gated_fc1=gated and ".linear_fc1." in name)
         param.copy_(full)
 
 
@@ -76,3 +71,18 @@ def _drawn_by_its_own_law(name: str, full: torch.Tensor, generator: torch.Genera
         full.uniform_(-bound, bound, generator=generator)
         return True
     return False
+
+
+def _this_ranks_part(full: torch.Tensor, param: torch.nn.Parameter, tp_size: int, tp_rank: int,
+                     gated_fc1: bool) -> torch.Tensor:
+    """This TP rank's shard of a full tensor. A tensor stacking sections (a gated MLP's fc1 is
+    [gate; up]; a gated delta net's projections name theirs in `tp_sections`) holds its part of
+    each section, in order."""
+    dim = param.partition_dim
+    sections = getattr(param, "tp_sections", None)
+    if sections is None and gated_fc1:
+        sections = (full.shape[dim] // 2,) * 2
+    if sections is None:
+        return full.chunk(tp_size, dim=dim)[tp_rank]
+    return torch.cat([section.chunk(tp_size, dim=dim)[tp_rank]
+                      for section in full.split(list(sections), dim=dim)], dim=dim)

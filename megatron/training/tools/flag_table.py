@@ -54,7 +54,7 @@ SOME_VALUES: dict[str, str] = {
     "--cp-comm-type": "allgather (with --context-parallel-size > 1: ReCoVer's own attention)",
     "--optimizer": "only adam",
     "--experimental-attention-variant": "gated_delta_net and gdn (megatron-core 0.16.1's layer; "
-                                        "not gdn2 or dsa); not yet with TP or CP > 1, MLA or "
+                                        "not gdn2 or dsa); not yet with CP > 1, MLA or "
                                         "transformer-engine layers",
     "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer",

@@ -46,6 +46,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="An expert's FFN hidden size (default: --ffn-hidden-size).")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="Hidden size of the shared experts (all of them together).")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Scale the shared experts' output by a sigmoid gate of the token "
+                        "(megatron-core's SharedExpertMLP gate).")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
     g.add_argument("--moe-router-score-function", default="softmax",
                    choices=["softmax", "sigmoid"], help="The router's score function.")

@@ -24,10 +24,14 @@ def validate_linear_attention(args: argparse.Namespace) -> None:
                             f"{args.linear_num_value_heads} is not a multiple of "
                             f"--linear-num-key-heads {args.linear_num_key_heads}",
                             "give a multiple of the key heads")
-    whole = "gated delta nets are built whole on each rank, from local layers"
+    tp = args.tensor_model_parallel_size
+    for flag, heads in (("--linear-num-key-heads", args.linear_num_key_heads),
+                        ("--linear-num-value-heads", args.linear_num_value_heads)):
+        if heads % tp:
+            raise ArgumentError(flag, f"{flag} {heads} does not split over "
+                                f"--tensor-model-parallel-size {tp}", f"give a multiple of {tp}")
+    whole = "ReCoVer builds gated delta nets from local layers, without context parallelism"
     for given, other, fix in (
-            (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1",
-             "use DP and PP"),
             (args.context_parallel_size > 1, "--context-parallel-size > 1",
              "use DP and PP (megatron-core's gated delta net has no context parallelism)"),
             (args.multi_latent_attention, "--multi-latent-attention", "drop one of them"),

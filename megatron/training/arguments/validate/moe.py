@@ -30,6 +30,10 @@ def validate_moe(args: argparse.Namespace, device: str) -> None:
     if isinstance(freq, list) and len(freq) != args.num_layers:
         raise ArgumentError("--moe-layer-freq", f"--moe-layer-freq gives {len(freq)} layers, the "
                             f"model has --num-layers {args.num_layers}", "give one 0/1 per layer")
+    if args.moe_shared_expert_intermediate_size and args.add_bias_linear:  # megatron-core raises
+        raise ArgumentError("--moe-shared-expert-intermediate-size", "megatron-core's shared "
+                            "experts have no biases, and linear layers have them by default",
+                            "add --disable-bias-linear")
     _refuse_not_built(args, device)
     _megatron_core_checks(args)
 
