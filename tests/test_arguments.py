@@ -352,7 +352,6 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
       "--recompute-num-layers": "3"}, 1, "cpu", "--recompute-num-layers", "1..2"),
     ({"--recompute-granularity": "selective", "--recompute-modules": "mla_up_proj"}, 1, "cpu",
      "--recompute-modules", "multi-latent attention"),
-    ({"--apply-layernorm-1p": ""}, 1, "cpu", "--apply-layernorm-1p", "transformer_engine"),
     ({"--reset-attention-mask": "", "--no-create-attention-mask-in-dataloader": ""}, 1, "cpu",
      "--reset-attention-mask", "--no-create-attention-mask-in-dataloader"),
     ({"--attention-backend": "flash"}, 1, "cpu", "--attention-backend", "GPU"),

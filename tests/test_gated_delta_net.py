@@ -27,10 +27,10 @@ PLAIN = [*TINY_GPT, "--train-iters", str(ITERS), "--normalization", "RMSNorm",
          "--recover-balance", "even"]
 FLAGS = [*PLAIN, *GDN]
 # as Megatron-LM's gated delta net jobs (Qwen3-Next's layers): experts with a gated shared expert,
-# gated softmax attention, split over TP 2 with sequence parallelism
+# gated softmax attention, zero-centred norms, split over TP 2 with sequence parallelism
 HYBRID = [*FLAGS, "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
           "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
-          "--attention-output-gate", "--disable-bias-linear"]
+          "--attention-output-gate", "--disable-bias-linear", "--apply-layernorm-1p"]
 
 
 def gated_delta_recurrence(q, k, v, g, beta):

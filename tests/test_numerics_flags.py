@@ -35,6 +35,23 @@ def test_norm_epsilon_and_qkv_bias(tmp_path):
     assert "decoder.layers.0.self_attention.linear_qkv.bias" not in plain
 
 
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_apply_layernorm_1p_scales_by_one_plus_a_weight_starting_at_zero(tmp_path, normalization):
+    """transformer-engine's zero-centred gamma, in the local norms: at the start the same outputs
+    as the plain norm's (weight 1), later 1 + weight where the plain norm has weight."""
+    norm = built(tmp_path, "--apply-layernorm-1p", "--normalization",
+                 normalization).model.decoder.layers[0].input_layernorm
+    plain = built(tmp_path, "--normalization", normalization).model.decoder.layers[0] \
+        .input_layernorm
+    assert torch.count_nonzero(norm.weight) == 0
+    x = torch.randn(3, norm.weight.numel())
+    assert torch.allclose(norm(x), plain(x))
+    with torch.no_grad():
+        norm.weight.fill_(0.5)
+        plain.weight.fill_(1.5)
+    assert torch.allclose(norm(x), plain(x))
+
+
 def test_qk_l2_norm_builds_megatron_cores_l2_norms_in_place_of_the_layernorms(tmp_path):
     from megatron.core.transformer.torch_norm import L2Norm
     attention = built(tmp_path, "--qk-l2-norm", "--qk-layernorm").model.decoder.layers[0] \

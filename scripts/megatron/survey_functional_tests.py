@@ -88,16 +88,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkout", type=Path, help="a Megatron-LM checkout")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--verbose", action="store_true", help="print each refused job's line")
+    parser.add_argument("--local-layers", action="store_true",
+                        help="give every job --transformer-impl local (megatron-core's local "
+                             "layers) in place of transformer-engine's")
     options = parser.parse_args(argv)
     configs = pretraining_configs(options.checkout)
     refused: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name, model_args in tqdm(configs, desc="jobs", unit="job"):
-            line = verdict(command_line(model_args, Path(scratch)), options.world_size)
+            args = command_line(model_args, Path(scratch))
+            if options.local_layers:
+                args += ["--transformer-impl", "local"]
+            line = verdict(args, options.world_size)
             if line is not None:
                 refused[name] = line
     print(f"{len(configs) - len(refused)} of {len(configs)} pre-training jobs pass ReCoVer's "
-          f"argument checks ({options.world_size} ranks, a GPU with transformer-engine)")
+          f"argument checks ({options.world_size} ranks, a GPU with transformer-engine"
+          f"{'; --transformer-impl local' if options.local_layers else ''})")
     named = Counter(m.group(1) if (m := re.search(r"error: (--[\w-]+)", line)) else line
                     for line in refused.values())
     for flag, count in named.most_common():

@@ -158,6 +158,29 @@ class RecoverGPTModel(GPTModel):
             tp_group=self.tp_group, dp_cp_group=group)
 
 
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """--apply-layernorm-1p: the scale is 1 + weight, the weight starting at 0 (transformer-engine's
+    zero-centred gamma, which Megatron-LM keeps for numerical stability)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """The RMSNorm of --apply-layernorm-1p: scale 1 + weight, the weight starting at 0."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 class TorchNorm:
     """torch LayerNorm / RMSNorm for the local spec, like megatron-core's WrappedTorchNorm, which
     refuses sequence parallelism only because nothing would sum the norms' gradients over TP.
@@ -167,7 +190,11 @@ class TorchNorm:
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        layer_norm = config.normalization == "LayerNorm"
+        if config.layernorm_zero_centered_gamma:  # --apply-layernorm-1p
+            norm_cls: type = ZeroCenteredLayerNorm if layer_norm else ZeroCenteredRMSNorm
+        else:
+            norm_cls = torch.nn.LayerNorm if layer_norm else torch.nn.RMSNorm
         norm = norm_cls(hidden_size, eps=eps)
         per_head = hidden_size != config.hidden_size
         partial = config.tensor_model_parallel_size > 1 if per_head else config.sequence_parallel

@@ -245,10 +245,6 @@ def _resolve_transformer_impl(args: argparse.Namespace, on_cpu: bool) -> None:
         # megatron-core's fused rotary kernel is transformer-engine's; without it the default
         # (fusion on) would stop every run, so it resolves to the unfused kernel (same numbers).
         args.rope_fusion = False
-    if args.apply_layernorm_1p and args.transformer_impl == "local":
-        raise ArgumentError("--apply-layernorm-1p", "--apply-layernorm-1p needs transformer_engine "
-                            "norms (megatron-core's torch LayerNorm has no zero-centred gamma)",
-                            "drop --apply-layernorm-1p or use --transformer-impl transformer_engine")
 
 
 def _resolve_precision(args: argparse.Namespace) -> None:
