@@ -1,6 +1,7 @@
 """Multi-latent attention (`--multi-latent-attention`): megatron-core's MLASelfAttention in the
-GPT layers, whole on each rank. DP 2 with a rank killed in its backward, and PP 2, keep one
-process's losses; what is not built yet (TP, CP, transformer-engine layers) is one line naming the flag."""
+GPT layers, its heads split over TP. DP 2 with a rank killed in its backward, PP 2 and TP 2 (with
+and without sequence parallelism) keep one process's losses; what is not built yet (CP,
+transformer-engine layers) is one line naming the flag."""
 from __future__ import annotations
 
 import math
@@ -18,6 +19,9 @@ MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16"
        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--position-embedding-type", "rope",
        "--normalization", "RMSNorm"]
 FLAGS = [*TINY_GPT, "--train-iters", str(ITERS), *MLA, "--recover-balance", "even"]
+# the query latent, the latents' norms and yarn rope
+LATENT = [*FLAGS, "--q-lora-rank", "24", "--qk-layernorm", "--rope-type", "yarn",
+          "--rotary-scaling-factor", "4"]
 
 
 def test_the_flags_build_megatron_cores_mla_config():
@@ -30,10 +34,16 @@ def test_the_flags_build_megatron_cores_mla_config():
     assert (config.rope_type, config.rotary_scaling_factor, config.mscale) == ("yarn", 4.0, 0.7)
     plain = parse_and_validate([*TINY_GPT, "--train-iters", "2"], world_size=1)
     assert not isinstance(transformer_config(plain), MLATransformerConfig)
+    # the latents' norms: whole on each TP rank (tests/test_tp_partial_grads.py)
+    from megatron.training.model import LatentNorm, layer_spec
+    normed = transformer_config(parse_and_validate([*FLAGS, "--qk-layernorm", "--q-lora-rank",
+                                                    "24"], world_size=1))
+    attention = layer_spec("local", normed, None, 0).layer_specs[0].submodules.self_attention
+    assert attention.submodules.q_layernorm is attention.submodules.kv_layernorm is LatentNorm
 
 
 @pytest.mark.parametrize("given, said", [
-    (["--tensor-model-parallel-size", "2"], "not supported yet"),
+    (["--tensor-model-parallel-size", "2", "--kv-lora-rank", "15"], "= 23 does not split over"),
     (["--group-query-attention", "--num-query-groups", "2"], "shares its keys and values through a latent"),
     (["--transformer-impl", "transformer_engine"], "not supported yet"),
     (["--attention-output-gate"], "not supported by megatron-core's MLA"),
@@ -60,17 +70,26 @@ def test_a_killed_mla_rank_keeps_one_process_losses(tmp_path):
     without its TP group, which ReCoVer's spec hands over). DP 2, rank 1 killed in a backward
     of iteration 2: replica 0 recomputes its microbatches in the same iteration. Also one
     process with the query latent, its norms and yarn rope trains (finite, falling losses), and
-    PP 2 follows one process, and one process resumes from PP 2's checkpoint of iteration 2."""
+    TP 2 follows it, with and without sequence parallelism; PP 2 follows one process, and one
+    process resumes from PP 2's checkpoint of iteration 2."""
     runs = [launch(1, FLAGS, tmp_path / "one.jsonl"),
             launch(2, [*FLAGS, "--recover-spares", "off",
                        "--inject-fault", "kill:rank=1,iter=2,phase=backward"],
                    tmp_path / "two.jsonl", launcher_args=[], timeout=240),
-            launch(1, [*FLAGS, "--q-lora-rank", "24", "--qk-layernorm", "--rope-type", "yarn",
-                       "--rotary-scaling-factor", "4"], tmp_path / "latent.jsonl"),
+            launch(1, LATENT, tmp_path / "latent.jsonl"),
+            launch(2, [*LATENT, "--tensor-model-parallel-size", "2"], tmp_path / "tp2.jsonl"),
+            launch(2, [*LATENT, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                   tmp_path / "tp2_sp.jsonl"),
             launch(2, [*FLAGS, "--pipeline-model-parallel-size", "2", "--save",
                        str(tmp_path / "ckpt"), "--save-interval", "2"], tmp_path / "pp2.jsonl")]
     assert all(r.returncode == 0 for r in runs), runs[1].stdout[-3000:] + runs[1].stderr[-3000:]
-    one, two, latent, pp2 = ([r for r in run.records if "lm_loss" in r] for run in runs)
+    one, two, latent, tp2, tp2_sp, pp2 = ([r for r in run.records if "lm_loss" in r]
+                                          for run in runs)
+    for split in (tp2, tp2_sp):  # heads over TP; the latents whole, their norms not summed
+        for mine, ref in zip(split, latent, strict=True):
+            assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * ref["lm_loss"], (mine, ref)
+            assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"], (mine,
+                                                                                       ref)
     for mine, ref in zip(pp2, one, strict=True):  # the layers split over two stages
         assert abs(mine["lm_loss"] - ref["lm_loss"]) <= 1e-5 * ref["lm_loss"], (mine, ref)
     (tmp_path / "ckpt" / LATEST_FILE).write_text("2")  # PP 2's checkpoint, read by one process

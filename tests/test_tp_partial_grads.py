@@ -51,6 +51,30 @@ def test_te_qk_norms_are_picked_by_name_and_flagged_norms_by_their_flag():
                       "decoder.layers.0.input_layernorm.weight": True}
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_mla_latent_norms_are_whole_on_each_tp_rank_unless_sequence_parallel(sequence_parallel):
+    """Multi-latent attention's latents are gathered whole before their norms, so the norms'
+    gradients are whole on each TP rank (megatron-core names the query's q_layernorm all the
+    same); ReCoVer's per-head q/k norms are partial at TP > 1. Summing a whole gradient over TP
+    would not show in a few Adam steps (scale-free), hence this check of the selection."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron.training.model.norms import LatentNorm, TorchNorm
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               tensor_model_parallel_size=2, sequence_parallel=sequence_parallel,
+                               normalization="RMSNorm")
+    attention = torch.nn.Module()
+    attention.q_layernorm, attention.kv_layernorm = LatentNorm(config, 6), LatentNorm(config, 5)
+    per_head = torch.nn.Module()
+    per_head.q_layernorm = TorchNorm(config, 4)
+    model = torch.nn.ModuleDict({"mla": attention, "gqa": per_head})
+    picked = dict(zip((n for n, _ in model.named_parameters()),
+                      tp_partial_grads(model, list(model.parameters()))))
+    assert picked == {"mla.q_layernorm.weight": sequence_parallel,
+                      "mla.kv_layernorm.weight": sequence_parallel,
+                      "gqa.q_layernorm.weight": True}
+
+
 def _tp_rank(rank: int) -> None:
     model = attention_stand_in()
     params = list(model.parameters())

@@ -44,6 +44,8 @@ from megatron.training.model.context_parallel import (context_parallel_attention
                                                 pos_emb_on_this_cp_rank)
 from megatron.training.model.context_parallel.comm import ring_attention, ulysses_attention
 from megatron.training.model.expert_linear import ExpertOutputLinear
+from megatron.training.model.latent_attention import gather_latents_with_their_group
+from megatron.training.model.norms import LatentNorm, TorchNorm
 from megatron.training.model.gated_delta_net import use_torch_gated_delta_rule, with_linear_attention
 from megatron.training.model.initialization import global_parameter_name, init_parameters_by_name
 from megatron.training.model.moe_cpu import use_host_alltoall
@@ -158,51 +160,6 @@ class RecoverGPTModel(GPTModel):
             tp_group=self.tp_group, dp_cp_group=group)
 
 
-class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
-    """--apply-layernorm-1p: the scale is 1 + weight, the weight starting at 0 (transformer-engine's
-    zero-centred gamma, which Megatron-LM keeps for numerical stability)."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        torch.nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
-
-
-class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
-    """The RMSNorm of --apply-layernorm-1p: scale 1 + weight, the weight starting at 0."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        torch.nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
-
-
-class TorchNorm:
-    """torch LayerNorm / RMSNorm for the local spec, like megatron-core's WrappedTorchNorm, which
-    refuses sequence parallelism only because nothing would sum the norms' gradients over TP.
-    Here the params say so (`sequence_parallel`), and the step sums them
-    (`optimizer.sync_sequence_parallel_grads`). A per-head q/k norm sees only this TP rank's heads,
-    so its gradient is partial whenever TP > 1."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        layer_norm = config.normalization == "LayerNorm"
-        if config.layernorm_zero_centered_gamma:  # --apply-layernorm-1p
-            norm_cls: type = ZeroCenteredLayerNorm if layer_norm else ZeroCenteredRMSNorm
-        else:
-            norm_cls = torch.nn.LayerNorm if layer_norm else torch.nn.RMSNorm
-        norm = norm_cls(hidden_size, eps=eps)
-        per_head = hidden_size != config.hidden_size
-        partial = config.tensor_model_parallel_size > 1 if per_head else config.sequence_parallel
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", partial)
-        return norm
-
-
 def layer_spec(implementation: str, config: TransformerConfig, vp_stage: int | None,
                pp_rank: int, tp_group=None):
     """This model chunk's layers: megatron-core's count (uneven first/last stages, embedding or
@@ -261,7 +218,7 @@ def _recover_modules(spec, config: TransformerConfig, te: bool, tp_group) -> Non
         attention.linear_q_proj = ModuleSpec(module=attention.linear_q_proj,
                                              params={"tp_group": tp_group})
     if config.qk_layernorm and config.multi_latent_attention:  # the latents' norms
-        attention.q_layernorm = attention.kv_layernorm = TorchNorm
+        attention.q_layernorm = attention.kv_layernorm = LatentNorm
     elif config.qk_layernorm and not config.qk_l2_norm:  # (megatron-core's L2Norm wins)
         attention.q_layernorm = attention.k_layernorm = TorchNorm
 
@@ -337,6 +294,8 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
                                 tp_size=config.tensor_model_parallel_size, tp_rank=tp_rank,
                                 gated=config.gated_linear_unit)
     model = chunks[0] if vp is None else ModelChunks(chunks)
+    if config.multi_latent_attention and config.tensor_model_parallel_size > 1:
+        gather_latents_with_their_group(model)
     if pg_collection.ep.rank() > 0:  # MoE: the unit's first replica counts its dense weights
         for param in model.parameters():
             setattr(param, "unit_duplicate", getattr(param, "allreduce", True))  # not an expert

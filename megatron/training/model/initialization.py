@@ -78,7 +78,7 @@ def _this_ranks_part(full: torch.Tensor, param: torch.nn.Parameter, tp_size: int
     """This TP rank's shard of a full tensor. A tensor stacking sections (a gated MLP's fc1 is
     [gate; up]; a gated delta net's projections name theirs in `tp_sections`) holds its part of
     each section, in order."""
-    dim = param.partition_dim
+    dim: int = getattr(param, "partition_dim")  # megatron-core's attribute of TP-split params
     sections = getattr(param, "tp_sections", None)
     if sections is None and gated_fc1:
         sections = (full.shape[dim] // 2,) * 2

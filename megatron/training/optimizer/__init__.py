@@ -230,10 +230,13 @@ def tp_partial_grads(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> 
     megatron-core's finalize_model_grads picks them: the parameters flagged `sequence_parallel`
     (norms and row-parallel biases under sequence parallelism; ReCoVer's per-head q/k norms
     whenever TP > 1) and the q/k norms by name, since transformer-engine flags its q/k norms
-    only under sequence parallelism, though each sees only its TP rank's heads."""
+    only under sequence parallelism, though each sees only its TP rank's heads. Multi-latent
+    attention's latent norms (`latent_norm`: whole on every TP rank) are not per head, whatever
+    megatron-core names them."""
     names = {id(p): name for name, p in model.named_parameters()}
     return [getattr(p, "sequence_parallel", False)
-            or any(norm in names.get(id(p), "") for norm in ("q_layernorm", "k_layernorm"))
+            or (any(norm in names.get(id(p), "") for norm in ("q_layernorm", "k_layernorm"))
+                and not getattr(p, "latent_norm", False))
             for p in params]
 
 

@@ -10,7 +10,7 @@ def add_mla_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--multi-latent-attention", action="store_true",
                    help="Attention through low-rank latents of the keys and values (and queries, "
                         "with --q-lora-rank): megatron-core's MLASelfAttention. Not yet with "
-                        "TP > 1, context parallelism or transformer-engine layers.")
+                        "context parallelism or transformer-engine layers.")
     g.add_argument("--q-lora-rank", type=int, default=None,
                    help="Rank of the queries' latent (None: queries projected directly).")
     g.add_argument("--kv-lora-rank", type=int, default=32, help="Rank of the keys' and values' latent.")

@@ -204,11 +204,20 @@ def _validate_window(args: argparse.Namespace) -> None:
 
 
 def _validate_mla(args: argparse.Namespace) -> None:
-    """--multi-latent-attention: megatron-core's MLASelfAttention in its local layers, whole on
-    each rank (what TP and CP would split is not built yet)."""
+    """--multi-latent-attention: megatron-core's MLASelfAttention in its local layers, split over
+    TP by heads (its down projections by latent width, gathered before the norms); not yet over
+    CP."""
     if not args.multi_latent_attention:
         return
-    flag, whole = "--multi-latent-attention", "megatron-core's local MLA layers, whole on each rank"
+    flag, whole = "--multi-latent-attention", "megatron-core's local MLA layers, without CP"
+    tp = args.tensor_model_parallel_size
+    for latent, width in (("--kv-lora-rank + --qk-pos-emb-head-dim",
+                           args.kv_lora_rank + args.qk_pos_emb_head_dim),
+                          ("--q-lora-rank", args.q_lora_rank or 0)):
+        if width % tp:  # each TP rank projects its share of the latent's width
+            raise ArgumentError(flag, f"{flag}: {latent} = {width} does not split over "
+                                f"--tensor-model-parallel-size {tp}", f"give {latent} a multiple "
+                                f"of {tp}")
     for given, other, why, fix in (
             (args.group_query_attention, "--group-query-attention",  # Megatron-LM asserts it
              "not possible: MLA shares its keys and values through a latent", "drop it"),
@@ -216,8 +225,6 @@ def _validate_mla(args: argparse.Namespace) -> None:
              "not supported by megatron-core's MLA yet", "drop it"),
             (args.qk_l2_norm, "--qk-l2-norm", "not supported by megatron-core's MLA yet",
              "drop it"),
-            (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1",
-             f"not supported yet ({whole})", "use DP and PP"),
             (args.context_parallel_size > 1, "--context-parallel-size > 1",
              f"not supported yet ({whole})", "use DP and PP"),
             (args.transformer_impl == "transformer_engine", "--transformer-impl "
