@@ -87,7 +87,9 @@ def test_a_kill_between_ack_and_exchange_commits_on_one_replica_and_not_the_othe
     records = assert_failure_free_trajectory(run, reference)
     assert [r["iteration"] for r in records if r["recoveries"]] == [4], run.stderr[-3000:]
     assert records[3]["recoveries"][-1]["lost_replicas"] == [1]
-    assert "rank 1 suspects [3] in replica1.allreduce" in run.stderr  # the exchange
+    # rank 1's own line: its exchange failed. (The coordinator's "rank 1 suspects [3]" echoes a
+    # best-effort report, posted with a bound and not always in time: CI once ran without it.)
+    assert "rank 1: peer failure in commit: replica1.allreduce failed" in run.stdout
     assert "rank 1: peer failure in step" in run.stdout  # it rolled forward: its step failed
     assert "replica 1 lost rank(s) [3]" in run.stdout
 
