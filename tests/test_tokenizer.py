@@ -139,7 +139,7 @@ def test_null_tokenizer_needs_vocab_size():
 
 
 def test_unknown_tokenizer_type():
-    error = _error(TokenizerConfig("SentencePieceTokenizer"))
+    error = _error(TokenizerConfig("BertWordPieceCase"))
     assert error.flag == "--tokenizer-type" and "GPT2BPETokenizer" in error.fix
 
 

@@ -218,6 +218,14 @@ class CheckpointConfig:
             megatron_args=payload)
 
 
+# Megatron-LM builds these three alike: megatron-core's SentencePiece wrapper over a .model file
+SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer")
+SUPPORTED_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "TikTokenizer",
+                   *SENTENCEPIECE_TYPES)
+MODEL_FILE_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", *SENTENCEPIECE_TYPES)  # read from
+# --tokenizer-model
+
+
 @dataclass(frozen=True)
 class TokenizerConfig:
     """--tokenizer-type and what it needs (training's and preprocessing's flags alike); the
@@ -225,18 +233,23 @@ class TokenizerConfig:
     kind: str | None  # None: the default type
     vocab_file: str | None = None
     merge_file: str | None = None
-    model: str | None = None  # --tokenizer-model (HuggingFaceTokenizer, TikTokenizer)
+    model: str | None = None  # --tokenizer-model (HuggingFace, TikToken, SentencePiece)
     vocab_size: int | None = None  # NullTokenizer; TikTokenizer's (with its special tokens)
     tiktoken_pattern: str | None = None  # --tiktoken-pattern v1|v2 (None: megatron-core's v2)
     tiktoken_special: int = 1000  # --tiktoken-num-special-tokens
     special_tokens: tuple[str, ...] | None = None  # --tokenizer-special-tokens
+    sp_legacy: bool = False  # --tokenizer-sentencepiece-legacy
+    # --no-tokenizer-sentencepiece-ignore-extra-whitespaces turns it off
+    sp_ignore_extra_whitespaces: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TokenizerConfig:
         special = args.special_tokens
         return cls(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
                    args.vocab_size, args.tiktoken_pattern, args.tiktoken_num_special_tokens,
-                   None if special is None else tuple(special))
+                   None if special is None else tuple(special),
+                   bool(args.tokenizer_sentencepiece_legacy),
+                   bool(args.tokenizer_sentencepiece_ignore_extra_whitespaces))
 
 
 @dataclass(frozen=True)

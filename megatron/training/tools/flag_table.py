@@ -57,7 +57,8 @@ SOME_VALUES: dict[str, str] = {
                                         "not gdn2 or dsa); not yet with CP > 1, MLA or "
                                         "transformer-engine layers",
     "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",
-    "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer",
+    "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, TikTokenizer, "
+                        "GPTSentencePieceTokenizer, SentencePieceTokenizer, Llama2Tokenizer",
     "--position-embedding-type": "learned_absolute and rope",
     "--normalization": "LayerNorm and RMSNorm",
     "--attention-backend": "on CPU: auto, unfused, local",

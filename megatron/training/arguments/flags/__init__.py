@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.training.arguments.validate.pipeline import add_pipeline_split_args
+from megatron.training.config.io import SUPPORTED_TYPES
 
 # The split Megatron falls back to (with a warning) when --data-path is given without --split.
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
@@ -220,9 +221,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    help=f'Train/valid/test weights, e.g. "949,50,1". Default "{LEGACY_DEFAULT_SPLIT}" '
                         "(with a warning when --data-path is given).")
     g.add_argument("--mock-data", action="store_true", help="Train on synthetic data (no --data-path).")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer",
-                            "TikTokenizer"], help="Tokenizer kind.")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=SUPPORTED_TYPES,
+                   help="Tokenizer kind (the SentencePiece ones read --tokenizer-model).")
     add_tiktoken_args(g)
     g.add_argument("--tokenizer-model", default=None,
                    help="HuggingFaceTokenizer: a local directory holding tokenizer.json (offline).")
@@ -371,12 +371,21 @@ def _add_rerun_args(g) -> None:
 
 
 def add_tiktoken_args(g) -> None:
-    """TikTokenizer's flags (the training and preprocessing parsers share them)."""
+    """TikTokenizer's and SentencePiece's flags (the training and preprocessing parsers share
+    them)."""
     g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
                    help="TikTokenizer: the pre-tokenization regex (default v2).")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
                    help="TikTokenizer: ids 0..N-1 are special tokens; the vocabulary follows.")
     g.add_argument("--tokenizer-special-tokens", nargs="+", dest="special_tokens", default=None,
                    help="TikTokenizer: the named special tokens (must include <unk> <s> </s> "
-                        "<mask> <pad> <cls> <sep>).")
+                        "<mask> <pad> <cls> <sep>); SentencePiece with "
+                        "--tokenizer-sentencepiece-legacy: tokens added to its model.")
+    g.add_argument("--tokenizer-sentencepiece-legacy", action="store_true",
+                   help="SentencePiece: megatron-core's legacy wrapper (special tokens added "
+                        "after training).")
+    g.add_argument("--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
+                   "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
+                   action="store_false", dest="tokenizer_sentencepiece_ignore_extra_whitespaces",
+                   help="SentencePiece: keep runs of spaces that the model would drop.")
 

@@ -1,74 +1,13 @@
-"""Tokenizers for GPT pre-training: GPT-2 byte-level BPE from local files, and Megatron's NullTokenizer.
-
-Deliberately free of torch/megatron.core imports so that preprocessing workers start fast.
-
-The objects here satisfy what megatron-core's `GPTDataset` / `MockGPTDataset` read from a tokenizer:
-`.vocab_size`, `.eod` and `.unique_identifiers` (hashed into the dataset description). They define no
-`.pad`, so megatron-core falls back to its own pad id (-1), which never collides with a real token.
-"""
-
+"""Tokenizers read through the `tokenizers` library (GPT-2 BPE, a HuggingFace tokenizer.json) and
+Megatron's NullTokenizer."""
 from __future__ import annotations
 
 import json
 import os
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Sequence
 
-from megatron.training.errors import UserError
-from megatron.training.config.io import TokenizerConfig
-
-EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "TikTokenizer")
-# Where a tokenizer.json directory names its end-of-sequence token (transformers writes it there).
-HF_CONFIG = "tokenizer_config.json"
-# pretrain_gpt.py's default when --tokenizer-type is not given.
-DEFAULT_TYPE = "GPT2BPETokenizer"
-
-
-class TokenizerError(UserError):
-    """A user error in the tokenizer flags."""
-
-
-class Tokenizer(ABC):
-    """What the trainer, the datasets and the preprocessing script use from a tokenizer."""
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int:
-        """Number of token ids, before padding for the embedding table."""
-
-    @property
-    @abstractmethod
-    def eod(self) -> int:
-        """End-of-document id, appended by --append-eod and used for --eod-mask-loss."""
-
-    @abstractmethod
-    def tokenize(self, text: str) -> list[int]: ...
-
-    @abstractmethod
-    def detokenize(self, ids: Sequence[int]) -> str: ...
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.tokenize(text) for text in texts]
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict({"class": type(self).__name__, "vocab_size": self.vocab_size})
-
-    # Fill-in-the-middle (data/fim.py) needs tokens by name and a sample's text: the text
-    # tokenizers give them (arguments.validate refuses --fim-data with the others).
-    @property
-    def unknown_id(self) -> int | None:
-        """The id Megatron-LM's tokenizer gives a token outside the vocabulary, if any."""
-        return None
-
-    def token_id(self, token: str) -> int | None:
-        raise NotImplementedError(f"{type(self).__name__} does not look tokens up by name")
-
-    def text_without_specials(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError(f"{type(self).__name__} does not give text back")
-
+from megatron.training.data.tokenizer.base import EOD_TOKEN, HF_CONFIG, Tokenizer, TokenizerError
 
 class GPT2BPETokenizer(Tokenizer):
     """GPT-2 byte-level BPE read from a local vocab.json + merges.txt; never touches the network.
@@ -242,102 +181,6 @@ class NullTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
-
-
-class TikTokenizer(Tokenizer):
-    """Megatron-LM's TikTokenizer: megatron-core's TikTokenTokenizer (the tiktoken library) over
-    a JSON vocabulary (--tokenizer-model), split by --tiktoken-pattern, its first
-    --tiktoken-num-special-tokens ids special (`</s>` is the end of a document)."""
-
-    def __init__(self, path: str, config: TokenizerConfig):
-        from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import TikTokenTokenizer
-        options: dict = {"num_special_tokens": config.tiktoken_special,
-                         "special_tokens": None if config.special_tokens is None
-                         else list(config.special_tokens)}
-        if config.tiktoken_pattern:
-            options["pattern"] = config.tiktoken_pattern
-        if config.vocab_size:
-            options["vocab_size"] = config.vocab_size
-        self.path, self.pattern = path, config.tiktoken_pattern or "v2"
-        try:
-            self.inner = TikTokenTokenizer(path, **options)
-        except (AssertionError, ValueError, KeyError) as err:  # megatron-core checks by assert
-            raise TokenizerError("--tokenizer-model", f"cannot build a TikTokenizer from {path} "
-                                 f"({type(err).__name__}: {str(err)[:160]})",
-                                 "pass tiktoken's JSON vocabulary; --vocab-size must not exceed "
-                                 "its entries plus --tiktoken-num-special-tokens") from None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self.inner.eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.inner.text_to_ids(text)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.inner.ids_to_text(list(ids))
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict({"class": type(self).__name__, "tokenizer_model": self.path,
-                            "pattern": self.pattern, "vocab_size": self.vocab_size})
-
-
-def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
-    """Build the tokenizer named by --tokenizer-type; raises TokenizerError on a user error."""
-    kind = config.kind or DEFAULT_TYPE
-    if kind == "GPT2BPETokenizer":
-        vocab_file = _required_file(config.vocab_file, "--vocab-file", "vocab.json")
-        merge_file = _required_file(config.merge_file, "--merge-file", "merges.txt")
-        return GPT2BPETokenizer(vocab_file, merge_file)
-    if kind == "HuggingFaceTokenizer":
-        if not config.model:
-            raise TokenizerError("--tokenizer-model", "HuggingFaceTokenizer needs a tokenizer",
-                                 "pass --tokenizer-model DIR (a directory holding tokenizer.json)")
-        return HuggingFaceTokenizer(config.model)
-    if kind == "NullTokenizer":
-        vocab_size = config.vocab_size
-        if vocab_size is None or int(vocab_size) < 1:
-            raise TokenizerError(
-                "--vocab-size",
-                "NullTokenizer needs a positive vocabulary size",
-                "pass --vocab-size N (ids 0..N-1 are tokens, N is the end-of-document id)",
-            )
-        return NullTokenizer(int(vocab_size))
-    if kind == "TikTokenizer":
-        if not config.model or not os.path.isfile(config.model):
-            raise TokenizerError("--tokenizer-model", f"TikTokenizer needs its JSON vocabulary "
-                                 f"({config.model or 'none given'})",
-                                 "pass --tokenizer-model PATH/tokenizer.json")
-        return TikTokenizer(config.model, config)
-    raise TokenizerError(
-        "--tokenizer-type",
-        f"unsupported tokenizer {kind!r}",
-        f"use one of {', '.join(SUPPORTED_TYPES)}",
-    )
-
-
-def padded_vocab_size(orig: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: round the vocabulary up to a multiple of divisible_by * TP size, so every
-    tensor-parallel shard of the embedding gets an equal, aligned slice."""
-    multiple = max(1, int(divisible_by)) * max(1, int(tp))
-    return -(-int(orig) // multiple) * multiple
-
-
-def _required_file(path: str | None, flag: str, what: str) -> str:
-    if not path:
-        raise TokenizerError(
-            flag,
-            f"GPT2BPETokenizer needs a {what}",
-            f"pass {flag} PATH/{what} (scripts/prepare_demo_data.py writes a demo one)",
-        )
-    if not os.path.isfile(path):
-        raise TokenizerError(flag, f"{path} does not exist", f"pass an existing {what} to {flag}")
-    return path
 
 
 def _read_vocab(vocab_file: str) -> dict[str, int]:
