@@ -352,6 +352,8 @@ ERRORS = [  # (extra argv / replacements, world size, device, flag named, text i
       "--recompute-num-layers": "3"}, 1, "cpu", "--recompute-num-layers", "1..2"),
     ({"--recompute-granularity": "selective", "--recompute-modules": "mla_up_proj"}, 1, "cpu",
      "--recompute-modules", "multi-latent attention"),
+    ({"--save": "/tmp/x", "--save-interval": "2", "--save-retain-interval": "3"}, 1, "cpu",
+     "--save-retain-interval", "positive multiple of --save-interval"),
     ({"--reset-attention-mask": "", "--no-create-attention-mask-in-dataloader": ""}, 1, "cpu",
      "--reset-attention-mask", "--no-create-attention-mask-in-dataloader"),
     ({"--attention-backend": "flash"}, 1, "cpu", "--attention-backend", "GPU"),

@@ -77,7 +77,7 @@ def make_args(tmp: Path, **over) -> CheckpointConfig:
                 non_persistent_global_ckpt_dir=None, verify_integrity=False,
                 enable_ft_package=False, calc_ft_timeouts=False, ft_num_warmup_iters=5,
                 use_distributed_optimizer=False, num_layers=None, hidden_size=None,
-                num_attention_heads=None, ffn_hidden_size=None)
+                num_attention_heads=None, ffn_hidden_size=None, save_retain_interval=None)
     return CheckpointConfig.from_args(Namespace(**{**base, **over}))
 
 
@@ -168,6 +168,17 @@ def test_crash_during_save_leaves_the_last_good_checkpoint(tmp_path):
     # the next save of iteration 4 replaces the leftover and commits
     run(again, Checkpointer(make_args(tmp_path, load=str(ck)), 0, 1), 2)
     assert read_latest(ck) == 4 and not (ck / ".tmp_iter_0000004").exists()
+
+
+def test_save_retain_interval_keeps_its_multiples_and_the_latest(tmp_path):
+    """--save-interval 2 --save-retain-interval 4, ten iterations: Megatron-LM's rule deletes
+    the checkpoint `latest` named before once a newer one is committed, unless a multiple of 4."""
+    run(TinyTrainer(), Checkpointer(make_args(tmp_path, save_retain_interval=4), 0, 1), 10)
+    ck = tmp_path / "ck"
+    assert sorted(p.name for p in ck.glob("iter_*")) == [iter_dir_name(i) for i in (4, 8, 10)]
+    assert read_latest(ck) == 10
+    run(TinyTrainer(), Checkpointer(make_args(tmp_path / "all"), 0, 1), 6)  # without: all kept
+    assert len(list((tmp_path / "all" / "ck").glob("iter_*"))) == 3
 
 
 def test_finetune_loads_weights_only(tmp_path):

@@ -34,7 +34,10 @@ FILE_FLAGS = re.compile(r"--(vocab-file|merge-file|tokenizer-model|data-args-pat
 
 def command_line(model_args: dict, scratch: Path) -> list[str]:
     """MODEL_ARGS as Megatron-LM's launcher turns them into flags, ${...} pointing into scratch,
-    the files a check opens made (empty)."""
+    the files a check opens made (empty). A string with spaces is one value for a flag that
+    takes one (--step-batch-size-schedule "0:384 200B:768"), else several (--data-path A B)."""
+    from megatron.training.arguments import build_parser
+    actions = build_parser()._option_string_actions
     argv: list[str] = []
     for flag, value in model_args.items():
         if value is True or value == "true":
@@ -42,8 +45,10 @@ def command_line(model_args: dict, scratch: Path) -> list[str]:
             continue
         if value is False or value == "false" or value is None:
             continue
+        one = flag in actions and actions[flag].nargs is None
+        raw = value if isinstance(value, list) else [str(value)] if one else str(value).split()
         values = [re.sub(r"\$\{(\w+)\}", lambda m: str(scratch / m.group(1).lower()), str(v))
-                  for v in (value if isinstance(value, list) else str(value).split())]
+                  for v in raw]
         if FILE_FLAGS.match(flag):
             for path in values:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)

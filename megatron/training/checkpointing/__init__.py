@@ -51,8 +51,9 @@ from pathlib import Path
 import torch
 
 from megatron.training.checkpointing import torch_dist as ckd
-from megatron.training.checkpointing.files import (fsync_dir, integrity_failure, keep_only_latest,
-                                                write_atomically, write_integrity_manifest)
+from megatron.training.checkpointing.files import (drop_unretained, fsync_dir, integrity_failure,
+                                                   keep_only_latest, write_atomically,
+                                                   write_integrity_manifest)
 from megatron.training.checkpointing.local import LocalCheckpoints, due
 from megatron.training.checkpointing.writers import Writers
 from megatron.training.config.io import CheckpointConfig
@@ -381,6 +382,7 @@ class Checkpointer:
         }, indent=1, sort_keys=True)
 
     def _commit(self, tmp: Path, final: Path, iteration: int) -> None:
+        previous = read_latest(final.parent)  # named by `latest` until it moves
         if final.exists():  # e.g. a run resumed from before a save that crashed after its rename
             old = final.with_name(f".old_{final.name}")
             shutil.rmtree(old, ignore_errors=True)
@@ -393,3 +395,5 @@ class Checkpointer:
         write_atomically(final.parent / LATEST_FILE, f"{iteration}\n".encode())
         if final.parent == self.non_persistent_dir:  # only the newest of these is kept
             keep_only_latest(final.parent)
+        elif self.config.retain_interval:
+            drop_unretained(final.parent, previous, iteration, self.config.retain_interval)

@@ -48,6 +48,17 @@ def keep_only_latest(save_dir: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def drop_unretained(save_dir: Path, previous: int | None, iteration: int, interval: int) -> None:
+    """--save-retain-interval, Megatron-LM's rule: once `latest` names a new checkpoint, the one
+    it named before goes, unless its iteration is a multiple of the interval (or it is a
+    symbolic link, which Megatron-LM leaves alone too)."""
+    if previous is None or previous in (0, iteration) or previous % interval == 0:
+        return
+    old = save_dir / iter_dir_name(previous)
+    if not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+
+
 INTEGRITY_FILE = "integrity.json"
 _CHUNK = 1 << 20
 

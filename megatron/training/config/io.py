@@ -179,6 +179,7 @@ class CheckpointConfig:
     # Megatron's format stores the run's whole Namespace under "args" (its loaders read it back):
     # a copy taken here is that payload, never read for a setting
     megatron_args: argparse.Namespace
+    retain_interval: int | None = None  # --save-retain-interval
 
     def __post_init__(self):
         if self.format not in ("torch", "torch_dist"):
@@ -214,6 +215,7 @@ class CheckpointConfig:
             fully_parallel_save=args.ckpt_fully_parallel_save,
             verify_integrity=bool(args.verify_integrity),
             non_persistent=NonPersistentConfig.from_args(args), ft=FtConfig.from_args(args),
+            retain_interval=args.save_retain_interval,
             model_shape=tuple((flag, vars(args)[flag]) for flag in SHAPE_FLAGS),
             megatron_args=payload)
 

@@ -15,6 +15,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, help="Directory to save checkpoints to.")
     g.add_argument("--load", default=None, help="Directory to load a checkpoint from.")
     g.add_argument("--save-interval", type=int, default=None, help="Iterations between saves.")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="Keep the checkpoints of iterations that are multiples of N (and the "
+                        "latest); each other one is deleted once a newer one is saved.")
     g.add_argument("--no-save-optim", action="store_true", default=None,
                    help="Do not save optimizer state.")
     g.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG state.")
@@ -33,15 +36,6 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    action="store_true",
                    help="On --load, keep this run's LR and weight-decay schedule flags, whatever "
                         "the checkpoint's; the step count still comes from the checkpoint.")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM: save a checkpoint and exit.")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="Exit (status 0) after every iteration that is a multiple of this, saving a "
-                        "checkpoint first when --save is set.")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="Exit (status 0, after a checkpoint when --save is set) once training has run "
-                        "this long; the live ranks agree on it after every iteration (one store "
-                        "barrier per iteration while the flag is set).")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
                    help="Checkpoint format to save: torch_dist (megatron-core's distributed "
                         "checkpoint; loads at any TP/PP/DP layout) or torch (one file per TP x PP "
@@ -67,8 +61,22 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="torch_dist: the lowest live replica writes the whole checkpoint. By "
                         "default every live replica writes a share of it (a writer that dies "
                         "mid-save abandons that save; the last complete one stays latest).")
+    _add_exit_args(g)
     _add_megatron_core_checkpoint_args(g)
     _add_non_persistent_args(g)
+
+
+def _add_exit_args(g) -> None:
+    """Stopping the run, with a checkpoint first when --save is set."""
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM: save a checkpoint and exit.")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Exit (status 0) after every iteration that is a multiple of this, saving a "
+                        "checkpoint first when --save is set.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Exit (status 0, after a checkpoint when --save is set) once training has run "
+                        "this long; the live ranks agree on it after every iteration (one store "
+                        "barrier per iteration while the flag is set).")
 
 
 def _add_megatron_core_checkpoint_args(g) -> None:

@@ -64,7 +64,6 @@ RUN_FLAGS: dict[str, Refusal] = {
     "--persistent-save-interval": _CKPT_DEBUG, "--save-params-interval": _CKPT_DEBUG,
     "--save-activations-interval": _CKPT_DEBUG, "--save-tokens-per-expert-interval": _CKPT_DEBUG,
     "--save-wgrads-interval": _CKPT_DEBUG, "--save-dgrads-interval": _CKPT_DEBUG,
-    "--save-retain-interval": not_yet("keeps every N-th checkpoint, not supported yet"),
     "--load-main-params-from-ckpt": not_yet("loads fp32 main params alone, not supported yet"),
     "--pretrained-checkpoint": not_yet("starts from a pretrained checkpoint, not supported yet",
                                        "use --load with --finetune"),

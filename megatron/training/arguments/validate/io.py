@@ -125,6 +125,12 @@ def validate_checkpointing(args: argparse.Namespace) -> None:
     if args.save is not None and (args.save_interval is None or args.save_interval < 1):
         raise ArgumentError("--save-interval", "--save needs a positive --save-interval",
                             "pass --save-interval N (iterations between saves)")
+    retain = args.save_retain_interval
+    if retain is not None and (retain < 1 or args.save_interval is None
+                               or retain % args.save_interval):  # Megatron-LM asserts both
+        raise ArgumentError("--save-retain-interval", f"--save-retain-interval {retain} is not a "
+                            "positive multiple of --save-interval", "pass a multiple of "
+                            "--save-interval")
     if args.verify_integrity and args.ckpt_format != "torch_dist":
         raise ArgumentError("--verify-integrity", "--verify-integrity needs --ckpt-format "
                             "torch_dist (as in Megatron-LM)", "drop --ckpt-format torch or "
