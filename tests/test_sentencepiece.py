@@ -60,6 +60,17 @@ def test_a_missing_or_bad_model_is_one_error_naming_the_flag(tmp_path):
     assert "cannot load a SentencePiece model" in bad.value.message
 
 
+def test_special_tokens_without_the_legacy_wrapper_are_one_line(model, capsys):
+    from megatron.training.arguments import parse_and_validate
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate([*TINY_GPT, "--train-iters", "2", "--tokenizer-type",
+                            "GPTSentencePieceTokenizer", "--tokenizer-model", model,
+                            "--tokenizer-special-tokens", "<x>"], world_size=1)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "--tokenizer-special-tokens: a SentencePiece model takes" in err, err
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_corpus_preprocessed_with_it_trains(model, tmp_path):

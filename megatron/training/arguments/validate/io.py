@@ -9,7 +9,7 @@ import os
 from megatron.training.errors import ArgumentError
 from megatron.training.arguments.flags import LEGACY_DEFAULT_SPLIT
 from megatron.training.config.data_sources import data_sources
-from megatron.training.config.io import MODEL_FILE_TYPES
+from megatron.training.config.io import MODEL_FILE_TYPES, SENTENCEPIECE_TYPES
 from megatron.training.replication import foreign_copy
 from recover_patches.recovery.fixed_point import MAX_REPLICAS
 from recover_patches.topology import Topology
@@ -107,6 +107,12 @@ def validate_tokenizer(args: argparse.Namespace) -> None:
             raise ArgumentError("--vocab-size", "NullTokenizer needs a positive --vocab-size",
                                 "pass --vocab-size N")
         return
+    if args.tokenizer_type in SENTENCEPIECE_TYPES and args.special_tokens \
+            and not args.tokenizer_sentencepiece_legacy:  # megatron-core raises
+        raise ArgumentError("--tokenizer-special-tokens", "a SentencePiece model takes added "
+                            "special tokens only with --tokenizer-sentencepiece-legacy "
+                            "(otherwise they belong to the model when it is trained)",
+                            "add --tokenizer-sentencepiece-legacy or drop the flag")
     if args.tokenizer_type in MODEL_FILE_TYPES:  # built: files checked
         if not args.tokenizer_model:
             raise ArgumentError("--tokenizer-model", f"{args.tokenizer_type} needs "
