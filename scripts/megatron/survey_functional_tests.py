@@ -45,10 +45,14 @@ def command_line(model_args: dict, scratch: Path) -> list[str]:
             continue
         if value is False or value == "false" or value is None:
             continue
-        one = flag in actions and actions[flag].nargs is None
-        raw = value if isinstance(value, list) else [str(value)] if one else str(value).split()
-        values = [re.sub(r"\$\{(\w+)\}", lambda m: str(scratch / m.group(1).lower()), str(v))
-                  for v in raw]
+        action = actions.get(flag)
+        one = action is not None and action.nargs is None
+        text = str(value).strip("[]") if isinstance(value, str) else value  # "[2 2]": 2 2
+        raw = value if isinstance(value, list) else [str(text)] if one else str(text).split()
+        # ${VAR}: a path in scratch, or 1 where the flag takes a number (--seed ${REPEAT})
+        number = action is not None and action.type in (int, float)
+        values = [re.sub(r"\$\{(\w+)\}", lambda m: "1" if number else
+                         str(scratch / m.group(1).lower()), str(v)) for v in raw]
         if FILE_FLAGS.match(flag):
             for path in values:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
