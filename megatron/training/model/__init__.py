@@ -47,7 +47,7 @@ from megatron.training.model.expert_linear import ExpertOutputLinear
 from megatron.training.model.latent_attention import gather_latents_with_their_group
 from megatron.training.model.norms import LatentNorm, TorchNorm
 from megatron.training.model.gated_delta_net import use_torch_gated_delta_rule, with_linear_attention
-from megatron.training.model.initialization import global_parameter_name, init_parameters_by_name
+from megatron.training.model.initialization import init_parameters_by_name
 from megatron.training.model.moe_cpu import use_host_alltoall
 
 logger = logging.getLogger(__name__)
