@@ -125,6 +125,22 @@ def test_a_token_outside_the_vocabulary_is_the_unknown_token_or_one_line():
     assert info.value.flag == "--fim-prefix-token"
 
 
+def test_a_huggingface_tokenizer_gives_text_without_its_specials_and_names_a_missing_sentinel(
+        tmp_path):
+    """Megatron-LM's ids_to_text(remove_special_tokens=True) drops <s> and </s>; a tokenizer
+    without an unknown token cannot stand in for a missing sentinel."""
+    from tests.test_preprocess import write_hf_tokenizer
+    tokenizer = build_tokenizer(TokenizerConfig("HuggingFaceTokenizer",
+                                                model=str(write_hf_tokenizer(tmp_path / "hf"))))
+    ids = tokenizer.tokenize("hello world")
+    assert ids[0] == tokenizer.token_id("<s>")  # its post-processor's
+    text = tokenizer.text_without_specials([*ids, tokenizer.eod])
+    assert "<s>" not in text and "</s>" not in text and text.replace(" ", "") == "helloworld"
+    with pytest.raises(UserError) as info:
+        resolve_token_ids(FimFlags(0.5, 0.5), tokenizer, tokenizer.unknown_id)
+    assert info.value.flag == "--fim-prefix-token"
+
+
 # --- the dataset and the job -------------------------------------------------------------------
 
 

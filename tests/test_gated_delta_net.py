@@ -144,7 +144,7 @@ def test_a_killed_rank_in_a_gated_delta_net_job_keeps_one_process_losses(tmp_pat
     process, and one process resumes from its checkpoint of iteration 2. Plain attention in
     every layer gives other losses: the gated delta nets are there. The hybrid with experts at
     TP 2 with sequence parallelism (each rank its heads' part of every projection) follows its
-    one-process run."""
+    one-process run, and one process resumes from its checkpoint of iteration 2."""
     runs = [launch(1, FLAGS, tmp_path / "one.jsonl"),
             launch(2, [*FLAGS, "--recover-spares", "off",
                        "--inject-fault", "kill:rank=1,iter=2,phase=backward"],
@@ -153,7 +153,8 @@ def test_a_killed_rank_in_a_gated_delta_net_job_keeps_one_process_losses(tmp_pat
                        str(tmp_path / "ckpt"), "--save-interval", "2"], tmp_path / "pp2.jsonl"),
             launch(1, PLAIN, tmp_path / "plain.jsonl"),
             launch(1, HYBRID, tmp_path / "hybrid.jsonl"),
-            launch(2, [*HYBRID, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            launch(2, [*HYBRID, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--save", str(tmp_path / "ckpt_tp2"), "--save-interval", "2"],
                    tmp_path / "hybrid_tp2.jsonl")]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
     one, two, pp2, plain, hybrid, hybrid_tp2 = ([r for r in run.records if "lm_loss" in r]
@@ -173,3 +174,9 @@ def test_a_killed_rank_in_a_gated_delta_net_job_keeps_one_process_losses(tmp_pat
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert all(abs(a - b["lm_loss"]) <= 1e-5 * b["lm_loss"]
                for a, b in zip(resumed.losses(), one[2:], strict=True)), resumed.losses()
+    # TP 2's sections of the stacked projections, read back whole by one process
+    (tmp_path / "ckpt_tp2" / LATEST_FILE).write_text("2")
+    whole = launch(1, [*HYBRID, "--load", str(tmp_path / "ckpt_tp2")], tmp_path / "whole.jsonl")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert all(abs(a - b["lm_loss"]) <= 1e-5 * b["lm_loss"]
+               for a, b in zip(whole.losses(), hybrid[2:], strict=True)), whole.losses()
