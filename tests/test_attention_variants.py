@@ -54,6 +54,8 @@ def test_sliding_window_attention_sees_the_band_only(window):
                for s in range(3))
     got = attention(q, k, v, None).reshape(9, 2, 2, 8)
     assert torch.allclose(got, reference_window_attention(q, k, v, window[0]), atol=1e-5)
+    from megatron.training.model import windowed  # the band is built once per shape, then read
+    assert windowed(window, 9, None, q.device) is windowed(window, 9, None, q.device)
 
 
 def test_the_skip_frequency_leaves_every_nth_layer_whole():

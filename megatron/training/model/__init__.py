@@ -11,6 +11,7 @@ last-stage outputs to fp32 (the loss does that), and it would nest every state-d
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import math
@@ -118,12 +119,18 @@ def windowed(window: tuple[int, int], seq: int, mask: torch.Tensor | None,
     """Sliding-window attention's mask (True = attend) for causal self-attention over `seq`
     positions: query i sees keys j with i - LEFT <= j <= i (+ RIGHT, which causality caps;
     -1: unbounded), as transformer-engine reads megatron-core's window_size; within `mask`."""
-    left, right = window
+    allowed = _band(*window, seq, str(device))
+    return allowed if mask is None else allowed & mask
+
+
+@functools.lru_cache(maxsize=16)
+def _band(left: int, right: int, seq: int, device: str) -> torch.Tensor:
+    """The window's seq x seq band, built once per shape and device (every windowed layer and
+    microbatch reads the same one; nothing writes to it)."""
     i = torch.arange(seq, device=device).unsqueeze(1)
     j = torch.arange(seq, device=device).unsqueeze(0)
-    allowed = (j <= i) & ((j >= i - left) if left >= 0 else True) \
+    return (j <= i) & ((j >= i - left) if left >= 0 else True) \
         & ((j <= i + right) if right >= 0 else True)
-    return allowed if mask is None else allowed & mask
 
 
 class RecoverGPTModel(GPTModel):
