@@ -109,6 +109,10 @@ def test_a_run_writes_every_tag_for_every_step_across_the_logging_ranks_death(tm
                      "--log-throughput", "--log-timers-to-tensorboard", "--timing-log-level", "2",
                      "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                      "--eval-interval", "5", "--eval-iters", "1",
+                     # a kill is seen at once; the longer bound keeps a successor that is slow
+                     # to take over the event files under CI's load from being fenced as hung
+                     # (one CI run lost a second replica here: live 2, not 3)
+                     "--recover-timeout", "30",
                      "--inject-fault", "kill:rank=0,iter=8,phase=optimizer"],
                  tmp_path / "unused.jsonl", launcher_args=[], timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
