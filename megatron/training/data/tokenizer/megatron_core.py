@@ -4,12 +4,32 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 from megatron.training.config.io import TokenizerConfig
 from megatron.training.data.tokenizer.base import Tokenizer, TokenizerError
 
-class TikTokenizer(Tokenizer):
+
+class MegatronCoreTokenizer(Tokenizer):
+    """A tokenizer that megatron-core's library wrapper (`inner`) answers for."""
+    inner: Any
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self.inner.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.inner.text_to_ids(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.inner.ids_to_text(list(ids))
+
+
+class TikTokenizer(MegatronCoreTokenizer):
     """Megatron-LM's TikTokenizer: megatron-core's TikTokenTokenizer (the tiktoken library) over
     a JSON vocabulary (--tokenizer-model), split by --tiktoken-pattern, its first
     --tiktoken-num-special-tokens ids special (`</s>` is the end of a document)."""
@@ -33,26 +53,12 @@ class TikTokenizer(Tokenizer):
                                  "its entries plus --tiktoken-num-special-tokens") from None
 
     @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self.inner.eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.inner.text_to_ids(text)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.inner.ids_to_text(list(ids))
-
-    @property
     def unique_identifiers(self) -> OrderedDict:
         return OrderedDict({"class": type(self).__name__, "tokenizer_model": self.path,
                             "pattern": self.pattern, "vocab_size": self.vocab_size})
 
 
-class SentencePieceModel(Tokenizer):
+class SentencePieceModel(MegatronCoreTokenizer):
     """Megatron-LM's SentencePiece tokenizers (GPTSentencePieceTokenizer, SentencePieceTokenizer,
     Llama2Tokenizer): megatron-core's wrapper of the sentencepiece library over a .model file,
     with --tokenizer-sentencepiece-legacy and its extra-whitespace rule; eod is the model's
@@ -72,20 +78,6 @@ class SentencePieceModel(Tokenizer):
             raise TokenizerError("--tokenizer-model", f"cannot load a SentencePiece model from "
                                  f"{path} ({type(err).__name__}: {str(err)[:160]})",
                                  "pass the tokenizer's .model file") from None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self.inner.eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.inner.text_to_ids(text)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.inner.ids_to_text(list(ids))
 
     @property
     def unique_identifiers(self) -> OrderedDict:
