@@ -30,15 +30,14 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).sum(dim, keepdim=True) + eps)).to(x.dtype)
 
 
-def use_torch_gated_delta_rule() -> bool:
+def use_torch_gated_delta_rule() -> None:
     """Without fla: megatron-core's torch path of the rule and a torch L2 norm, where its module
-    looks them up (its globals: the only way in). True when they were put there."""
+    looks them up (its globals: the only way in)."""
     if importlib.util.find_spec("fla") is not None:
-        return False
+        return
     gated_delta_net.HAVE_FLA = True  # its constructor's check: what fla gave is now here
     gated_delta_net.l2norm = l2norm
     gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule
-    return True
 
 
 class RecoverGatedDeltaNet(gated_delta_net.GatedDeltaNet):
