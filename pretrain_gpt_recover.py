@@ -258,7 +258,7 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
 
     from megatron.training.collective_backend import resilient_groups
     from megatron.training.initialize import build_groups, init_default_group, torch_group_factory
-    from megatron.training.model import build_model
+    from megatron.training.model import build_model, mark_unit_duplicates
     from megatron.training.optimizer.setup import build_optimizer
     from megatron.training.step.parts import build_grad_buffer
     from recover_patches.pipeline.rng import install_rng_tracker
@@ -285,6 +285,8 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
     tracker = install_rng_tracker(device, parallel.seed)
     model = build_model(run.model, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
+    if groups.coord.replica % topology.fsdp:  # a shard group's norms: its first replica counts
+        mark_unit_duplicates(model)
     optimizer = build_optimizer(model, run.optimizer, groups)
     grads = build_grad_buffer(groups, optimizer, run.optimizer.overlap_grad_reduce, model,
                               run.step.exact_reduction)

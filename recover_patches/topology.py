@@ -8,6 +8,8 @@ copy but for its experts: the TP*CP*PP ranks sharing a dp index (design.md §3);
 hold the same weights and split each sequence, as its TP ranks split each layer. Expert
 parallelism (Megatron's `ep` inside `dp`) splits the experts over EP consecutive replicas, a
 *unit*: replica r is expert rank r % EP of unit r // EP, and a unit fails as one (design.md §3).
+Megatron-FSDP's shard groups are units alike: F consecutive replicas hold one model's parameters
+between them (design.md §19).
 Pure arithmetic, no torch: every rank computes the same answers.
 """
 from __future__ import annotations
@@ -31,17 +33,32 @@ class Topology:
     dp_last: bool = False  # --use-tp-pp-dp-mapping
     cp: int = 1  # --context-parallel-size
     ep: int = 1  # --expert-model-parallel-size: replicas per unit
+    fsdp: int = 1  # --use-megatron-fsdp: replicas per shard group (DP / shard groups)
+
+    def __post_init__(self):
+        if self.ep > 1 and self.fsdp > 1:
+            raise ValueError("a unit is either expert-parallel or a Megatron-FSDP shard group")
 
     @classmethod
     def from_world(cls, world_size: int, tp: int, pp: int, dp_last: bool = False,
-                   cp: int = 1, ep: int = 1) -> "Topology":
+                   cp: int = 1, ep: int = 1, shard_groups: int | None = None) -> "Topology":
+        """`shard_groups` U (Megatron-FSDP): the DP replicas form U shard groups."""
         if world_size % (tp * pp * cp):
             raise ValueError(f"world size {world_size} is not divisible by TP*CP*PP = "
                              f"{tp * cp * pp}")
         dp = world_size // (tp * pp * cp)
         if dp % ep:
             raise ValueError(f"data-parallel size {dp} is not divisible by EP = {ep}")
-        return cls(tp=tp, pp=pp, dp=dp, dp_last=dp_last, cp=cp, ep=ep)
+        if shard_groups is not None and dp % shard_groups:
+            raise ValueError(f"data-parallel size {dp} is not divisible by "
+                             f"--num-distributed-optimizer-instances {shard_groups}")
+        fsdp = 1 if shard_groups is None else dp // shard_groups
+        return cls(tp=tp, pp=pp, dp=dp, dp_last=dp_last, cp=cp, ep=ep, fsdp=fsdp)
+
+    @property
+    def unit_size(self) -> int:
+        """Replicas per unit: those whose one death breaks them all (EP's, or a shard group's)."""
+        return self.ep * self.fsdp
 
     @property
     def world_size(self) -> int:
@@ -66,9 +83,10 @@ class Topology:
                 for t in range(self.tp)]
 
     def unit_replicas(self, replica: int) -> list[int]:
-        """The replicas that hold the experts together with this one (itself alone at EP 1)."""
-        first = replica // self.ep * self.ep
-        return list(range(first, first + self.ep))
+        """The replicas that hold the experts or the parameters together with this one (itself
+        alone at EP 1 without Megatron-FSDP)."""
+        first = replica // self.unit_size * self.unit_size
+        return list(range(first, first + self.unit_size))
 
     def unit_ranks(self, replica: int) -> list[int]:
         """Every rank of this replica's unit: a death of any of them breaks all its replicas."""

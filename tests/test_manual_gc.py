@@ -53,7 +53,7 @@ def events_of(monkeypatch, **flags) -> list:
     gc_options = {"manual_gc": False, "manual_gc_interval": 0, "manual_gc_eval": True, **flags}
     config = TrainingConfig(batches=BatchSchedule(1, 1, None), train_iters=8, eval_interval=4,
                             eval_iters=1, log_interval=1, log_throughput=False, log_memory=False,
-                            min_replicas=1, one_optimizer_copy=False, **gc_options)
+                            min_replicas=1, one_optimizer_copy="", **gc_options)
     events: list = []
     loop = Loop(config, events)
     monkeypatch.setattr(gc, "collect", lambda *a: events.append(("collect", loop.state.iteration)))

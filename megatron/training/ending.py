@@ -19,7 +19,7 @@ class EarlyEnd(enum.Enum):
     FENCED = "this rank ends like a dead one: its replica is lost, the others go on"
 
 
-def early_end(err: Exception, restart_from: str, one_optimizer_copy: bool,
+def early_end(err: Exception, restart_from: str, one_optimizer_copy: str,
               recovering: bool) -> tuple[int, str] | EarlyEnd:
     """(exit status, the line to print) of an error that ends the run early, or how else it
     ends; an error none of these is a crash and is raised again."""
@@ -37,9 +37,8 @@ def early_end(err: Exception, restart_from: str, one_optimizer_copy: bool,
         return EXIT_RESTART, f"stopping: {err}"
     if isinstance(err, (TooFewReplicas, RecoveryStalled)):  # likewise
         reason = str(err)
-        if one_optimizer_copy:
-            reason += (" (--use-distributed-optimizer with --num-distributed-optimizer-instances "
-                       "1 keeps one copy of the optimizer state: K >= 2 survives a lost replica)")
+        if one_optimizer_copy:  # (why one replica's loss ends this job)
+            reason += f" ({one_optimizer_copy})"
         return EXIT_RESTART, f"stopping: {reason}. Restart with --load {restart_from}"
     if isinstance(err, PeerFailure):
         where = ("outside the recoverable training iteration, e.g. in evaluation" if recovering

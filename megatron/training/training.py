@@ -98,7 +98,7 @@ class Trainer:
                                 corrupt=lambda: corrupt_a_weight(self.optimizer))
 
     @property
-    def one_optimizer_copy(self) -> bool:
+    def one_optimizer_copy(self) -> str:
         return self.config.one_optimizer_copy
 
     @property
@@ -109,7 +109,7 @@ class Trainer:
         """Spares and replacement processes rejoin (recovery on, with the coordinator)."""
         assert self.agreement is not None
         self.grow = GrowBack(live=self.live, agreement=self.agreement, membership=membership,
-                             replica=self.job, probe=self.probe, ep=self.groups.topology.ep)
+                             replica=self.job, probe=self.probe, unit_size=self.groups.topology.unit_size)
 
     def transaction(self) -> IterationTransaction:
         return IterationTransaction(live=self.live, replica=self.replica,
@@ -325,7 +325,7 @@ class Trainer:
         with torch.no_grad():
             for k in range(config.eval_iters):
                 ids = list(range(first + k * m, first + (k + 1) * m))
-                mine = pad_for_unit(unit_plan(ids, self.live.live_replicas, topo.ep, even_plan).get(
+                mine = pad_for_unit(unit_plan(ids, self.live.live_replicas, topo.unit_size, even_plan).get(
                     self.groups.coord.replica, []), self.groups, self.device)
                 done = self.schedule.forward_only(mine, self.valid_stages,
                                                   self.probe.of_evaluation())

@@ -100,7 +100,7 @@ class GrowBack:
     probe: Probe = NO_PROBE  # progress marks and fault injection: phase "join"
     max_attempts: int = 64
     failed: set[int] = field(default_factory=set)  # epochs whose join aborted: one try each
-    ep: int = 1  # expert parallelism: a joiner's donor holds the same experts (replica % ep)
+    unit_size: int = 1  # a joiner's donor holds the same experts or shard (replica % unit_size)
 
     # --- live ranks ---------------------------------------------------------------------------
     def due(self, sync: bool) -> bool:
@@ -173,7 +173,7 @@ class GrowBack:
     def _donor(self, joiner: int) -> int:
         """The lowest live replica holding what `joiner` holds: any one, or with expert
         parallelism one with its experts (a unit is live whole, so one is)."""
-        return min(r for r in self.live.live_replicas if r % self.ep == joiner % self.ep)
+        return min(r for r in self.live.live_replicas if r % self.unit_size == joiner % self.unit_size)
 
     # --- spares -------------------------------------------------------------------------------
     def wait_as_spare(self) -> JoinRecord:

@@ -29,6 +29,7 @@ from megatron.training.arguments.flags import (
     add_parallel_args, add_precision_args)
 from megatron.training.arguments.flags.checkpoint import add_checkpoint_args
 from megatron.training.arguments.flags.fim import add_fim_args
+from megatron.training.arguments.flags.fsdp import add_fsdp_args
 from megatron.training.arguments.flags.linear_attention import add_linear_attention_args
 from megatron.training.arguments.flags.mla import add_mla_args
 from megatron.training.arguments.flags.numerics import add_numerics_args
@@ -42,6 +43,7 @@ from megatron.training.arguments.validate.io import (
     validate_tokenizer)
 from megatron.training.arguments.flags.moe import add_moe_args
 from megatron.training.arguments.validate.context import validate_context_parallel
+from megatron.training.arguments.validate.fsdp import validate_megatron_fsdp
 from megatron.training.arguments.validate.moe import validate_expert_layout, validate_moe
 from megatron.training.arguments.validate.model import (
     validate_device_flags, validate_model_shape, validate_parallel)
@@ -92,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (add_model_args, add_parallel_args, add_batch_args, add_optimizer_args,
                       add_data_args, add_checkpoint_args, add_logging_args, add_precision_args,
                       add_numerics_args, add_recover_args, add_ft_package_args, add_moe_args,
-                      add_mla_args, add_linear_attention_args, add_fim_args, add_own_way_args,
+                      add_mla_args, add_linear_attention_args, add_fim_args, add_fsdp_args,
+                      add_own_way_args,
                       add_refused_args):
         add_group(parser)
     add_megatron_refusals(parser)  # last: every Megatron-LM flag not declared above
@@ -115,6 +118,7 @@ def validate_args(args: argparse.Namespace, world_size: int, device: str = "cpu"
     reject_unsupported_values(args)  # also for namespaces that did not come from parse_args
     validate_context_parallel(args)
     validate_moe(args, device)
+    validate_megatron_fsdp(args)  # (before the layout: it turns the distributed optimizer on)
     dp = validate_parallel(args, world_size)
     validate_expert_layout(args, dp)
     validate_model_shape(args)

@@ -29,6 +29,7 @@ from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
 from megatron.training.straggler import StragglerConfig
 from megatron.training.config.rules import (model_chunks_of, position_embedding_type_of,
+                                            shards_parameters,
                                             recompute_granularity_of, recomputed_modules)
 
 IMPLEMENTATIONS = ("local", "transformer_engine")
@@ -306,7 +307,9 @@ class TrainingConfig:
     manual_gc_interval: int
     manual_gc_eval: bool
     min_replicas: int  # --recover-min-replicas
-    one_optimizer_copy: bool  # one distributed-optimizer instance: its shards die with a replica
+    # one distributed-optimizer instance or Megatron-FSDP shard group, whose state dies with a
+    # replica: why ("" when K >= 2)
+    one_optimizer_copy: str
     profiling: ProfilingConfig = ProfilingConfig()  # --profile
     straggler: StragglerConfig = StragglerConfig()  # --log-straggler
 
@@ -321,8 +324,7 @@ class TrainingConfig:
                    args.eval_iters, args.log_interval, bool(args.log_throughput),
                    bool(args.log_memory_to_tensorboard), bool(args.manual_gc),
                    args.manual_gc_interval, bool(args.manual_gc_eval), args.recover_min_replicas,
-                   bool(args.use_distributed_optimizer)
-                   and args.num_distributed_optimizer_instances == 1,
+                   one_copy_reason(args),
                    ProfilingConfig.from_args(args), StragglerConfig.from_args(args))
 
 
@@ -365,3 +367,14 @@ class StepConfig:
                                      args.result_rejected_tracker_filename,
                                      bool(args.check_for_spiky_loss),
                                      bool(args.check_for_large_grads)))
+
+
+def one_copy_reason(args: argparse.Namespace) -> str:
+    """Why one lost replica ends the job, or "": the only copy of the state is sharded over all."""
+    if not args.use_distributed_optimizer or args.num_distributed_optimizer_instances > 1:
+        return ""
+    if shards_parameters(args):
+        return ("--use-megatron-fsdp with --num-distributed-optimizer-instances 1 is one shard "
+                "group, holding the only copy of the parameters: K >= 2 groups survive a lost one")
+    return ("--use-distributed-optimizer with --num-distributed-optimizer-instances 1 keeps one "
+            "copy of the optimizer state: K >= 2 survives a lost replica")

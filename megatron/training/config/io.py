@@ -197,7 +197,7 @@ class CheckpointConfig:
             vars(payload).update(layout.megatron_fields(args))
         return cls(
             save=args.save, load=args.load, save_interval=args.save_interval,
-            train_iters=args.train_iters, format=args.ckpt_format, async_save=bool(args.async_save),
+            train_iters=args.train_iters, format="torch_dist" if args.ckpt_format == "fsdp_dtensor" else args.ckpt_format, async_save=bool(args.async_save),
             persistent_worker=bool(args.use_persistent_ckpt_worker),
             strictness=args.dist_ckpt_strictness, finetune=bool(args.finetune),
             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,

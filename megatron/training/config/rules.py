@@ -230,4 +230,41 @@ def own_way_lines(args: argparse.Namespace) -> list[str]:
     if args.grad_reduce_in_bf16:
         lines.append("--grad-reduce-in-bf16: gradients are reduced in fp32 (ReCoVer's exact "
                      "reduction): 4 bytes per parameter on the wire instead of 2")
+    if args.fsdp_double_buffer:
+        lines.append("--fsdp-double-buffer changes nothing: each Megatron-FSDP gather allocates "
+                     "what it needs")
+    return lines + fsdp_lines(args) if args.use_megatron_fsdp else lines
+
+
+def fsdp_lines(args: argparse.Namespace) -> list[str]:
+    """Where Megatron-FSDP's flags run differently here (`arguments.validate.fsdp`)."""
+    lines = ["--use-megatron-fsdp: runs the distributed optimizer (as Megatron-LM's version 1 "
+             "does)"]
+    if args.ckpt_format == "fsdp_dtensor":
+        lines.append("--ckpt-format fsdp_dtensor: checkpoints are written as torch_dist (each "
+                     "rank's parameters whole, the optimizer state as the distributed optimizer "
+                     "writes it); they load at any layout, with or without Megatron-FSDP")
+    strategy = args.data_parallel_sharding_strategy
+    if shards_parameters(args):
+        lines.append("--data-parallel-sharding-strategy optim_grads_params: parameters and "
+                     "optimizer state are sharded over each shard group; gradients are "
+                     "accumulated whole (4 bytes per parameter) and reduce-scattered once per "
+                     "iteration, since a recovery re-runs lost microbatches on top of them")
+    else:
+        lines.append(f"--data-parallel-sharding-strategy {strategy}: runs as ReCoVer's "
+                     "distributed optimizer (optimizer state sharded over each instance, "
+                     "parameters and gradients whole), which survives any one replica's loss")
+    if args.megatron_fsdp_grad_comm_dtype == "bf16":
+        lines.append("--megatron-fsdp-grad-comm-dtype bf16: gradients are reduced in fp32: 4 "
+                     "bytes per parameter on the wire instead of 2")
+    if args.overlap_param_gather and shards_parameters(args):
+        lines.append("--overlap-param-gather: each module's parameters are gathered when it "
+                     "starts, not ahead of it")
     return lines
+
+
+def shards_parameters(args: argparse.Namespace) -> bool:
+    """Megatron-FSDP's optim_grads_params (ZeRO-3): each replica's parameters live sharded over
+    its shard group."""
+    return bool(args.use_megatron_fsdp) and args.data_parallel_sharding_strategy == \
+        "optim_grads_params"

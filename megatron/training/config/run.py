@@ -10,7 +10,7 @@ from megatron.training.config import (ModelConfig, OptimizerSetup, RunLayout, Sc
                                       StepConfig, TrainingConfig)
 from megatron.training.config.io import (CheckpointConfig, DataConfig, FtConfig, TensorBoardConfig,
                                          TokenizerConfig, WandbConfig)
-from megatron.training.config.rules import megatron_differences, model_chunks_of
+from megatron.training.config.rules import megatron_differences, model_chunks_of, shards_parameters
 from recover_patches.topology import Topology
 
 
@@ -23,6 +23,7 @@ class ParallelConfig:
     expert: int
     tp_pp_dp_mapping: bool  # --use-tp-pp-dp-mapping: Megatron's other rank order
     optimizer_instances: int | None  # --num-distributed-optimizer-instances; None: no sharding
+    shards_parameters: bool  # Megatron-FSDP's optim_grads_params: the instances are shard groups
     model_chunks: bool  # the interleaved schedule: a p2p channel per chunk direction
     backend: str  # --distributed-backend (the default group's, without recovery)
     startup_seconds: float  # --distributed-timeout-minutes: connects and the first iteration
@@ -32,6 +33,9 @@ class ParallelConfig:
     def __post_init__(self):
         if min(self.tensor, self.pipeline, self.context, self.expert) < 1:
             raise ValueError(f"parallel sizes {self}: each at least 1")
+        if self.shards_parameters and self.optimizer_instances is None:
+            raise ValueError("sharded parameters (Megatron-FSDP) live in the distributed "
+                             "optimizer's instances")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelConfig:
@@ -39,14 +43,16 @@ class ParallelConfig:
                    args.context_parallel_size, args.expert_model_parallel_size,
                    bool(args.use_tp_pp_dp_mapping),
                    args.num_distributed_optimizer_instances if args.use_distributed_optimizer
-                   else None, model_chunks_of(args) is not None, args.distributed_backend,
+                   else None, shards_parameters(args), model_chunks_of(args) is not None, args.distributed_backend,
                    60.0 * args.distributed_timeout_minutes, bool(args.deterministic_mode),
                    args.seed)
 
     def topology(self, world_size: int) -> Topology:
         """Where each rank of a job of `world_size` sits: its replica, stage and groups."""
         return Topology.from_world(world_size, self.tensor, self.pipeline, self.tp_pp_dp_mapping,
-                                   cp=self.context, ep=self.expert)
+                                   cp=self.context, ep=self.expert,
+                                   shard_groups=self.optimizer_instances
+                                   if self.shards_parameters else None)
 
 
 @dataclass(frozen=True)

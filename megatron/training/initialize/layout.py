@@ -49,9 +49,9 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
     tp = make_group(f"tp.replica{c.replica}.stage{c.pp}{at}",
                     topology.tp_ranks(c.replica, c.pp, c.cp))
     pp = make_group(f"pp.replica{c.replica}.tp{c.tp}{at}", topology.pp_ranks(c.tp, c.replica, c.cp))
-    unit = c.replica // topology.ep  # MoE: with expert parallelism the unit is the replica
+    unit = c.replica // topology.unit_size  # expert parallelism or Megatron-FSDP: the unit
     replica = (make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
-               if topology.ep == 1 else make_group(f"unit{unit}", topology.unit_ranks(c.replica)))
+               if topology.unit_size == 1 else make_group(f"unit{unit}", topology.unit_ranks(c.replica)))
     embedding = None
     if topology.pp > 1 and c.pp in (0, topology.pp - 1):
         embedding = make_group(f"embd.replica{c.replica}.tp{c.tp}{at}",
@@ -66,8 +66,9 @@ def build_groups(topology: Topology, rank: int, make_group: GroupFactory,
                                     [r for r in topology.replica_ranks(c.replica)
                                      if topology.coord(r).cp == c.cp])
     expert = tp_expert = expert_dp = alone = None
-    if topology.ep > 1:
+    if topology.unit_size > 1:
         alone = make_group(f"replica{c.replica}", topology.replica_ranks(c.replica))
+    if topology.ep > 1:
         expert = make_group(f"ep.unit{unit}.tp{c.tp}.stage{c.pp}",
                             topology.ep_ranks(c.tp, c.replica, c.pp))
         tp_expert = expert if topology.tp == 1 else make_group(

@@ -304,9 +304,15 @@ def build_model(model_config: ModelConfig, pg_collection: ProcessGroupCollection
     if config.multi_latent_attention and config.tensor_model_parallel_size > 1:
         gather_latents_with_their_group(model)
     if pg_collection.ep.rank() > 0:  # MoE: the unit's first replica counts its dense weights
-        for param in model.parameters():
-            setattr(param, "unit_duplicate", getattr(param, "allreduce", True))  # not an expert
+        mark_unit_duplicates(model)
     return model.to(device=device, dtype=config.params_dtype)
+
+
+def mark_unit_duplicates(model: torch.nn.Module) -> None:
+    """Norms are summed over a unit (expert parallelism, a Megatron-FSDP shard group), whose
+    first replica alone counts the dense weights: the other replicas mark theirs."""
+    for param in model.parameters():
+        setattr(param, "unit_duplicate", getattr(param, "allreduce", True))  # not an expert
 
 
 def _fit_megatron_core_to_this_host(config: TransformerConfig) -> None:

@@ -143,7 +143,8 @@ def _validator(at: Position, suspects: list[int]) -> tuple[list[int], int]:
     if at.unit > 1:  # every rank gets here alike: all stop with this line
         raise RuntimeError(f"iteration {at.iteration}: replica(s) {suspects} raised a --rerun-mode "
                            "alarm, and a re-run on one replica is not built for "
-                           "--expert-model-parallel-size > 1 (its unit runs together): stopping")
+                           "--expert-model-parallel-size > 1 or --use-megatron-fsdp (a unit of replicas "
+                           "runs together): stopping")
     others = [r for r in at.live_replicas if r not in suspects]
     return others, min(others) if others else min(at.live_replicas)
 

@@ -110,7 +110,7 @@ def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
     group, topo = groups.replica, groups.topology
 
     def voter_of(rank: int) -> int:
-        return topo.replica_of(rank) // topo.ep
+        return topo.replica_of(rank) // topo.unit_size
     if group.size() == 1:
         return ReplicaLink(voter_of, True, lambda news: news, lambda code: code)
 
@@ -127,11 +127,11 @@ def replica_vote(groups: ParallelGroups, device) -> ReplicaLink:
 
 
 def pad_for_unit(ids: list[int], groups: ParallelGroups, device) -> list[int]:
-    """Expert parallelism: a unit's replicas exchange tokens in every MoE layer of every
-    microbatch, so each computes as many microbatches as the unit's longest quota, the short
-    ones fillers (`stage.py`). Agreed over the unit's group (the replica group, not the
-    dispatcher's: its fault-injection point stays the dispatcher's own)."""
-    if groups.expert is None:
+    """A unit's replicas meet in every layer of every microbatch (expert parallelism's token
+    exchanges, Megatron-FSDP's parameter gathers), so each computes as many microbatches as the
+    unit's longest quota, the short ones fillers (`stage.py`). Agreed over the unit's group (the
+    replica group, not the dispatcher's: its fault-injection point stays the dispatcher's own)."""
+    if groups.topology.unit_size == 1:
         return ids
     longest = torch.tensor([len(ids)], dtype=torch.int64, device=device)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=groups.replica)

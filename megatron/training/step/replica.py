@@ -77,8 +77,8 @@ class GPTReplicaStep:
         self.timer = MicrobatchTimer(pipeline_depth=self.groups.topology.pp,
                                      chunks=self.config.chunks, group=self.config.vp_group)
         self.clock = ExecuteClock(self.device)  # compute time for layer 3's balance
-        self.optimizer.watch_gathers(lambda: self.probe.at("param_gather"),
-                                     self.model if self.config.overlap_param_gather else None)
+        self.optimizer.watch_gathers(lambda: self.probe.at("param_gather"), self.model if (  # FSDP
+            self.config.overlap_param_gather or self.groups.topology.fsdp > 1) else None)
         self.grads.scatter_into(self.scatter_while(self.live.live_replicas))
         self.spikes = (SpikeDetector() if self.config.rerun.checks_spikes
                        and self.groups.is_last_stage else None)
@@ -87,15 +87,15 @@ class GPTReplicaStep:
 
     # -- the phases, in the transaction's order ----------------------------------------------
     def plan(self, ids, replicas):
-        return unit_plan(ids, replicas, self.groups.topology.ep, self._place)
+        return unit_plan(ids, replicas, self.groups.topology.unit_size, self._place)
 
     def _place(self, ids, replicas):  # (over units, each by its first replica, with EP > 1)
         topo = self.groups.topology
         if self.config.drop_lost:  # the replica-dropping baseline: dead replicas' shares are lost
-            return even_plan(ids, range(0, topo.dp, topo.ep))
+            return even_plan(ids, range(0, topo.dp, topo.unit_size))
         if self.config.even_balance:
             return even_plan(ids, replicas)
-        return stable_plan(ids, replicas, unit_timings(self.timings, topo.ep), topo.pp,
+        return stable_plan(ids, replicas, unit_timings(self.timings, topo.unit_size), topo.pp,
                            min_gain=0.10, chunks=self.config.chunks, group=self.config.vp_group)
 
     def first_id(self) -> int:
@@ -200,7 +200,7 @@ class GPTReplicaStep:
         c, topo = self.groups.coord, self.groups.topology
         at = Position(self.progress.iteration + 1, c.replica, tuple(self.live.live_replicas),
                       topo.dp, self.live.epoch, self.groups.is_last_stage,
-                      c.tp + topo.tp * c.pp, topo.tp * topo.pp, topo.ep)
+                      c.tp + topo.tp * c.pp, topo.tp * topo.pp, topo.unit_size)
         if self.config.rerun.mode == "report_stats":  # every iteration: one replica re-run
             self.determinism.record(compare_once(self, at, dict(assignment), local.loss_sum))
             report(self.determinism, at.iteration, self.groups.rank == min(self.live.members()))

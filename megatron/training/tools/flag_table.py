@@ -56,7 +56,8 @@ SOME_VALUES: dict[str, str] = {
     "--experimental-attention-variant": "gated_delta_net and gdn (megatron-core 0.16.1's layer; "
                                         "not gdn2 or dsa); not yet with CP > 1, MLA or "
                                         "transformer-engine layers",
-    "--ckpt-format": "torch and torch_dist (not torch_dcp, fsdp_dtensor)",
+    "--ckpt-format": "torch and torch_dist; fsdp_dtensor with --use-megatron-fsdp, written as "
+                     "torch_dist (not torch_dcp)",
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, TikTokenizer, "
                         "GPTSentencePieceTokenizer, SentencePieceTokenizer, Llama2Tokenizer",
     "--position-embedding-type": "learned_absolute and rope",
@@ -112,6 +113,7 @@ OWN_WAY: dict[str, str] = {
                    "q/k norms' over DP and TP in every forward",
     "--grad-reduce-in-bf16": "gradients reduced in fp32 (exact reduction): 4 bytes per "
                              "parameter on the wire, not 2",
+    "--fsdp-double-buffer": "no effect: each Megatron-FSDP gather allocates what it needs",
 }
 
 

@@ -36,10 +36,13 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    action="store_true",
                    help="On --load, keep this run's LR and weight-decay schedule flags, whatever "
                         "the checkpoint's; the step count still comes from the checkpoint.")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   choices=["torch", "torch_dist", "fsdp_dtensor"],
                    help="Checkpoint format to save: torch_dist (megatron-core's distributed "
                         "checkpoint; loads at any TP/PP/DP layout) or torch (one file per TP x PP "
-                        "rank). --load reads either, whatever this says, as Megatron does.")
+                        "rank). --load reads either, whatever this says, as Megatron does. "
+                        "fsdp_dtensor (which Megatron-LM requires of Megatron-FSDP) is taken with "
+                        "--use-megatron-fsdp and writes torch_dist, saying so at start-up.")
     g.add_argument("--async-save", action="store_true",
                    help="torch_dist: training blocks only for a host copy of the state; the "
                         "writing replica writes in the background and the next save, the last "

@@ -47,11 +47,10 @@ _CP = not_yet("belongs to dynamic (hybrid) context parallelism, not supported ye
 _LOW_PRECISION = not_yet("belongs to fp8/fp4 training (transformer-engine recipes), not "
                           "supported yet: ReCoVer trains in bf16, fp16 or fp32",
                           "drop the flag (use --bf16)")
-_FSDP = not_yet("configures FSDP (Megatron-FSDP or torch's FSDP2), not supported yet (its "
-                "recovery is designed in docs/design.md section 19); --use-distributed-optimizer "
-                "shards the optimizer state (--num-distributed-optimizer-instances K keeps K "
-                "copies) and survives a replica's loss", "drop the flag (use "
-                "--use-distributed-optimizer)")
+_FSDP = not_yet("is a Megatron-FSDP or torch FSDP2 option not supported yet (--use-megatron-fsdp "
+                "and the flags docs/megatron_flags.md marks honoured are: parameters sharded "
+                "over shard groups that fail and grow back as one)", "drop the flag (use "
+                "--use-megatron-fsdp)")
 _CUDA_GRAPHS = not_yet("captures CUDA graphs, not supported yet: a recovery rebuilds the process "
                         "groups a captured graph would hold")
 _OFFLOAD = not_yet("offloads activations or optimizer state to the CPU, not supported yet")

@@ -62,6 +62,6 @@ def reject_unsupported_values(args: argparse.Namespace) -> None:
     if args.optimizer != "adam":
         raise ArgumentError("--optimizer", f"--optimizer {args.optimizer} {_NOT_YET}",
                             "use --optimizer adam")
-    if args.async_save and args.ckpt_format != "torch_dist":
+    if args.async_save and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ArgumentError("--async-save", "--async-save needs --ckpt-format torch_dist",
                             "drop --ckpt-format torch (torch_dist is the default) or --async-save")

@@ -9,18 +9,16 @@ it alike) is split evenly over the instance: a rank keeps main params and moment
 every bucket. While every replica is live the gradient buffer reduce-scatters each bucket into
 those ranges and sums them across instances (`GradBuffer`'s `Scatter`); after a loss the
 instances split buckets unevenly, and every rank takes the whole all-reduced gradient instead.
-Each rank steps its ranges; then the instance all-gathers the weights, bucket by bucket. Adam is
-elementwise, so given the same gradients the weights are bitwise those of the unsharded optimizer,
-and every instance holds a whole copy of the optimizer state.
+Each rank steps its ranges; then the instance all-gathers the weights, bucket by bucket (with
+--overlap-param-gather the step only starts them: `weight_gather.py`; with Megatron-FSDP's sharded
+parameters each module gathers its own when it runs: `sharded_parameters.py`). Adam is
+elementwise, so given the same gradients the weights are bitwise those of the unsharded optimizer.
 
 When the live replicas change (`reshard`, called with every rebuild of the groups), each live rank
 takes its new ranges: what it lacks comes point to point from a live rank that holds it -- from
 its own instance's survivors, or from another instance for the ranges that died. A rank keeps its
 old ranges until it has the whole new ones, so a failure during the move leaves every rank holding
-valid ranges and the next attempt plans from there.
-
-With --overlap-param-gather the step only starts the all-gathers (`optimizer/distributed/weight_gather.py`: a failed
-wait is a PeerFailure where it happens). With expert parallelism each expert bucket is
+valid ranges and the next attempt plans from there. With expert parallelism each expert bucket is
 sharded apart, over the instance's holders of those experts (`optimizer/shards.py`).
 
 Checkpoints keep the unsharded format: `state_dict()` gathers the instance's shards (every member
@@ -37,9 +35,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.optimizer import LossScaler, is_counted
-from megatron.training.optimizer.distributed.moves import keep_own, move_pieces, plan_domain
+from megatron.training.optimizer.distributed.moves import (keep_own, local_bases, move_pieces,
+                                                           plan_domain)
 from megatron.training.optimizer.shards import ShardDomain, Sharding, ShardLost, bucket_ranges
 from megatron.training.optimizer.sums import fixed_point_norm, instance_sum, squares, zeros
+from megatron.training.optimizer.distributed.sharded_parameters import ShardedParameters
 from megatron.training.optimizer.distributed.weight_gather import WeightGather
 from recover_patches.recovery.grad_buffer import FlatLayout, is_expert
 from recover_patches.recovery.iteration import TooFewReplicas
@@ -55,18 +55,23 @@ class ShardedAdamW:
     def __init__(self, groups: list[dict], *, layout: FlatLayout, shard: int, shards: int,
                  instance_group, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, scaler: LossScaler | None = None,
-                 experts: Sharding | None = None):
+                 experts: Sharding | None = None,
+                 keep_whole: Callable[[torch.Tensor], bool] | None = None):
         """`shard` of `shards` in `instance_group`: the dense buckets' sharding; `experts`: the
-        expert buckets' (expert parallelism), over the instance's holders of the same experts."""
+        expert buckets' (expert parallelism), over the instance's holders of the same experts.
+        `keep_whole` (Megatron-FSDP's sharded parameters): the weights live only as this rank's
+        chunks between uses, but for the parameters it names (`sharded_parameters.py`)."""
         self.scaler, self.instance_group = scaler, instance_group
         self.model_params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
         self.main_params = self.model_params  # what --log-params-norm and faults read: whole
         self.layout, self.offsets = layout, layout.offsets
-        self.copies = any(p.dtype != torch.float32 for p in self.model_params)
+        self._sharded = keep_whole is not None  # the weights are freed: main params of their own
+        self.copies = self._sharded or any(p.dtype != torch.float32 for p in self.model_params)
         self._groups_params = [list(g["params"]) for g in groups]
         self._groups_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
-        self._gather = WeightGather(self.model_params, layout)
+        self._gather = WeightGather(self.model_params, layout) if keep_whole is None \
+            else ShardedParameters(self.model_params, layout, keep_whole)
         self._bucket = self._gather.bucket_of  # the bucket of each parameter
         experts_in = {self._bucket[i] for i, p in enumerate(self.model_params) if is_expert(p)}
         self._is_expert = [b in experts_in for b in range(len(layout.buckets))]
@@ -100,17 +105,8 @@ class ShardedAdamW:
                 (experts if is_expert(p) else dense).append(tensors[i].reshape(-1)[start:end])
         return dense, experts
 
-    @staticmethod
-    def _bases(ranges: Sequence[tuple[int, int]]) -> list[int]:
-        """Where each bucket's range starts in the rank's local (concatenated) tensors."""
-        bases, at = [], 0
-        for lo, hi in ranges:
-            bases.append(at)
-            at += hi - lo
-        return bases
-
     def _from_weights(self, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
-        bases = self._bases(ranges)
+        bases = local_bases(ranges)
         flat = torch.empty(sum(hi - lo for lo, hi in ranges), dtype=torch.float32,
                            device=self._device)
         for p, b in zip(self.model_params, self._bucket):
@@ -126,7 +122,7 @@ class ShardedAdamW:
         concatenated; also written into the model's weights there), and Adam's moments and step if
         it has stepped. The hyperparameters the scheduler set on the previous inner optimizer
         carry over."""
-        self.ranges, self._base = ranges, self._bases(ranges)
+        self.ranges, self._base = ranges, local_bases(ranges)
         # per parameter overlapping its bucket's range: (index in model_params, start, end in the
         # param, where `start` sits in the local tensors)
         self.pieces: list[tuple[int, int, int, int]] = []
@@ -148,7 +144,8 @@ class ShardedAdamW:
                     weights.copy_(values)
                     # fp32: the fragment is a view, the step writes the model's weights in place
                     fragment = torch.nn.Parameter(weights if p.dtype == torch.float32
-                                                  else values, requires_grad=False)
+                                                  and not self._sharded else values,
+                                                  requires_grad=False)
                     self.pieces.append((index, a - o, z - o, at))
                     self.fragments.append(fragment)
                     fragments.append(fragment)
@@ -174,7 +171,8 @@ class ShardedAdamW:
         """`grads[i]`: the final fp32 gradient of `model_params[i]` (whole; only the slice is used).
         A PeerFailure can come only from the weights' all-gathers: the last step's, before
         anything changed, or this step's, after the ranges stepped."""
-        self._gather.finish()  # the last step's weights land before this one writes its ranges
+        if not self._sharded:  # the last step's weights land before this one writes its ranges
+            self._gather.finish()
         for fragment, (i, start, end, _) in zip(self.fragments, self.pieces):
             fragment.grad = grads[i].view(-1)[start:end]
         self.inner.step()
@@ -187,7 +185,8 @@ class ShardedAdamW:
         """Every range's updated weights to every member of the instance, bucket by bucket."""
         self._gather.start(self._chunks(lambda f: f, self.model_params[0].dtype),
                            self._bucket_groups())
-        self._gather.finish()
+        if not self._sharded:  # (sharded: each module's forward gathers its own)
+            self._gather.finish()
 
     def finish_gather(self) -> None:
         """The weights in place before anything but a forward reads them."""
@@ -356,7 +355,7 @@ class ShardedAdamW:
                     "--num-distributed-optimizer-instances K keeps K copies") from None
             moves.append((plans, domain.group))
             step, holds = max(step, newest), holds or valid
-        bases, started = self._bases(ranges), step > 0
+        bases, started = local_bases(ranges), step > 0
         fresh = [torch.zeros(sum(hi - lo for lo, hi in ranges), dtype=torch.float32,
                              device=self._device) for _ in range(1 + 2 * started)]
         inner, mine = self.inner, []

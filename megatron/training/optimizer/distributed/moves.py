@@ -84,3 +84,12 @@ def plan_domain(domain: ShardDomain, buckets: Ranges, mine: Sequence[int], held_
     for b in mine:
         ranges[b], shards[b] = wanted[me][b], positions[me][1]
     return plans, newest, any(held[me][b][0] < held[me][b][1] for b in mine)
+
+
+def local_bases(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """Where each bucket's range starts in a rank's local (concatenated) tensors."""
+    bases, at = [], 0
+    for lo, hi in ranges:
+        bases.append(at)
+        at += hi - lo
+    return bases
