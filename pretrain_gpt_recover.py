@@ -285,8 +285,8 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
     tracker = install_rng_tracker(device, parallel.seed)
     model = build_model(run.model, groups.pg_collection(), groups.coord.pp, groups.coord.tp,
                         device)
-    if groups.coord.replica % topology.fsdp:  # a shard group's norms: its first replica counts
-        mark_unit_duplicates(model)
+    if groups.coord.replica % topology.fsdp and groups.replica_positions is groups.replica:
+        mark_unit_duplicates(model)  # norms summed over a shard group: its first replica counts
     optimizer = build_optimizer(model, run.optimizer, groups)
     grads = build_grad_buffer(groups, optimizer, run.optimizer.overlap_grad_reduce, model,
                               run.step.exact_reduction)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.training.arguments import parse_and_validate
+from megatron.training.checkpointing import LATEST_FILE
 from megatron.training.config.rules import megatron_differences
 from megatron.training.optimizer.distributed.sharded_parameters import ShardedParameters
 from recover_patches.recovery.grad_buffer import flat_layout
@@ -97,7 +98,8 @@ def test_megatron_fsdp_runs_the_distributed_optimizer_and_writes_fsdp_dtensor_as
 @pytest.mark.parametrize("given,named", [
     (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format"),  # Megatron-FSDP's format alone
     ([*FSDP, "--megatron-fsdp-version", "2"], "--megatron-fsdp-version"),
-    ([*FSDP, "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
+    (["--use-megatron-fsdp", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size"),
     (["--use-megatron-fsdp", "--check-weight-hash-across-dp-replicas-interval", "1"],
      "--check-weight-hash-across-dp-replicas-interval"),
     (["--use-torch-fsdp2"], "--use-torch-fsdp2")])
@@ -159,3 +161,32 @@ def test_one_shard_group_cannot_lose_a_member_and_stops_saying_why(tmp_path):
     assert run.returncode == 3, out[-3000:]
     assert "--use-megatron-fsdp with --num-distributed-optimizer-instances 1 is one shard group" \
         in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ["--context-parallel-size", "2"]])  # (norms summed per replica: each counts its shards)
+def test_one_shard_group_of_two_follows_one_process_at_tp_pp_and_cp(reference, tmp_path, layout):
+    run = launch(4, [*FLAGS, "--use-megatron-fsdp", *layout], tmp_path / "m.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _close(run.losses(), reference), (run.losses(), reference)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_sharded_checkpoint_resumes_in_one_process(reference, tmp_path):
+    """Saved by 2 groups of 2 with Megatron-LM's --ckpt-format fsdp_dtensor (written as
+    torch_dist), iteration 2 resumes in one process on the uninterrupted losses."""
+    ckpt = tmp_path / "ckpt"
+    saved = launch(4, [*FLAGS, *FSDP, "--ckpt-format", "fsdp_dtensor", "--save", str(ckpt),
+                       "--save-interval", "2"], tmp_path / "a.jsonl")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert list((ckpt / "iter_0000002").glob("*.distcp"))
+    (ckpt / LATEST_FILE).write_text("2")
+    resumed = launch(1, [*FLAGS, "--load", str(ckpt)], tmp_path / "b.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _close(resumed.losses(), reference[2:]), (resumed.losses(), reference)
+    assert _close(saved.losses(), reference), (saved.losses(), reference)

@@ -1,7 +1,6 @@
 """Megatron-FSDP's flags against the rest (docs/design.md §19). Megatron-LM's own rules first:
 version 1 turns the distributed optimizer on, and asks for `--ckpt-format fsdp_dtensor`, written
-here as torch_dist (`config.io`). Then what ReCoVer does not build yet with a sharded model, one
-line each."""
+here as torch_dist (`config.io`). Then what does not run with a sharded model, one line each."""
 from __future__ import annotations
 
 import argparse
@@ -29,22 +28,19 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
 
 
 def _refuse_unbuilt(args: argparse.Namespace) -> None:
-    """What a sharded model does not run with yet: one line each, naming the flag."""
+    """What a sharded model does not run with: one line each, naming the flag."""
     if not shards_parameters(args):
         return
-    unbuilt = (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size > 1),
-               ("--context-parallel-size", args.context_parallel_size > 1),
-               ("--num-experts", args.num_experts is not None),
-               ("--check-weight-hash-across-dp-replicas-interval",
-                args.check_weight_hash_across_dp_replicas_interval is not None),
-               ("--test-mode", args.test_mode))
-    for flag, given in unbuilt:
+    if args.expert_model_parallel_size > 1:
+        raise ArgumentError("--expert-model-parallel-size", "--expert-model-parallel-size > 1 "
+                            f"with {_FLAG} is not supported yet: a unit of replicas is either "
+                            "expert-parallel or a shard group", "drop one of them, or shard "
+                            "only the optimizer: --data-parallel-sharding-strategy optim")
+    for flag, given in (("--check-weight-hash-across-dp-replicas-interval",
+                         args.check_weight_hash_across_dp_replicas_interval is not None),
+                        ("--test-mode", args.test_mode)):
         if given:
-            why = ("compares the weights over the replicas, which a shard group holds only in "
-                   "shards (Megatron-LM refuses it with optim_grads_params too)"
-                   if flag in ("--check-weight-hash-across-dp-replicas-interval", "--test-mode")
-                   else "with sharded parameters is not supported yet")
-            raise ArgumentError(flag, f"{flag} {why} ({_FLAG} --data-parallel-sharding-strategy "
-                                "optim_grads_params)", "drop the flag, or shard only the "
+            raise ArgumentError(flag, f"{flag} compares the weights over the replicas, which a "
+                                "shard group holds only in shards (Megatron-LM refuses it with "
+                                "optim_grads_params too)", "drop the flag, or shard only the "
                                 "optimizer: --data-parallel-sharding-strategy optim")
-
