@@ -15,8 +15,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron.training.arguments import parse_and_validate
 from megatron.training.checkpointing import LATEST_FILE
+from megatron.training.config import ModelConfig
+from megatron.training.config.rules import megatron_differences
 from megatron.training.model import TorchNorm
 from megatron.training.model.gated_delta_net import l2norm, with_linear_attention
+from tests.test_mla import on_a_transformer_engine_node
 from tests._launch_util import TINY_GPT, launch
 
 ITERS = 4
@@ -128,6 +131,13 @@ def test_what_gated_delta_nets_do_not_take_yet_is_one_line(given, said, capsys):
         parse_and_validate([*FLAGS, *given], world_size=2)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and said in err, err
+
+
+def test_a_transformer_engine_gated_delta_net_recipe_runs_on_local_layers_and_says_so():
+    args = on_a_transformer_engine_node(FLAGS)
+    assert ModelConfig.from_args(args, 256).implementation == "local"
+    assert any(line.startswith("--transformer-impl transformer_engine:") and "gated delta nets"
+               in line for line in megatron_differences(args, "cuda"))
 
 
 def test_a_variant_without_its_layer_pattern_is_one_line(capsys):

@@ -95,6 +95,14 @@ def test_megatron_fsdp_runs_the_distributed_optimizer_and_writes_fsdp_dtensor_as
                for line in said), said
 
 
+def test_torch_fsdp2_runs_as_the_same_sharding_and_says_what_it_survives():
+    args = _flags("--use-torch-fsdp2")
+    assert args.use_distributed_optimizer and args.use_megatron_fsdp
+    assert any(line.startswith("--use-torch-fsdp2: runs as --use-megatron-fsdp's sharded "
+                               "parameters") and "in 1 shard group" in line
+               for line in megatron_differences(args, "cpu"))
+
+
 @pytest.mark.parametrize("given,named", [
     (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format"),  # Megatron-FSDP's format alone
     ([*FSDP, "--megatron-fsdp-version", "2"], "--megatron-fsdp-version"),
@@ -102,7 +110,7 @@ def test_megatron_fsdp_runs_the_distributed_optimizer_and_writes_fsdp_dtensor_as
      "--expert-model-parallel-size"),
     (["--use-megatron-fsdp", "--check-weight-hash-across-dp-replicas-interval", "1"],
      "--check-weight-hash-across-dp-replicas-interval"),
-    (["--use-torch-fsdp2"], "--use-torch-fsdp2")])
+    (["--use-torch-fsdp2", "--use-megatron-fsdp"], "--use-torch-fsdp2")])
 def test_what_megatron_fsdp_does_not_run_with_is_one_line(given, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _flags(*given)

@@ -11,7 +11,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron.training.arguments import parse_and_validate
 from megatron.training.checkpointing import LATEST_FILE
-from megatron.training.config import transformer_config
+from megatron.training.config import ModelConfig, transformer_config
+from megatron.training.config.rules import megatron_differences
 from tests._launch_util import TINY_GPT, launch
 
 ITERS = 4
@@ -45,7 +46,6 @@ def test_the_flags_build_megatron_cores_mla_config():
 @pytest.mark.parametrize("given, said", [
     (["--tensor-model-parallel-size", "2", "--kv-lora-rank", "15"], "= 23 does not split over"),
     (["--group-query-attention", "--num-query-groups", "2"], "shares its keys and values through a latent"),
-    (["--transformer-impl", "transformer_engine"], "not supported yet"),
     (["--attention-output-gate"], "not supported by megatron-core's MLA"),
     (["--qk-l2-norm"], "not supported by megatron-core's MLA")])
 def test_what_mla_does_not_take_yet_is_one_line(given, said, capsys):
@@ -54,6 +54,23 @@ def test_what_mla_does_not_take_yet_is_one_line(given, said, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert "--multi-latent-attention" in err and said in err, err
+
+
+def on_a_transformer_engine_node(flags: list[str]):
+    """The flags validated, then resolved as on a GPU with transformer-engine installed."""
+    args = parse_and_validate(flags, world_size=1)
+    args.transformer_impl = "transformer_engine"
+    return args
+
+
+def test_a_transformer_engine_mla_recipe_runs_on_local_layers_and_says_so():
+    args = on_a_transformer_engine_node(FLAGS)
+    assert ModelConfig.from_args(args, 256).implementation == "local"
+    said = [line for line in megatron_differences(args, "cuda")
+            if line.startswith("--transformer-impl transformer_engine:")]
+    assert len(said) == 1 and "multi-latent attention" in said[0], said
+    plain = on_a_transformer_engine_node([*TINY_GPT, "--train-iters", "2"])
+    assert ModelConfig.from_args(plain, 256).implementation == "transformer_engine"
 
 
 def test_yarn_without_mla_is_refused(capsys):

@@ -29,7 +29,7 @@ from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
 from megatron.training.straggler import StragglerConfig
 from megatron.training.config.rules import (model_chunks_of, position_embedding_type_of,
-                                            shards_parameters,
+                                            layers_of, shards_parameters,
                                             recompute_granularity_of, recomputed_modules)
 
 IMPLEMENTATIONS = ("local", "transformer_engine")
@@ -109,7 +109,7 @@ class ModelConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, padded_vocab_size: int) -> ModelConfig:
-        return cls(transformer=transformer_config(args), implementation=args.transformer_impl,
+        return cls(transformer=transformer_config(args), implementation=layers_of(args),
                    padded_vocab_size=padded_vocab_size, seq_length=args.seq_length,
                    max_sequence_length=args.max_position_embeddings,
                    share_embeddings=not args.untie_embeddings_and_output_weights,

@@ -227,6 +227,11 @@ def own_way_lines(args: argparse.Namespace) -> list[str]:
             lines.append(f"{flag} changes nothing: it shapes NVIDIA ModelOpt's model builder, "
                          "which Megatron-LM uses only to load a ModelOpt checkpoint or to "
                          "distil from a teacher")
+    if layers_of(args) != args.transformer_impl:
+        lines.append("--transformer-impl transformer_engine: the model is built from "
+                     "megatron-core's local layers, on which ReCoVer builds "
+                     + ("multi-latent attention" if args.multi_latent_attention
+                        else "gated delta nets") + " (transformer-engine's kernels are not used)")
     if args.grad_reduce_in_bf16:
         lines.append("--grad-reduce-in-bf16: gradients are reduced in fp32 (ReCoVer's exact "
                      "reduction): 4 bytes per parameter on the wire instead of 2")
@@ -240,6 +245,11 @@ def fsdp_lines(args: argparse.Namespace) -> list[str]:
     """Where Megatron-FSDP's flags run differently here (`arguments.validate.fsdp`)."""
     lines = ["--use-megatron-fsdp: runs the distributed optimizer (as Megatron-LM's version 1 "
              "does)"]
+    if args.use_torch_fsdp2:
+        lines = [f"--use-torch-fsdp2: runs as --use-megatron-fsdp's sharded parameters (not "
+                 f"torch's fully_shard), in {args.num_distributed_optimizer_instances} shard "
+                 "group(s) (--num-distributed-optimizer-instances); one group cannot lose a "
+                 "member, K >= 2 groups survive one's loss"]
     if args.ckpt_format == "fsdp_dtensor":
         lines.append("--ckpt-format fsdp_dtensor: checkpoints are written as torch_dist (each "
                      "rank's parameters whole, the optimizer state as the distributed optimizer "
@@ -268,3 +278,13 @@ def shards_parameters(args: argparse.Namespace) -> bool:
     its shard group."""
     return bool(args.use_megatron_fsdp) and args.data_parallel_sharding_strategy == \
         "optim_grads_params"
+
+
+def layers_of(args: argparse.Namespace) -> str:
+    """The layer spec a run builds (--transformer-impl): multi-latent attention and gated delta
+    nets are built from megatron-core's local layers, whatever it says (`own_way_lines` says so),
+    since ReCoVer's TP split of their latents and heads is made and checked on those."""
+    if args.transformer_impl == "transformer_engine" and (
+            args.multi_latent_attention or args.experimental_attention_variant is not None):
+        return "local"
+    return args.transformer_impl

@@ -114,6 +114,8 @@ OWN_WAY: dict[str, str] = {
     "--grad-reduce-in-bf16": "gradients reduced in fp32 (exact reduction): 4 bytes per "
                              "parameter on the wire, not 2",
     "--fsdp-double-buffer": "no effect: each Megatron-FSDP gather allocates what it needs",
+    "--use-torch-fsdp2": "runs as --use-megatron-fsdp's sharded parameters (ReCoVer's, not "
+                         "torch's fully_shard), in K shard groups",
 }
 
 

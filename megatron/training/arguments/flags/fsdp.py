@@ -38,6 +38,12 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--outer-dp-sharding-strategy", default="no_shard", choices=["no_shard"],
                    help="What is sharded across shard groups: nothing (no_shard); each group "
                         "holds a whole copy, which is what lets one survive another's loss.")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="torch's FSDP2 in Megatron-LM: parameters, gradients and optimizer state "
+                        "sharded over the data-parallel replicas. Runs as --use-megatron-fsdp's "
+                        "sharded parameters (not torch's fully_shard), in one shard group unless "
+                        "--num-distributed-optimizer-instances K says K: one group cannot lose "
+                        "a member.")
     g.add_argument("--fsdp-double-buffer", action="store_true",
                    help="Megatron-FSDP: preallocated double buffers for the gathers (a GPU "
                         "memory-pool choice). No effect here (a start-up line says so).")

@@ -14,6 +14,12 @@ _FLAG = "--use-megatron-fsdp"
 def validate_megatron_fsdp(args: argparse.Namespace) -> None:
     """Resolve Megatron-FSDP's flags (raise ArgumentError); `config.rules.fsdp_lines` says at
     start-up what ReCoVer does differently."""
+    if args.use_torch_fsdp2:  # the same sharding of parameters, ReCoVer's one
+        if args.use_megatron_fsdp:
+            raise ArgumentError("--use-torch-fsdp2", "--use-torch-fsdp2 and --use-megatron-fsdp "
+                                "are two ways to shard the parameters (as in Megatron-LM)",
+                                "pass only one of them")
+        args.use_megatron_fsdp, args.data_parallel_sharding_strategy = True, "optim_grads_params"
     if not args.use_megatron_fsdp:
         if args.ckpt_format == "fsdp_dtensor":
             raise ArgumentError("--ckpt-format", "--ckpt-format fsdp_dtensor is Megatron-FSDP's "

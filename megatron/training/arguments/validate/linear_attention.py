@@ -30,13 +30,11 @@ def validate_linear_attention(args: argparse.Namespace) -> None:
         if heads % tp:
             raise ArgumentError(flag, f"{flag} {heads} does not split over "
                                 f"--tensor-model-parallel-size {tp}", f"give a multiple of {tp}")
-    whole = "ReCoVer builds gated delta nets from local layers, without context parallelism"
+    whole = "megatron-core's gated delta net has no context parallelism"
     for given, other, fix in (
             (args.context_parallel_size > 1, "--context-parallel-size > 1",
              "use DP and PP (megatron-core's gated delta net has no context parallelism)"),
-            (args.multi_latent_attention, "--multi-latent-attention", "drop one of them"),
-            (args.transformer_impl == "transformer_engine",
-             "--transformer-impl transformer_engine", "use --transformer-impl local")):
+            (args.multi_latent_attention, "--multi-latent-attention", "drop one of them")):
         if given:
             raise ArgumentError(FLAG, f"{FLAG} with {other} is not supported yet ({whole})",
                                 f"{fix} ({other.split()[0]})")

@@ -226,9 +226,7 @@ def _validate_mla(args: argparse.Namespace) -> None:
             (args.qk_l2_norm, "--qk-l2-norm", "not supported by megatron-core's MLA yet",
              "drop it"),
             (args.context_parallel_size > 1, "--context-parallel-size > 1",
-             f"not supported yet ({whole})", "use DP and PP"),
-            (args.transformer_impl == "transformer_engine", "--transformer-impl "
-             "transformer_engine", f"not supported yet ({whole})", "use --transformer-impl local")):
+             f"not supported yet ({whole})", "use DP and PP")):
         if given:
             raise ArgumentError(flag, f"{flag} with {other} is {why}", f"{fix} ({other.split()[0]})")
 
