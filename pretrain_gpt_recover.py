@@ -299,7 +299,8 @@ def _startup_notes(run, model, grads, topology) -> None:
     from megatron.training.model import memory_note
     instances = run.parallel.optimizer_instances
     memory_note(model, grads.extra_bytes_per_param(),
-                optimizer_shards=1 if instances is None else topology.dp // instances)
+                optimizer_shards=1 if instances is None else topology.dp // instances,
+                weights_sharded=topology.fsdp > 1)
     for line in run.megatron_notes:
         logger.info(line)
 

@@ -135,7 +135,8 @@ class _Zygote:
     and ended with the test process. A launch whose extra environment could matter while torch or
     megatron-core import (their own variables) starts a fresh interpreter instead, as does any
     launch with RECOVER_TEST_ZYGOTE=0 in the environment."""
-    IMPORT_TIME_ENV = ("TORCH", "NVTE_", "CUDA", "OMP_", "MKL_", "PYTHON", "NCCL")
+    IMPORT_TIME_ENV = ("TORCH", "NVTE_", "CUDA", "OMP_", "MKL_", "PYTHON", "NCCL",
+                       "MALLOC_")  # (glibc reads MALLOC_* when a process starts)
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None

@@ -13,13 +13,14 @@ import torch
 from megatron.training.arguments import parse_and_validate
 from megatron.training.checkpointing import LATEST_FILE
 from megatron.training.config.rules import megatron_differences
-from megatron.training.optimizer.distributed.sharded_parameters import ShardedParameters
+from megatron.training.optimizer.distributed.sharded_parameters import (ShardedParameters,
+                                                                       ShardingRules)
 from recover_patches.recovery.grad_buffer import flat_layout
 from tests._launch_util import TINY_GPT, launch
 
 FSDP = ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"]
 # global batch 6: a group's 3 microbatches split 2 + 1 over its members, the short one pads
-FLAGS = [*TINY_GPT, "--train-iters", "6", "--global-batch-size", "6", "--recover-balance", "even"]
+FLAGS = [*TINY_GPT, "--train-iters", "10", "--global-batch-size", "6", "--recover-balance", "even"]
 
 
 def _two_layers() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -35,7 +36,7 @@ def _sharded(model: torch.nn.Module) -> ShardedParameters:
     module_of = {p: m for m, module in enumerate(model.modules())
                  for p in module.parameters(recurse=False)}
     gather = ShardedParameters(params, flat_layout(params, apart=module_of.__getitem__),
-                               keep_whole=lambda p: False)
+                               ShardingRules(keep_whole=lambda p: False))
     gather.watch(lambda: None, model)
     chunks = [torch.zeros(end - start) for start, end in gather.layout.buckets]
     for p, b in zip(params, gather.bucket_of):
@@ -134,8 +135,10 @@ def _close(mine: list[float], ref: list[float]) -> bool:
 def test_a_shard_group_lost_in_a_backward_costs_the_group_and_grows_back(reference, tmp_path):
     """Rank 1 dies in a backward of iteration 3: its parameter gather fails in rank 0, group 0
     leaves, group 1 computes its three microbatches, a replacement and rank 0 re-form group 0 from
-    group 1 (slot k from replica 2 + k), and all six iterations keep one process's losses."""
-    run = launch(4, [*FLAGS, *FSDP, "--inject-fault", "kill:rank=1,iter=3,phase=backward"],
+    group 1 (slot k from replica 2 + k), and all ten iterations keep one process's losses. (Rank
+    2 is slowed from iteration 4 on, so that the replacement starts before the run ends.)"""
+    run = launch(4, [*FLAGS, *FSDP, "--inject-fault", "kill:rank=1,iter=3,phase=backward",
+                     "--inject-fault", "slow:rank=2,seconds=0.2,iter=4,phase=forward"],
                  tmp_path / "m.jsonl", launcher_args=["--max-replacements", "1"])
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
@@ -198,3 +201,23 @@ def test_a_sharded_checkpoint_resumes_in_one_process(reference, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _close(resumed.losses(), reference[2:]), (resumed.losses(), reference)
     assert _close(saved.losses(), reference), (saved.losses(), reference)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_hung_member_with_exact_reduction_keeps_one_process_bits(tmp_path):
+    """Rank 2 hangs in a forward of iteration 3 (its group-mate's gather times out); with
+    --recover-exact-reduction and overlapped bucket reductions the recovered run's losses and
+    gradient norms are one process's, bit for bit."""
+    exact = [*FLAGS, "--train-iters", "4", "--recover-exact-reduction"]
+    one = launch(1, exact, tmp_path / "one.jsonl")
+    assert one.returncode == 0, one.stderr[-3000:]
+    run = launch(4, [*exact, *FSDP, "--overlap-grad-reduce", "--ddp-bucket-size", "2000",
+                     "--recover-spares", "off", "--recover-timeout", "5",
+                     "--inject-fault", "hang:rank=2,iter=3,phase=forward"],
+                 tmp_path / "m.jsonl", launcher_args=[])
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "distopt.tp0.stage0.replicas2.allgather failed" in run.stdout + run.stderr
+    mine = [(r["lm_loss"], r["grad_norm"]) for r in run.records if "lm_loss" in r]
+    assert mine == [(r["lm_loss"], r["grad_norm"]) for r in one.records if "lm_loss" in r]
+    assert [r["live_replicas"] for r in run.records if "lm_loss" in r][-1] == [0, 1]

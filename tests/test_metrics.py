@@ -92,7 +92,7 @@ def test_moe_losses_follow_the_lm_loss_in_megatrons_format_and_tags(tmp_path):
 EVERY_STEP_TAGS = ["lm loss", "learning-rate", "batch-size", "grad-norm", "loss-scale",
                    "iteration-time", "throughput", "params-norm", "num-zeros",
                    "forward-backward-time", "grads-all-reduce-time", "recover-commit-time",
-                   "optimizer-time", "mem-max-rss-bytes", "live-replicas", "recovery-seconds",
+                   "optimizer-time", "mem-max-rss-bytes", "mem-rss-bytes", "live-replicas", "recovery-seconds",
                    "microbatches-recomputed", "tokens-per-second"]
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import resource
 import time
+from pathlib import Path
 from typing import IO
 
 import torch
@@ -140,14 +141,19 @@ class WandbWriter:
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
-    """--log-memory-to-tensorboard: Megatron's tags on CUDA; the process's peak RSS on CPU."""
+    """--log-memory-to-tensorboard: Megatron's tags on CUDA; the process's peak and current RSS on
+    CPU (current: what is held now, which a peak reached at start-up hides)."""
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
                 "mem-allocated-bytes": stats["allocated_bytes.all.current"],
                 "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
                 "mem-allocated-count": stats["allocation.all.current"]}
-    return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    scalars = {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    statm = Path("/proc/self/statm")  # (Linux: pages, resident second)
+    if statm.exists():
+        scalars["mem-rss-bytes"] = int(statm.read_text().split()[1]) * resource.getpagesize()
+    return scalars
 
 
 def gpt_flops(model: ModelConfig, batch_size: int) -> float:

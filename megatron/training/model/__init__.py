@@ -342,16 +342,21 @@ def _fit_megatron_core_to_this_host(config: TransformerConfig) -> None:
         use_torch_gated_delta_rule()
 
 
-def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_shards: int = 1
-                ) -> None:
+def memory_note(model: torch.nn.Module, grad_bytes_per_param: int, optimizer_shards: int = 1,
+                weights_sharded: bool = False) -> None:
     """Start-up line: bytes per parameter of weights, fp32 main weights, Adam, gradient buffers;
-    main weights and Adam divided over `optimizer_shards` (--use-distributed-optimizer)."""
+    main weights and Adam divided over `optimizer_shards` (--use-distributed-optimizer), and the
+    weights too between uses if `weights_sharded` (Megatron-FSDP)."""
     n = sum(p.numel() for p in model.parameters())
-    weight = next(model.parameters()).element_size()
-    main = (0 if weight == 4 else 4) / optimizer_shards  # fp32: the main weights are the model's
+    weight = next(model.parameters()).element_size() / (optimizer_shards if weights_sharded else 1)
+    # fp32: the main weights are the model's, unless the weights are freed between uses
+    main = (0 if weight == 4 and not weights_sharded else 4) / optimizer_shards
     adam = 8 / optimizer_shards
     sharded = f", main weights and Adam over {optimizer_shards} shards" if optimizer_shards > 1 else ""
-    logger.info(f"{n} parameters on this rank: {weight} (weights) + {main:g} (fp32 main weights)"
+    if weights_sharded:
+        sharded = (f", all but gradients over {optimizer_shards} shards (a module's weights "
+                   "whole while it runs)")
+    logger.info(f"{n} parameters on this rank: {weight:g} (weights) + {main:g} (fp32 main weights)"
                 f" + {adam:g} (Adam) + {grad_bytes_per_param} (gradient buffers: local + "
                 f"out-of-place reduced; Megatron's DDP keeps one, 4) = "
                 f"{weight + main + adam + grad_bytes_per_param:g} bytes per parameter{sharded}")

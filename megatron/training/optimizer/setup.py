@@ -7,9 +7,11 @@ from typing import Sequence
 import torch
 from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 from megatron.training.config import OptimizerSetup, ScheduleConfig
 from megatron.training.optimizer.distributed import ShardedAdamW
+from megatron.training.optimizer.distributed.sharded_parameters import ShardingRules, shard_units
 from megatron.training.optimizer import LossScaler, MainParamsAdamW, Optimizer
 from recover_patches.recovery.grad_buffer import FlatLayout, flat_layout
 
@@ -32,34 +34,40 @@ def build_optimizer(model: torch.nn.Module, setup: OptimizerSetup, groups) -> Op
     hyper = dict(lr=adam.lr, betas=(adam.adam_beta1, adam.adam_beta2), eps=adam.adam_eps,
                  weight_decay=adam.weight_decay, scaler=build_loss_scaler(adam))
     params = [p for g in param_groups for p in g["params"]]
-    sharded = groups.topology.fsdp > 1
-    module_of, whole = None, read_outside_their_module(model)
-    if sharded:  # Megatron-FSDP: each module's parameters in buckets of their own, in order
-        held = set(params)  # (those read outside it in one more: kept whole)
-        module_of = {p: -1 - m if p in whole else m for m, module in enumerate(model.modules())
-                     for p in module.parameters(recurse=False) if p in held}
-        params = list(module_of)
-    layout = flat_layout_for(setup, groups, params, module_of)
+    rules, unit_of = None, None
+    if groups.topology.fsdp > 1:  # Megatron-FSDP: a bucket per unit, in the model's order
+        whole = read_outside_their_unit(model)
+        rules = ShardingRules(keep_whole=whole.__contains__, is_layer=is_transformer_layer)
+        held = set(params)  # (what is read outside its unit in a bucket of its own, kept whole)
+        unit_of = {p: (u, p in whole) for u, (_, unit) in
+                   enumerate(shard_units(model, is_transformer_layer)) for p in unit if p in held}
+        params = list(unit_of)
+    layout = flat_layout_for(setup, groups, params, unit_of)
     if not adam.use_distributed_optimizer:
         return MainParamsAdamW(param_groups, layout=layout, **hyper)
     dense, experts = groups.optimizer_sharding()
     return ShardedAdamW(param_groups, layout=layout, shard=dense.shard, shards=dense.shards,
-                        instance_group=dense.instance, experts=experts,
-                        keep_whole=whole.__contains__ if sharded else None, **hyper)
+                        instance_group=dense.instance, experts=experts, sharded=rules, **hyper)
 
 
-def read_outside_their_module(model: torch.nn.Module) -> set[torch.Tensor]:
-    """Parameters used outside their module's forward, which Megatron-FSDP's sharded parameters
-    keep whole: the word embeddings' weight that the output layer reads too (both ends on one
-    stage), and the biases a linear layer returns for the caller to
-    add (`skip_bias_add`: the attention's and MLP's output projections)."""
+def is_transformer_layer(module: torch.nn.Module) -> bool:
+    """Megatron-FSDP's unit: a layer's parameters gather as one."""
+    return isinstance(module, BaseTransformerLayer)
+
+
+def read_outside_their_unit(model: torch.nn.Module) -> set[torch.Tensor]:
+    """Parameters used outside their unit's forward (`shard_units`), which Megatron-FSDP's sharded
+    parameters keep whole: the word embeddings' weight that the output layer reads too (both
+    ends on one stage), and a bias that a linear layer outside the transformer layers returns
+    for its caller to add (`skip_bias_add`)."""
     whole: set[torch.Tensor] = set()
     for module in model.modules():
         if getattr(module, "share_embeddings_and_output_weights", False) and \
                 module.pre_process and module.post_process:
             whole.add(module.shared_embedding_or_output_weight())
+    for module, params in shard_units(model, is_transformer_layer):
         bias = getattr(module, "bias", None)
-        if getattr(module, "skip_bias_add", False) and isinstance(bias, torch.Tensor):
+        if getattr(module, "skip_bias_add", False) and any(bias is p for p in params):
             whole.add(bias)
     return whole
 
@@ -81,21 +89,21 @@ def groups_at_any_expert_parallelism(param_groups: list[dict]) -> list[dict]:
 
 
 def flat_layout_for(setup: OptimizerSetup, groups, params: Sequence[torch.Tensor],
-                    module_of: dict[torch.Tensor, int] | None = None) -> FlatLayout:
+                    unit_of: dict[torch.Tensor, tuple[int, bool]] | None = None) -> FlatLayout:
     """The gradient buffer's layout (the distributed optimizer shards the same one). Megatron's
     bucket rule: one bucket unless overlapping; then --ddp-bucket-size, default max(40M, 1M x DP)
     parameters. With the distributed optimizer each bucket is padded to a multiple of the instance
     size, and the tied embedding gets a bucket of its own: both pipeline ends then shard it alike,
-    so its gradients can be summed range by range. `module_of` (Megatron-FSDP's sharded
-    parameters: each one's module): a bucket per module, which its forward gathers alone."""
+    so its gradients can be summed range by range. `unit_of` (Megatron-FSDP's sharded
+    parameters: each one's unit, and whether it stays whole): a bucket per unit, which its
+    forward gathers alone."""
     bucket = setup.bucket_size
     if bucket is None and setup.overlap_grad_reduce:
         bucket = max(40_000_000, 1_000_000 * groups.topology.dp)
     if not setup.adam.use_distributed_optimizer:
         return flat_layout(params, bucket)
-    if module_of is not None:
-        return flat_layout(params, None, pad_to=groups.optimizer_shards,
-                           apart=module_of.__getitem__)
+    if unit_of is not None:
+        return flat_layout(params, None, pad_to=groups.optimizer_shards, apart=unit_of.__getitem__)
     return flat_layout(params, bucket, pad_to=groups.optimizer_shards,
                        alone=lambda p: getattr(p, "tied_embedding_copy", False))
 

@@ -283,7 +283,7 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
                    help="Memory of the logging rank: on CUDA Megatron's mem-reserved-bytes, "
                         "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; on CPU "
-                        "mem-max-rss-bytes. Needs --tensorboard-dir.")
+                        "mem-max-rss-bytes and (Linux) mem-rss-bytes. Needs --tensorboard-dir.")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="Also write `lm loss validation ppl` (exp of the loss). Needs "
                         "--tensorboard-dir.")

@@ -39,7 +39,8 @@ from megatron.training.optimizer.distributed.moves import (keep_own, local_bases
                                                            plan_domain)
 from megatron.training.optimizer.shards import ShardDomain, Sharding, ShardLost, bucket_ranges
 from megatron.training.optimizer.sums import fixed_point_norm, instance_sum, squares, zeros
-from megatron.training.optimizer.distributed.sharded_parameters import ShardedParameters
+from megatron.training.optimizer.distributed.sharded_parameters import (ShardedParameters,
+                                                                       ShardingRules)
 from megatron.training.optimizer.distributed.weight_gather import WeightGather
 from recover_patches.recovery.grad_buffer import FlatLayout, is_expert
 from recover_patches.recovery.iteration import TooFewReplicas
@@ -56,22 +57,22 @@ class ShardedAdamW:
                  instance_group, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, scaler: LossScaler | None = None,
                  experts: Sharding | None = None,
-                 keep_whole: Callable[[torch.Tensor], bool] | None = None):
+                 sharded: ShardingRules | None = None):
         """`shard` of `shards` in `instance_group`: the dense buckets' sharding; `experts`: the
         expert buckets' (expert parallelism), over the instance's holders of the same experts.
-        `keep_whole` (Megatron-FSDP's sharded parameters): the weights live only as this rank's
-        chunks between uses, but for the parameters it names (`sharded_parameters.py`)."""
+        `sharded` (Megatron-FSDP): the weights live only as this rank's chunks between uses, but
+        for the parameters its rules keep whole (`sharded_parameters.py`)."""
         self.scaler, self.instance_group = scaler, instance_group
         self.model_params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
         self.main_params = self.model_params  # what --log-params-norm and faults read: whole
         self.layout, self.offsets = layout, layout.offsets
-        self._sharded = keep_whole is not None  # the weights are freed: main params of their own
+        self._sharded = sharded is not None  # the weights are freed: main params of their own
         self.copies = self._sharded or any(p.dtype != torch.float32 for p in self.model_params)
         self._groups_params = [list(g["params"]) for g in groups]
         self._groups_hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._lr, self._betas, self._eps, self._weight_decay = lr, betas, eps, weight_decay
-        self._gather = WeightGather(self.model_params, layout) if keep_whole is None \
-            else ShardedParameters(self.model_params, layout, keep_whole)
+        self._gather = WeightGather(self.model_params, layout) if sharded is None \
+            else ShardedParameters(self.model_params, layout, sharded)
         self._bucket = self._gather.bucket_of  # the bucket of each parameter
         experts_in = {self._bucket[i] for i, p in enumerate(self.model_params) if is_expert(p)}
         self._is_expert = [b in experts_in for b in range(len(layout.buckets))]

@@ -2,8 +2,9 @@
 optim_grads_params`): between uses a rank holds only its chunk of each bucket -- the distributed
 optimizer's range, in the model's dtype -- and each module's parameters are gathered over the
 shard group when its forward starts, freed when it ends, gathered again when its backward starts
-and freed once its gradients are in. The gradient layout puts each module's parameters in buckets
-of their own (`optimizer.setup.flat_layout_for`), so a gather brings one module.
+and freed once its gradients are in. A module here is a transformer layer whole, or a module with
+parameters outside the layers (`shard_units`); the gradient layout gives each its own bucket
+(`optimizer.setup.flat_layout_for`), so a gather brings one module.
 
 Every member of a shard group runs the same modules in the same order (the same number of
 microbatches: `step.parts.pad_for_unit`), so their gathers pair up. A failed gather is a
@@ -16,6 +17,7 @@ a state dict into the model (a checkpoint, a join) first gives every parameter i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -39,13 +41,36 @@ def _owns_its_storage(param: torch.Tensor) -> bool:
         storage.nbytes() == param.numel() * param.element_size()
 
 
+@dataclass(frozen=True)
+class ShardingRules:
+    """Which parameters stay whole (read outside their module), which modules gather whole."""
+    keep_whole: Callable[[torch.Tensor], bool]
+    is_layer: Callable[[torch.nn.Module], bool] = lambda module: False
+
+
+def shard_units(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool]
+                ) -> list[tuple[torch.nn.Module, list[torch.Tensor]]]:
+    """What gathers as one (Megatron-FSDP's units), in the model's order, with its parameters:
+    each module `is_layer` names (a transformer layer) with every parameter under it, and each
+    other module outside those with the parameters of its own (embeddings, final norm, output
+    layer)."""
+    units: list[tuple[torch.nn.Module, list[torch.Tensor]]] = []
+    taken: set[torch.Tensor] = set()
+    for module in model.modules():  # (a layer comes before its submodules: they find all taken)
+        params = [p for p in module.parameters(recurse=is_layer(module)) if p not in taken]
+        if params:
+            units.append((module, params))
+            taken.update(params)
+    return units
+
+
 class ShardedParameters(WeightGather):
     """WeightGather whose step keeps each bucket's chunk instead of gathering it: the bucket is
     gathered on use (`finish_bucket`) and freed after (`release`)."""
 
-    def __init__(self, model_params: list[torch.Tensor], layout: FlatLayout,
-                 keep_whole: Callable[[torch.Tensor], bool]):
+    def __init__(self, model_params: list[torch.Tensor], layout: FlatLayout, rules: ShardingRules):
         super().__init__(model_params, layout)
+        self._is_layer, keep_whole = rules.is_layer, rules.keep_whole
         buckets = range(len(layout.buckets))
         # whole for good: a bucket with a parameter read outside its module, or one sharing its
         # storage with another tensor (freeing it would free that too)
@@ -119,10 +144,8 @@ class ShardedParameters(WeightGather):
         self._before = before
         assert overlap_with is not None, "sharded parameters are gathered by the model's hooks"
         bucket_of = dict(zip(self.model_params, self.bucket_of))
-        for module in overlap_with.modules():
-            own = [p for p in module.parameters(recurse=False) if p in bucket_of]
-            if own:
-                self._hook_module(module, sorted({bucket_of[p] for p in own}))
+        for module, params in shard_units(overlap_with, self._is_layer):
+            self._hook_module(module, sorted({bucket_of[p] for p in params if p in bucket_of}))
         for p in self.model_params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(
