@@ -149,7 +149,7 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
                 "mem-allocated-bytes": stats["allocated_bytes.all.current"],
                 "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
                 "mem-allocated-count": stats["allocation.all.current"]}
-    scalars = {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    scalars: dict[str, float] = {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     statm = Path("/proc/self/statm")  # (Linux: pages, resident second)
     if statm.exists():
         scalars["mem-rss-bytes"] = int(statm.read_text().split()[1]) * resource.getpagesize()

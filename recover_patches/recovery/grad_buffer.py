@@ -70,11 +70,12 @@ class FlatLayout:
 
 def flat_layout(params: Sequence[torch.Tensor], bucket_numel: int | None = None, pad_to: int = 1,
                 alone: Callable[[torch.Tensor], bool] = lambda p: False,
-                apart: Callable[[torch.Tensor], bool] = is_expert) -> FlatLayout:
+                apart: Callable[[torch.Tensor], object] = is_expert) -> FlatLayout:
     """Parameters in reverse order, so buckets fill up in the order backward produces the
     gradients; a bucket closes once it holds `bucket_numel` (None: one bucket), a parameter
     `alone` says so gets a bucket of its own, and one whose `apart` differs from the previous
-    one's starts a new bucket (experts' gradients are summed over another group). Each bucket
+    one's starts a new bucket (experts' gradients are summed over another group; Megatron-FSDP
+    gathers each unit's bucket alone). Each bucket
     is padded with zeros to a multiple of `pad_to` (the distributed optimizer's instance size:
     its shards then split every bucket evenly)."""
     offsets: dict[torch.Tensor, int] = {}

@@ -64,10 +64,11 @@ def read_outside_their_unit(model: torch.nn.Module) -> set[torch.Tensor]:
     for module in model.modules():
         if getattr(module, "share_embeddings_and_output_weights", False) and \
                 module.pre_process and module.post_process:
-            whole.add(module.shared_embedding_or_output_weight())
+            whole.add(getattr(module, "shared_embedding_or_output_weight")())
     for module, params in shard_units(model, is_transformer_layer):
         bias = getattr(module, "bias", None)
-        if getattr(module, "skip_bias_add", False) and any(bias is p for p in params):
+        if getattr(module, "skip_bias_add", False) and bias is not None and \
+                any(bias is p for p in params):
             whole.add(bias)
     return whole
 

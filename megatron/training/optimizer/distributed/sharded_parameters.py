@@ -57,7 +57,8 @@ def shard_units(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bo
     units: list[tuple[torch.nn.Module, list[torch.Tensor]]] = []
     taken: set[torch.Tensor] = set()
     for module in model.modules():  # (a layer comes before its submodules: they find all taken)
-        params = [p for p in module.parameters(recurse=is_layer(module)) if p not in taken]
+        params: list[torch.Tensor] = [p for p in module.parameters(recurse=is_layer(module))
+                                      if p not in taken]
         if params:
             units.append((module, params))
             taken.update(params)
