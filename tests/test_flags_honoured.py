@@ -16,6 +16,11 @@ from tests._launch_util import REPO, TINY_GPT
 # dest -> why no typed config and not the entry point reads it. Keep this list short and true: a
 # flag belongs here only if its whole meaning is carried out by the argument checks.
 HONOURED_BY_THE_ARGUMENT_CHECKS: dict[str, str] = {
+    # Megatron-FSDP: each takes only the values that are what ReCoVer does (`validate.fsdp`)
+    "megatron_fsdp_version": "1 only (2 is refused there)",
+    "megatron_fsdp_main_params_dtype": "fp32 (or auto, fp32 here): the main weights' dtype",
+    "megatron_fsdp_main_grads_dtype": "auto or fp32: the gradient buffers' dtype",
+    "outer_dp_sharding_strategy": "no_shard only: each shard group holds a whole copy",
 }
 
 
@@ -76,6 +81,8 @@ BRANCHES = [validated(),
             validated("--num-experts", "4", "--disable-bias-linear"),  # the MoE fields
             validated("--multi-latent-attention", "--rope-type", "yarn"),  # the MLA fields
             validated("--experimental-attention-variant", "gdn", "--linear-attention-freq", "2"),
+            validated("--use-torch-fsdp2", "--megatron-fsdp-grad-comm-dtype", "bf16",
+                      "--fsdp-double-buffer"),  # the Megatron-FSDP fields and lines
             parse_and_validate([*(f for f in TINY_GPT if f != "--mock-data"), "--train-iters", "4",
                                 "--data-path", "corpus", "--tokenizer-type",
                                 "HuggingFaceTokenizer", "--tokenizer-model", "tokenizer.json",
