@@ -111,6 +111,7 @@ def test_torch_fsdp2_runs_as_the_same_sharding_and_says_what_it_survives():
      "--expert-model-parallel-size"),
     (["--use-megatron-fsdp", "--check-weight-hash-across-dp-replicas-interval", "1"],
      "--check-weight-hash-across-dp-replicas-interval"),
+    (["--use-megatron-fsdp", "--rerun-mode", "report_stats"], "--rerun-mode"),
     (["--use-torch-fsdp2", "--use-megatron-fsdp"], "--use-torch-fsdp2")])
 def test_what_megatron_fsdp_does_not_run_with_is_one_line(given, named, capsys):
     with pytest.raises(SystemExit) as exit_info:

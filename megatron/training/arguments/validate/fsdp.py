@@ -42,6 +42,11 @@ def _refuse_unbuilt(args: argparse.Namespace) -> None:
                             f"with {_FLAG} is not supported yet: a unit of replicas is either "
                             "expert-parallel or a shard group", "drop one of them, or shard "
                             "only the optimizer: --data-parallel-sharding-strategy optim")
+    if args.rerun_mode == "report_stats":
+        raise ArgumentError("--rerun-mode", f"--rerun-mode report_stats with {_FLAG} is not "
+                            "supported yet: it re-runs one replica's microbatches, and a shard "
+                            "group's replicas run together", "drop the flag (validate_results, "
+                            "the default, is)")
     for flag, given in (("--check-weight-hash-across-dp-replicas-interval",
                          args.check_weight_hash_across_dp_replicas_interval is not None),
                         ("--test-mode", args.test_mode)):

@@ -162,7 +162,7 @@ class ShardedParameters(WeightGather):
 
         def after_forward(_module, _args, output) -> None:
             for tensor in output if isinstance(output, tuple) else (output,):
-                # (not on a returned parameter, a leaf: `read_outside_their_module` keeps it)
+                # (not on a returned parameter, a leaf: `read_outside_their_unit` keeps it)
                 if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                     tensor.register_hook(before_backward)
             self.release(buckets)
