@@ -4,7 +4,9 @@ backward and frees them after. A shard group is a unit: in 2 groups of 2, rank 1
 backward costs its group, the other group finishes the lost microbatches in the same iteration on
 one process's losses (the negative control, --recover-policy drop, leaves them out and leaves the
 trajectory), and a replacement re-forms the group slot by slot from the live one. One group alone
-cannot lose a member: the job stops with status 3 and says why."""
+cannot lose a member: the job stops with status 3 and says why. A hung member with exact
+reduction keeps one process's bits; one group at TP 2 + SP, interleaved PP 2 and CP 2 follows one
+process; a sharded checkpoint resumes in one process."""
 from __future__ import annotations
 
 import pytest
