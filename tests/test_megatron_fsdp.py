@@ -78,6 +78,9 @@ def test_reading_or_loading_the_weights_outside_a_forward_makes_them_whole():
         assert torch.equal(mine, theirs)
     model(torch.randn(2, 6))
     assert _held(model) == [0, 0, 0, 0]
+    model[2].load_state_dict(reference[2].state_dict())  # a load starting below the root (a
+    assert _held(model) == [120, 20, 60, 12]  # model chunk): every parameter's storage back
+    model(torch.randn(2, 6))
     model.load_state_dict(reference.state_dict())  # a checkpoint, a join: storage back first
     assert _held(model) == [120, 20, 60, 12]
     for mine, theirs in zip(model.parameters(), reference.parameters()):

@@ -147,11 +147,13 @@ class ShardedParameters(WeightGather):
         bucket_of = dict(zip(self.model_params, self.bucket_of))
         for module, params in shard_units(overlap_with, self._is_layer):
             self._hook_module(module, sorted({bucket_of[p] for p in params if p in bucket_of}))
+            # on each unit, not the root: a load may start at a model chunk (a checkpoint's);
+            # the first unit it reaches comes before any parameter is written
+            module.register_load_state_dict_pre_hook(lambda *_: self.reset())
         for p in self.model_params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(
                     lambda param, b=bucket_of[p]: self._gradient_in(b))
-        overlap_with.register_load_state_dict_pre_hook(lambda *_: self.reset())
 
     def _hook_module(self, module: torch.nn.Module, buckets: list[int]) -> None:
         def before_backward(grad: torch.Tensor) -> None:
