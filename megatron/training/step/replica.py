@@ -20,6 +20,7 @@ from megatron.training.config import StepConfig
 from megatron.training.step.commit_vote import confirm
 from megatron.training.step.exact_reduction import calibrate_once, fixed_point_overflow
 from megatron.training.step.execute_clock import ExecuteClock
+from megatron.training.step.finalise import finalise
 from megatron.training.initialize import ParallelGroups
 from megatron.training.model.moe_metrics import RouterReport, router_report
 from megatron.training.step.parts import pad_for_unit
@@ -28,9 +29,7 @@ from megatron.training.rerun import (ALARM_LARGE_GRADS, ALARM_NOT_FINITE, ALARM_
                                      resolve_large_grads, resolve_spike)
 from megatron.training.rerun.stats import DeterminismStats, compare_once, report
 from megatron.training.step.weight_check import agreed_mismatch, check_due, weight_fingerprint
-from megatron.training.optimizer import (Optimizer, clip_factor, count_zeros,
-                                         global_grad_norm,
-                                         sync_sequence_parallel_grads, sync_tied_embedding_grads,
+from megatron.training.optimizer import (Optimizer, clip_factor, global_grad_norm,
                                          tp_partial_grads)
 from recover_patches.collectives import NO_PROBE, PeerFailure, Probe, Regrouped
 from recover_patches.recovery.grad_buffer import GradBuffer, ReducedGradients, Scatter
@@ -64,6 +63,7 @@ class GPTReplicaStep:
     # the distributed optimizer's all-gather failed after a commit: this replica's weights
     # miss slices that other instances hold (replica-agreed at the end of the step)
     weights_stale: bool = False
+    _finalised: tuple[float, dict] = (math.nan, {})  # the last reduction's norm and zero count
     _injected_at: int = 0  # --error-injection-rate: the iteration last injected into
     spikes: SpikeDetector | None = field(init=False)  # --check-for-spiky-loss, last stage
     grad_spikes: SpikeDetector | None = field(init=False)  # --check-for-large-grads, every rank
@@ -151,10 +151,10 @@ class GPTReplicaStep:
         reduced = self.grads.reduce(local, self.groups.coord.replica, time_wire, fingerprint,
                                     alarm)
         self.probe.at("reduced")
-        # Megatron's finalisation, here: a rank rolling forward steps from `reduced` (settle.py)
-        grads = [self.grads.reduced_grad(p) for p in self.params]
-        sync_tied_embedding_grads(self.params, grads, self.groups.embedding)
-        sync_sequence_parallel_grads(grads, self.tp_partial, self.groups.tp)
+        # Megatron's finalisation and the norm, before the vote (`finalise.py` says why)
+        self._finalised = finalise(self.grads, self.optimizer, self.groups, self.params,
+                                   self.tp_partial, reduced, exact=self.config.exact_reduction,
+                                   log_num_zeros=self.config.log_num_zeros)
         return reduced
 
     def confirm(self, news: bool) -> bool:
@@ -241,18 +241,17 @@ class GPTReplicaStep:
         return self.live.replica_ranks(replica)
 
     def step(self, reduced: ReducedGradients) -> dict:
-        """Megatron's order (grads finalised in `reduce`): unscale, norm (the overflow check),
-        clip, step -- or skip it on an fp16 overflow (the report's `skipped_step`)."""
+        """Megatron's order, from the norm `reduce` measured before the vote (`finalise.py`):
+        the overflow check, clip, step -- or skip it on an fp16 overflow (`skipped_step`)."""
         checked = self.check_weights_agree(reduced) if self.weight_check_due() else {}
         grads = [self.grads.reduced_grad(p) for p in self.params]
         tokens = max(reduced.totals.tokens, 1)
         scaler = self.optimizer.scaler
         scale = 1.0 if scaler is None else scaler.scale
-        self.grads.divide_gradients(tokens * scale)  # the global token mean: design.md §8
-        grad_norm, extra = self._norm_and_zeros(reduced, grads)
-        # NCCL: a host read returns once the watchdog or an epoch aborted a stuck reduction --
-        # with whatever the buffer held. A step never uses such a norm: PeerFailure instead
-        self.groups.raise_latched_of(self.groups.replica_positions)
+        # NCCL: the norm's host read returned once the watchdog or an epoch aborted a stuck
+        # collective, with whatever its buffer held; the vote raised that failure, so a step
+        # never uses such a norm
+        grad_norm, extra = self._finalised[0], dict(self._finalised[1])
         overflow = not math.isfinite(grad_norm)
         if scaler is not None:
             scaler.update(overflow)
@@ -276,19 +275,6 @@ class GPTReplicaStep:
                 "skipped_step": skipped, **extra,
                 **checked,
                 **({"reduce_scattered": True} if reduced.scattered else {})}
-
-    def _norm_and_zeros(self, reduced: ReducedGradients, grads: list) -> tuple[float, dict]:
-        tp_rank, extra, group = self.groups.coord.tp, {}, self.groups.replica_positions
-        exact = self.config.exact_reduction  # (whole or sharded alike: the optimizer's)
-        if reduced.scattered or exact:  # only this rank's ranges hold reduced gradients
-            grad_norm = self.optimizer.grad_norm(grads, group, tp_rank, exact)
-            if self.config.log_num_zeros:  # before clipping, as Megatron counts them
-                extra["num_zeros"] = self.optimizer.count_zeros(grads, group, tp_rank)
-        else:
-            grad_norm = global_grad_norm(self.params, grads, group, tp_rank)
-            if self.config.log_num_zeros:
-                extra["num_zeros"] = count_zeros(self.params, grads, group, tp_rank)
-        return grad_norm, extra
 
     def _optimizer_step(self, grads: list, microbatches: int) -> None:
         self.probe.at("optimizer")
