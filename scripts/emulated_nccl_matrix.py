@@ -4,7 +4,7 @@
 
 Kill and hang in every phase the fault injector reaches in a plain training run, at (2,1,2),
 (1,2,2) and (2,2,2); then VP 2, CP 2, EP 2, the distributed optimizer with K = 2 instances
-(killed in its weight gather, and killed or hung after the vote: the step's phases), a
+(killed in its weight gather, killed and hung in every phase), a
 replacement joining (--max-replacements 1) and a kill during an async torch_dist save. Each run
 must finish every iteration with the failure-free losses (relative 1e-5) within its bound, and is
 printed as one line; exit status 1 if any failed. The plain model's reference is one process;
@@ -37,8 +37,8 @@ PHASES = ("forward", "backward", "p2p", "tp_allreduce", "dp_reduce", "reduced", 
 VP2 = ("--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "2")
 EP2 = ("--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
        "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall")
-# after the commit: the step's collectives over the instance (the sharded gradients' norm, the
-# weights' gathers); the victim is in instance 0, whose lowest rank is a reshard's source
+# the distributed optimizer's victim is in instance 0, whose lowest rank is a reshard's source;
+# --quick: only the phases after the vote, whose collectives span the instance's replicas
 AFTER_COMMIT = ("confirmed", "optimizer")
 DISTOPT = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
 
@@ -78,7 +78,8 @@ def plan(quick: bool) -> list[tuple[str, tuple, tuple[str, ...], list[str], tupl
             f"kill:rank=3,iter={FAIL_AT},phase=param_gather"], DISTOPT, ()),
         *[(f"1x1x4-distopt-k2-{kind}-{phase}", (1, 1, 4), (), [
             f"{kind}:rank=1,iter={FAIL_AT},phase={phase}"], DISTOPT, ())
-          for kind in ("kill", "hang") for phase in AFTER_COMMIT],
+          for kind in ("kill", "hang") for phase in (AFTER_COMMIT if quick else PHASES)
+          if applies(phase, (1, 1, 4))],
         ("1x1x2-replacement-joins", (1, 1, 2), (), [f"kill:rank=1,iter={FAIL_AT},phase=backward"],
          (), ("--max-replacements", "1")),
         ("1x1x2-kill-in-async-save", (1, 1, 2), (), ["kill:rank=1,iter=2,phase=checkpoint"],
