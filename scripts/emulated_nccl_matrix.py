@@ -1,6 +1,6 @@
 """The fault matrix on the emulated NCCL (RECOVER_EMULATE_NCCL=1): NCCL's blocking rules on CPU.
 
-    python scripts/emulated_nccl_matrix.py [--out runs/emulated] [--quick] [--only NAME...]
+    python scripts/emulated_nccl_matrix.py [--out runs/emulated] [--quick | --wide] [--only NAME...]
 
 Kill and hang in every phase the fault injector reaches in a plain training run, at (2,1,2),
 (1,2,2) and (2,2,2); then VP 2, CP 2, EP 2, the distributed optimizer with K = 2 instances
@@ -54,9 +54,28 @@ def applies(phase: str, layout) -> bool:
     return not (phase == "p2p" and pp == 1 or phase == "tp_allreduce" and tp == 1)
 
 
-def plan(quick: bool) -> list[tuple[str, tuple, tuple[str, ...], list[str], tuple, tuple]]:
+FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--num-distributed-optimizer-instances", "2")
+EXACT = ("--recover-exact-reduction", *DISTOPT)
+# --wide: the single-phase layouts above in every phase, kill and hang (name, layout, model
+# flags, extra flags, victim); the victim is in the first unit or instance
+WIDE = (("1x1x4-ep2", (1, 1, 4), EP2, (), 1),
+        ("1x1x2-cp2", (1, 1, 2), (), ("--context-parallel-size", "2"), 1),
+        ("1x1x4-fsdp-k2", (1, 1, 4), (), FSDP, 1),
+        ("1x1x4-exact-distopt-k2", (1, 1, 4), (), EXACT, 1))
+
+
+def wide_plan() -> list[tuple[str, tuple, tuple[str, ...], list[str], tuple, tuple]]:
+    return [(f"{tag}-{kind}-{phase}", layout, model,
+             [f"{kind}:rank={rank},iter={FAIL_AT},phase={phase}"], extra, ())
+            for tag, layout, model, extra, rank in WIDE for kind in ("kill", "hang")
+            for phase in PHASES if applies(phase, layout)]
+
+
+def plan(quick: bool, wide: bool = False
+         ) -> list[tuple[str, tuple, tuple[str, ...], list[str], tuple, tuple]]:
     """(name, layout, model flags, faults, extra flags, launcher flags)."""
-    runs = []
+    runs = wide_plan() if wide else []
     layouts = [(2, 2, 2)] if quick else [(2, 1, 2), (1, 2, 2), (2, 2, 2)]
     phases = ("p2p", "exchange", "optimizer") if quick else PHASES
     for layout in layouts:
@@ -138,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "runs/emulated")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--wide", action="store_true", help="also EP 2, CP 2, Megatron-FSDP and exact "
+                   "reduction with the distributed optimizer in every phase")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME")
     p.add_argument("--run-timeout", type=float, default=150.0)
     a = p.parse_args(argv)
-    runs = [r for r in plan(a.quick) if a.only is None or r[0] in a.only]
+    runs = [r for r in plan(a.quick, a.wide) if a.only is None or r[0] in a.only]
     references: dict[tuple, list[float]] = {}
     results = []
     for name, layout, model, faults, extra, launcher in tqdm(runs, unit="run", file=sys.stderr):

@@ -95,6 +95,20 @@ def test_a_kill_between_ack_and_exchange_commits_on_one_replica_and_not_the_othe
 
 
 @pytest.mark.timeout(300)
+def test_the_logging_ranks_replica_lost_after_a_commit_leaves_no_iteration_unrecorded(
+        reference, tmp_path):
+    """(2,1,2): rank 1, the logging rank's TP peer, dies before its ack at iteration 3. Every
+    reduction had completed, so the round commits; rank 0 rolls forward, finds its replica
+    broken and waits as a spare. Rank 2 becomes the logging rank at the join that drops replica
+    0, and writes iteration 3's record, which rank 0 never wrote, before the join's."""
+    run = run_job(tmp_path, "2,1,2", "--inject-fault", "kill:rank=1,iter=3,phase=ack")
+    records = assert_failure_free_trajectory(run, reference)
+    assert [r["live_replicas"] for r in records][2:] == [[0, 1]] + [[1]] * 3
+    kinds = [("join" if "join" in r else "iteration", r["iteration"]) for r in run.records]
+    assert kinds.index(("iteration", 3)) < kinds.index(("join", 3)), kinds
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout, victim", [("1,1,4", 1), ("2,1,2", 2)])
 def test_a_live_hang_is_fenced_and_survived(reference, tmp_path, layout, victim):
     slow = f"slow:rank={victim},seconds={10 * TIMEOUT:g},iter=3,phase=forward"

@@ -105,6 +105,22 @@ class Trainer:
     def is_logging_rank(self) -> bool:
         return self.groups.rank == min(self.live.members())
 
+    def writes_records(self) -> bool:
+        """Whether this rank writes the metrics records now (the logging rank). One that just
+        took over from a lost logging rank first appends the iterations that rank did not
+        write, from its own history: whichever record it writes first (an iteration's, a
+        join's after the iteration the old one was lost in, an evaluation's)."""
+        if not self.is_logging_rank:
+            self._was_logging = False
+            return False
+        if not self._was_logging:
+            written = self.metrics.last_iteration()
+            for missed in self.history:
+                if missed["iteration"] > written:
+                    self.metrics.write(missed)
+            self._was_logging = True
+        return True
+
     def grow_back_with(self, membership: Membership) -> None:
         """Spares and replacement processes rejoin (recovery on, with the coordinator)."""
         assert self.agreement is not None
@@ -174,7 +190,7 @@ class Trainer:
         fingerprint (the logging rank's shard) in the metrics, to compare across runs."""
         if self.step_config.weight_check_interval:
             self.replica.weights_ready()
-            if self.is_logging_rank:
+            if self.writes_records():
                 self.metrics.write({"iteration": self.state.iteration, "final_weights_fingerprint":
                                     f"{weight_fingerprint(self.optimizer.model_params):016x}"})
 
@@ -221,16 +237,10 @@ class Trainer:
         if config.log_memory:  # every rank: a successor logs what it recorded
             rec["memory"] = memory_scalars(self.device)
         rec.update(self.counts_since_last_record())
+        writes = self.writes_records()  # (catching up on the history before this record)
         self.history.append(rec)
-        if not self.is_logging_rank:
-            self._was_logging = False
+        if not writes:
             return
-        if not self._was_logging:  # just took over from a dead logging rank
-            written = self.metrics.last_iteration()
-            for missed in list(self.history)[:-1]:
-                if missed["iteration"] > written:
-                    self.metrics.write(missed)
-            self._was_logging = True
         self.metrics.write(rec)
         for r in outcome.recoveries:
             logger.info(
@@ -271,7 +281,7 @@ class Trainer:
             f"{f', join of {join.abandoned} abandoned' if join.abandoned else ''}; live {join.live}; "
             f"pause {pause * 1000:.0f} ms, "
             f"{join.attempts} attempt(s)")
-        if self.is_logging_rank:
+        if self.writes_records():
             self.metrics.write({"iteration": join.iteration, "join": vars(join)})
 
     def evaluate(self) -> float | None:
@@ -290,7 +300,7 @@ class Trainer:
             loss, failure = None, err
         if self.agreement is None or self._evaluation_agreed(failure is None):
             assert loss is not None
-            if self.is_logging_rank:
+            if self.writes_records():
                 logger.info(f" validation loss at iteration {self.state.iteration} | "
                             f"lm loss value: {loss:.6E} |", extra=PLAIN)
                 self.metrics.write({"iteration": self.state.iteration, "valid_lm_loss": loss})
@@ -299,7 +309,7 @@ class Trainer:
         assert self.grow is not None  # recovery is on
         self.record_join(self.grow.at_boundary(self.state.iteration, sync=True, key="eval"))
         reason = str(failure) if failure is not None else "another rank's evaluation failed"
-        if self.is_logging_rank:
+        if self.writes_records():
             logger.warning(f"evaluation at iteration {self.state.iteration} skipped: {reason} | "
                            f"live replicas {self.live.live_replicas}")
             self.metrics.write({"iteration": self.state.iteration, "valid_skipped": reason})
