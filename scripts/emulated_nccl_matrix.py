@@ -62,14 +62,21 @@ EXACT = ("--recover-exact-reduction", *DISTOPT)
 WIDE = (("1x1x4-ep2", (1, 1, 4), EP2, (), 1),
         ("1x1x2-cp2", (1, 1, 2), (), ("--context-parallel-size", "2"), 1),
         ("1x1x4-fsdp-k2", (1, 1, 4), (), FSDP, 1),
-        ("1x1x4-exact-distopt-k2", (1, 1, 4), (), EXACT, 1))
+        ("1x1x4-exact-distopt-k2", (1, 1, 4), (), EXACT, 1),
+        ("1x2x2-vp2", (1, 2, 2), VP2, (), victim((1, 2, 2))))
 
 
 def wide_plan() -> list[tuple[str, tuple, tuple[str, ...], list[str], tuple, tuple]]:
-    return [(f"{tag}-{kind}-{phase}", layout, model,
+    runs = [(f"{tag}-{kind}-{phase}", layout, model,
              [f"{kind}:rank={rank},iter={FAIL_AT},phase={phase}"], extra, ())
             for tag, layout, model, extra, rank in WIDE for kind in ("kill", "hang")
             for phase in PHASES if applies(phase, layout)]
+    return runs + [  # a second failure while the survivors recover; a kill in an evaluation
+        ("1x1x4-kill-during-recovery", (1, 1, 4), (), [
+            f"kill:rank=1,iter={FAIL_AT},phase=forward",
+            f"kill:rank=3,iter={FAIL_AT},phase=recovery"], (), ()),
+        ("1x1x4-kill-in-eval", (1, 1, 4), (), [f"kill:rank=2,iter={FAIL_AT - 1},phase=eval"],
+         ("--eval-interval", "2", "--eval-iters", "1"), ())]
 
 
 def plan(quick: bool, wide: bool = False
@@ -104,7 +111,7 @@ def plan(quick: bool, wide: bool = False
         ("1x1x2-kill-in-async-save", (1, 1, 2), (), ["kill:rank=1,iter=2,phase=checkpoint"],
          ("--save-interval", "2", "--async-save", "--ckpt-format", "torch_dist"), ()),
     ]
-    return runs
+    return list({run[0]: run for run in runs}.values())  # (--wide repeats VP 2's p2p kill)
 
 
 def run_one(out: Path, name: str, layout, model, faults, extra, launcher, timeout: float):
@@ -157,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "runs/emulated")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--wide", action="store_true", help="also EP 2, CP 2, Megatron-FSDP and exact "
-                   "reduction with the distributed optimizer in every phase")
+    p.add_argument("--wide", action="store_true", help="also EP 2, CP 2, Megatron-FSDP, exact "
+                   "reduction with the distributed optimizer and VP 2 in every phase; a kill "
+                   "during a recovery, and in an evaluation")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME")
     p.add_argument("--run-timeout", type=float, default=150.0)
     a = p.parse_args(argv)
