@@ -1,16 +1,19 @@
 """The fault matrix on the emulated NCCL (RECOVER_EMULATE_NCCL=1): NCCL's blocking rules on CPU.
 
-    python scripts/emulated_nccl_matrix.py [--out runs/emulated] [--quick | --wide] [--only NAME...]
+    python scripts/emulated_nccl_matrix.py [--out runs/emulated] [--quick | --wide] [--gloo]
+                                           [--only NAME...]
 
 Kill and hang in every phase the fault injector reaches in a plain training run, at (2,1,2),
 (1,2,2) and (2,2,2); then VP 2, CP 2, EP 2, the distributed optimizer with K = 2 instances
-(killed in its weight gather, killed and hung in every phase), a
-replacement joining (--max-replacements 1) and a kill during an async torch_dist save. Each run
-must finish every iteration with the failure-free losses (relative 1e-5) within its bound, and is
-printed as one line; exit status 1 if any failed. The plain model's reference is one process;
-VP's and EP's, which one process cannot run, the failure-free run of their layout. --quick:
-the cases tests/test_emulated_nccl_faults.py leaves out but CI can afford.
-A tqdm bar shows progress; OUT/summary.json keeps every run's outcome.
+(killed in its weight gather, killed and hung in every phase), a replacement joining
+(--max-replacements 1) and a kill during an async torch_dist save. --wide adds EP 2, CP 2,
+Megatron-FSDP, exact reduction and VP 2 in every phase, a kill during a recovery and one in an
+evaluation; --gloo runs the plan on plain gloo instead. Each run must finish every iteration
+with the failure-free losses (relative 1e-5) within its bound, and is printed as one line; exit
+status 1 if any failed. The plain model's reference is one process; VP's and EP's, which one
+process cannot run, the failure-free run of their layout. --quick: the cases
+tests/test_emulated_nccl_faults.py leaves out but CI can afford. A tqdm bar shows progress;
+OUT/summary.json keeps every run's outcome.
 """
 from __future__ import annotations
 
@@ -114,7 +117,8 @@ def plan(quick: bool, wide: bool = False
     return list({run[0]: run for run in runs}.values())  # (--wide repeats VP 2's p2p kill)
 
 
-def run_one(out: Path, name: str, layout, model, faults, extra, launcher, timeout: float):
+def run_one(out: Path, name: str, layout, model, faults, extra, launcher, timeout: float,
+            emulated: bool = True):
     tp, pp, dp = layout
     cp = int(dict(zip(extra[::2], extra[1::2])).get("--context-parallel-size", 1))
     run_dir = out / name
@@ -129,7 +133,8 @@ def run_one(out: Path, name: str, layout, model, faults, extra, launcher, timeou
             *[a for f in faults for a in ("--inject-fault", f)]]
     start = time.monotonic()
     run = launch(tp * pp * dp * cp, args, metrics, timeout=timeout,
-                 env={"RECOVER_EMULATE_NCCL": "1"}, launcher_args=list(launcher))
+                 env={"RECOVER_EMULATE_NCCL": "1" if emulated else "0"},
+                 launcher_args=list(launcher))
     (run_dir / "stdout.txt").write_text(run.stdout)
     (run_dir / "stderr.txt").write_text(run.stderr)
     return run, time.monotonic() - start
@@ -169,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                    "during a recovery, and in an evaluation")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME")
     p.add_argument("--run-timeout", type=float, default=150.0)
+    p.add_argument("--gloo", action="store_true", help="the same plan on plain gloo, whose "
+                   "failures are raised at once (the CPU suite's backend)")
     a = p.parse_args(argv)
     runs = [r for r in plan(a.quick, a.wide) if a.only is None or r[0] in a.only]
     references: dict[tuple, list[float]] = {}
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if key not in references:
             references[key] = reference_losses(a.out, layout, model)
         run, seconds = run_one(a.out, name, layout, model, faults, extra, launcher,
-                               a.run_timeout)
+                               a.run_timeout, emulated=not a.gloo)
         found = problems_of(run, references[key])
         results.append({"name": name, "seconds": round(seconds, 1), "problems": found})
         tqdm.write(f"{name:32s} {'ok' if not found else 'FAILED: ' + '; '.join(found)} | "
@@ -186,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "summary.json").write_text(json.dumps(results, indent=1))
     failed = [r["name"] for r in results if r["problems"]]
-    print(f"{len(results) - len(failed)} of {len(results)} emulated-NCCL fault runs survived "
+    print(f"{len(results) - len(failed)} of {len(results)} "
+          f"{'gloo' if a.gloo else 'emulated-NCCL'} fault runs survived "
           "with the failure-free losses" + (f"; failed: {failed}" if failed else ""))
     return 1 if failed else 0
 

@@ -83,7 +83,9 @@ def connect_crosswise(tag: str, store_of, timeout: float) -> list[str]:
              threading.Thread(target=connect, args=(b, 0, "G2"), daemon=True)]
     for t in waits:
         t.start()
-    threading.Event().wait(0.3)  # the waits hold on first
+    # the waits hold on first (a connect's set-up before its blocking read took over 0.3 s in
+    # one CI run: the root then published first and the control's deadlock did not form)
+    threading.Event().wait(1.0)
     for t in roots:
         t.start()
     for t in waits:
@@ -102,6 +104,6 @@ def test_groups_connecting_at_once_on_one_client_do_not_block_each_other(server)
     emulated_nccl.install(host_thread=False)
     assert connect_crosswise("view", lambda: backends.SharedClientView(client_of(server), 10.0),
                              10.0) == []
-    failed = connect_crosswise("direct", lambda: client_of(server, timeout=2.0), 2.0)
+    failed = connect_crosswise("direct", lambda: client_of(server, timeout=3.0), 3.0)
     assert [f for f in failed if "rank 1" in f] == ["G1 rank 1: DistStoreError",
                                                      "G2 rank 1: DistStoreError"], failed

@@ -151,6 +151,9 @@ class GPTReplicaStep:
         reduced = self.grads.reduce(local, self.groups.coord.replica, time_wire, fingerprint,
                                     alarm)
         self.probe.at("reduced")
+        # NCCL: the reduction's own failure first (a wait returned before the device finished),
+        # not a finalisation's collective that waits on a replica-mate gone to recover from it
+        self.groups.raise_latched()
         # Megatron's finalisation and the norm, before the vote (`finalise.py` says why)
         self._finalised = finalise(self.grads, self.optimizer, self.groups, self.params,
                                    self.tp_partial, reduced, exact=self.config.exact_reduction,
