@@ -252,8 +252,8 @@ class GPTReplicaStep:
         scaler = self.optimizer.scaler
         scale = 1.0 if scaler is None else scaler.scale
         # NCCL: the norm's host read returned once the watchdog or an epoch aborted a stuck
-        # collective, with whatever its buffer held; the vote raised that failure, so a step
-        # never uses such a norm
+        # collective, with whatever its buffer held; `check_reduced` and the vote raised that
+        # failure before any commit, so a step never uses such a norm
         grad_norm, extra = self._finalised[0], dict(self._finalised[1])
         overflow = not math.isfinite(grad_norm)
         if scaler is not None:
