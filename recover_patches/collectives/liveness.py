@@ -84,6 +84,11 @@ class Liveness:
         self.loose: set[int] = set()  # watched ranks no line of their node carries (see above)
         self.waiters: dict[int, Waiter] = {}
         self.epoch = 0
+        # an iteration committed (every member then was past start-up), or the job ends: a
+        # rank's last beat may still say it is starting (its launcher forwards once per
+        # interval), and a silence is judged by `stall` alone
+        self.settled = False
+        self._probed = 0  # the node lines looked at for a sign that start-up is over
 
     def watch(self, rank: int, startup: float = 0.0, via: str | None = None) -> None:
         """Start (or restart) watching `rank`, as if it had just beaten and moved. Until its
@@ -98,6 +103,27 @@ class Liveness:
             self.loose.add(rank)
         else:
             self.loose.discard(rank)
+
+    def probe_settled(self) -> None:
+        """Until start-up is over, parse one node's line per sweep (a different one each time:
+        a lost node's last line says `starting` for good) and settle once a rank there says it
+        committed an iteration. No store operation, and nothing parsed once settled."""
+        if self.settled or not self.nodes:
+            return
+        names = list(self.nodes)
+        node = self.nodes[names[self._probed % len(names)]]
+        self._probed += 1
+        if any(not ages.where.endswith(STARTING) for ages in node.ages.values()):
+            self.settle()
+
+    def settle(self) -> None:
+        """Start-up is over for every rank watched now: a node lost right after the first
+        commit, whose last line still said its ranks were starting, is declared dead after
+        `stall`, not start-up's bound. Ranks watched later (replacements) get their own."""
+        if not self.settled:
+            self.settled = True
+            for seen in self.seen.values():
+                seen.startup = 0.0
 
     def forget(self, rank: int) -> None:
         self.seen.pop(rank, None)
@@ -117,6 +143,8 @@ class Liveness:
         if seen is None or heartbeat is None:
             return
         beat, _, progress = heartbeat.partition(" ")
+        if progress and not progress.endswith(STARTING):
+            self.settle()  # (a rank beating on its own key: its progress is read anyway)
         now = self.clock()
         if beat != seen.beat:
             seen.beat, seen.beat_at = beat, now

@@ -99,22 +99,52 @@ def test_start_up_is_allowed_its_own_bound_of_silence_until_an_iteration_committ
     """Eight ranks importing on two cores held a launcher's node beats back 5 s at start-up and
     the coordinator declared every rank dead (T = 3 s). While a rank's progress says it is
     starting, a silence up to its start-up bound (--distributed-timeout-minutes) is allowed;
-    once it committed an iteration (the marker gone), T + GRACE again. Control: rank 1 has
-    settled and falls silent at the same moment."""
+    once a rank committed an iteration (the marker gone), every rank watched until then is
+    judged by T + GRACE again: the first commit was every member's. Control: a replacement
+    watched after that commit has a start-up bound of its own."""
     from recover_patches.collectives.progress_marks import ProgressMarks
     clock = Clock()
     live = Liveness(5.0, 7.0, clock)
     marks = {0: ProgressMarks(), 1: ProgressMarks()}
-    marks[1].settle()
     for r in marks:
         live.watch(r, startup=60.0)
         marks[r].mark(0, "connect", 1, None)
         live.observe(r, f"1 {marks[r].line()}")
-    assert marks[0].line().endswith("starting") and not marks[1].line().endswith("starting")
-    clock.now = 6.0  # both silent since 0
-    assert [r for r, _ in live.silent()] == [1]
-    clock.now = 61.0
+    assert marks[0].line().endswith("starting")
+    clock.now = 6.0  # both silent since 0, both starting
+    assert live.silent() == [] and not live.settled
+    marks[1].settle()
+    live.observe(1, f"2 {marks[1].line()}")  # rank 1 committed; rank 0 never beat again
+    assert live.settled and not marks[1].line().endswith("starting")
+    assert [r for r, _ in live.silent()] == [0]
+    live.watch(2, startup=60.0)  # a replacement, starting
+    live.observe(2, f"1 {ProgressMarks().line()}")
+    clock.now = 12.5
     assert [r for r, _ in live.silent()] == [0, 1]
+    clock.now = 67.0
+    assert [r for r, _ in live.silent()] == [0, 1, 2]
+
+
+def test_a_node_lost_just_after_the_first_commit_is_declared_after_t_not_start_ups_bound():
+    """Node b's last line was forwarded before its rank settled, so it says `starting` for
+    good. One node line per sweep is parsed until one says a rank committed; then b's rank is
+    silent after T + GRACE (a two-node TP2 x PP2 job waited 10 minutes for such a rank before
+    ending). Control: while no line says so, the start-up bound holds."""
+    clock = Clock()
+    live = Liveness(5.0, 7.0, clock)
+    for rank, node in ((0, "a"), (1, "b")):
+        live.watch(rank, startup=60.0, via=node)
+    clock.now = 1.0
+    live.observe_node(node_line("b", {1: (0.0, 0.0, "9 e0 it1 forward starting")}))
+    for clock.now in (1.0, 7.0):
+        live.observe_node(node_line("a", {0: (0.0, 0.0, "9 e0 it1 forward starting")}))
+        live.probe_settled()
+    assert live.silent() == [] and not live.settled
+    live.observe_node(node_line("a", {0: (0.0, 0.0, "30 e0 it2 forward")}))
+    live.probe_settled()
+    live.probe_settled()  # (one line per sweep, in turn)
+    assert live.settled
+    assert [r for r, _ in live.silent()] == [1]
 
 
 # --- ranks whose launcher forwards their node's beats: one line per node ---------------------

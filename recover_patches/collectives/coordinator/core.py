@@ -308,6 +308,9 @@ class Coordinator:
             return  # (watched: members, spares and registered replacements)
         self._next_sweep = now + self.timeouts.heartbeat_interval / SWEEPS_PER_INTERVAL
         self._observe_beats()
+        self.liveness.probe_settled()
+        if self.stopped:  # nobody's start-up matters now: every process must end
+            self.liveness.settle()
         members = {r for r in self.liveness.seen if self.state.is_member(r)} \
             if self.liveness.waiters else set()
         for r, why in self.liveness.silent() + self.liveness.stuck(members):
