@@ -257,7 +257,8 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
     import torch
 
     from megatron.training.collective_backend import resilient_groups
-    from megatron.training.initialize import build_groups, init_default_group, torch_group_factory
+    from megatron.training.initialize import (build_groups, gather_switches, init_default_group,
+                                              torch_group_factory)
     from megatron.training.model import build_model, mark_unit_duplicates
     from megatron.training.optimizer.setup import build_optimizer
     from megatron.training.step.parts import build_grad_buffer
@@ -275,6 +276,7 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
     # communicator (nor torch's heartbeat monitor of group uid 0) spans a rank that may die.
     rank, world = init_default_group("gloo" if membership is not None else parallel.backend,
                                      parallel.startup_seconds / 60, joining=incarnation > 0)
+    switches = gather_switches(layout.node_size, joining=incarnation > 0)  # the start-up line's
     topology = parallel.topology(world)
     make_group = torch_group_factory if membership is None else resilient_groups(
         parallel, layout, membership, incarnation == 0, topology)
@@ -291,12 +293,17 @@ def _build_model_parts(run, membership, incarnation: int) -> tuple:
     grads = build_grad_buffer(groups, optimizer, run.optimizer.overlap_grad_reduce, model,
                               run.step.exact_reduction)
     if rank == 0:
-        _startup_notes(run, model, grads, topology)
+        _startup_notes(run, model, grads, topology, switches)
     return device, groups, tracker, model, optimizer, grads
 
 
-def _startup_notes(run, model, grads, topology) -> None:
+def _startup_notes(run, model, grads, topology, switches: tuple[str, ...]) -> None:
     from megatron.training.model import memory_note
+    from recover_patches.placement import startup_line
+    parallel, world = run.parallel, topology.world_size
+    logger.info(startup_line(parallel.asked_topology(world), parallel.nodes(world, switches),
+                             parallel.placement, run.training.min_replicas,
+                             bool(run.training.one_optimizer_copy)))
     instances = run.parallel.optimizer_instances
     memory_note(model, grads.extra_bytes_per_param(),
                 optimizer_shards=1 if instances is None else topology.dp // instances,

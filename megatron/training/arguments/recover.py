@@ -36,6 +36,12 @@ def add_recover_args(parser: argparse.ArgumentParser) -> None:
                         "interval and every wait of recovery derive from it. >= 1.")
     g.add_argument("--recover-min-replicas", type=int, default=1,
                    help="Stop cleanly (for checkpoint-restart) when fewer replicas than this survive.")
+    g.add_argument("--recover-placement", default="recover", choices=["recover", "megatron"],
+                   help="recover: order the ranks so that replicas (and EP or FSDP units) sit on "
+                        "disjoint nodes wherever that makes one node loss take fewer of them "
+                        "(tp-cp-ep-pp-dp instead of Megatron's tp-cp-ep-dp-pp; the math is the "
+                        "same). megatron: keep Megatron's order, as --use-tp-pp-dp-mapping keeps "
+                        "its own.")
     g.add_argument("--recover-spares", default="on", choices=["on", "off"],
                    help="on: the live ranks of a broken replica wait as spares (no collectives) and "
                         "re-form it with replacement processes (launch --max-replacements); off: "

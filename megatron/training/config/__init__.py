@@ -29,7 +29,7 @@ from megatron.training.profiling import ProfilingConfig
 from megatron.training.rerun import RerunConfig
 from megatron.training.straggler import StragglerConfig
 from megatron.training.config.rules import (model_chunks_of, position_embedding_type_of,
-                                            layers_of, shards_parameters,
+                                            layers_of, node_size_of, shards_parameters,
                                             recompute_granularity_of, recomputed_modules)
 
 IMPLEMENTATIONS = ("local", "transformer_engine")
@@ -50,10 +50,13 @@ class RunLayout:
     local_rank: int  # its GPU on the node: the launcher's LOCAL_RANK wins over --local-rank
     data_parallel_size: int  # replicas: world / (TP x PP x CP)
     device: str
+    node_size: int  # ranks per node: a node's loss takes them together (design.md §3)
 
     def __post_init__(self):
         if self.device not in DEVICES or not 0 <= self.rank < self.world_size:
             raise ValueError(f"device {self.device!r}, rank {self.rank} of {self.world_size}")
+        if not 1 <= self.node_size <= self.world_size:
+            raise ValueError(f"{self.node_size} ranks per node in a world of {self.world_size}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int, device: str,
@@ -63,7 +66,8 @@ class RunLayout:
                    int(local) if local is not None else (args.local_rank or 0),
                    world_size // (args.tensor_model_parallel_size
                                   * args.pipeline_model_parallel_size
-                                  * args.context_parallel_size), device)
+                                  * args.context_parallel_size), device,
+                   node_size_of(environ, world_size))
 
     def megatron_fields(self, args: argparse.Namespace) -> dict:
         """What Megatron-LM's checks write into its args and ours leave out: the layout and the

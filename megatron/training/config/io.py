@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.training.config.data_sources import DataSources, data_sources
+from megatron.training.config.rules import placed_topology
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # config.py imports megatron-core: not for a parse
@@ -165,7 +166,8 @@ class CheckpointConfig:
     tensor_parallel: int
     pipeline_parallel: int
     context_parallel: int  # CP ranks hold the same weights: they share a save as replicas do
-    tp_pp_dp_mapping: bool  # --use-tp-pp-dp-mapping: the rank order of the checkpoint's layout
+    # the rank order of the run's layout: --use-tp-pp-dp-mapping's, or --recover-placement's choice
+    tp_pp_dp_mapping: bool
     # --dist-ckpt-optim-fully-reshardable with --use-distributed-optimizer (Megatron's condition)
     optimizer_fully_reshardable: bool
     ckpt_step: int | None  # --ckpt-step: load this iteration instead of the latest
@@ -207,7 +209,8 @@ class CheckpointConfig:
             tensor_parallel=args.tensor_model_parallel_size,
             pipeline_parallel=args.pipeline_model_parallel_size,
             context_parallel=args.context_parallel_size,
-            tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping),
+            tp_pp_dp_mapping=bool(args.use_tp_pp_dp_mapping) if layout is None else
+            placed_topology(args, layout.world_size, layout.node_size).dp_last,
             optimizer_fully_reshardable=bool(args.dist_ckpt_optim_fully_reshardable
                                              and args.use_distributed_optimizer),
             ckpt_step=args.ckpt_step, exit_on_missing=bool(args.exit_on_missing_checkpoint),

@@ -4,6 +4,10 @@ imports megatron-core or torch. Call them on validated flags."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+
+from recover_patches.placement import Nodes, placed
+from recover_patches.topology import Topology
 
 GIVEN_AT_DEFAULT = "_megatron_default_"  # dest prefix of a refused flag given Megatron's default
 
@@ -278,6 +282,30 @@ def shards_parameters(args: argparse.Namespace) -> bool:
     its shard group."""
     return bool(args.use_megatron_fsdp) and args.data_parallel_sharding_strategy == \
         "optim_grads_params"
+
+
+def asked_topology(args: argparse.Namespace, world_size: int) -> Topology:
+    """The layout in the rank order the Megatron flags name (its default, or
+    --use-tp-pp-dp-mapping's)."""
+    return Topology.from_world(world_size, args.tensor_model_parallel_size,
+                               args.pipeline_model_parallel_size, bool(args.use_tp_pp_dp_mapping),
+                               cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                               shard_groups=args.num_distributed_optimizer_instances
+                               if shards_parameters(args) else None)
+
+
+def node_size_of(environ: Mapping[str, str], world_size: int) -> int:
+    """Ranks per node as the launcher (ours, torchrun, SLURM's per-node launch) numbers them:
+    LOCAL_WORLD_SIZE, where it divides the world; else one node of every rank."""
+    size = int(environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return size if 0 < size <= world_size and world_size % size == 0 else world_size
+
+
+def placed_topology(args: argparse.Namespace, world_size: int, node_size: int) -> Topology:
+    """The layout in the rank order the run uses: --recover-placement's choice for nodes of
+    `node_size` ranks (`recover_patches/placement.py`)."""
+    return placed(asked_topology(args, world_size), Nodes(node_size, world_size),
+                  args.recover_placement)
 
 
 def layers_of(args: argparse.Namespace) -> str:

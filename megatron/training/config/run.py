@@ -11,6 +11,7 @@ from megatron.training.config import (ModelConfig, OptimizerSetup, RunLayout, Sc
 from megatron.training.config.io import (CheckpointConfig, DataConfig, FtConfig, TensorBoardConfig,
                                          TokenizerConfig, WandbConfig)
 from megatron.training.config.rules import megatron_differences, model_chunks_of, shards_parameters
+from recover_patches.placement import Nodes, placed
 from recover_patches.topology import Topology
 
 
@@ -22,6 +23,8 @@ class ParallelConfig:
     context: int
     expert: int
     tp_pp_dp_mapping: bool  # --use-tp-pp-dp-mapping: Megatron's other rank order
+    placement: str  # --recover-placement: may order the ranks so replicas sit on disjoint nodes
+    node_size: int  # ranks per node, where the placement looks
     optimizer_instances: int | None  # --num-distributed-optimizer-instances; None: no sharding
     shards_parameters: bool  # Megatron-FSDP's optim_grads_params: the instances are shard groups
     model_chunks: bool  # the interleaved schedule: a p2p channel per chunk direction
@@ -38,21 +41,29 @@ class ParallelConfig:
                              "optimizer's instances")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ParallelConfig:
+    def from_args(cls, args: argparse.Namespace, node_size: int) -> ParallelConfig:
         return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                    args.context_parallel_size, args.expert_model_parallel_size,
-                   bool(args.use_tp_pp_dp_mapping),
+                   bool(args.use_tp_pp_dp_mapping), args.recover_placement, node_size,
                    args.num_distributed_optimizer_instances if args.use_distributed_optimizer
                    else None, shards_parameters(args), model_chunks_of(args) is not None, args.distributed_backend,
                    60.0 * args.distributed_timeout_minutes, bool(args.deterministic_mode),
                    args.seed)
 
-    def topology(self, world_size: int) -> Topology:
-        """Where each rank of a job of `world_size` sits: its replica, stage and groups."""
+    def asked_topology(self, world_size: int) -> Topology:
+        """The layout in the rank order the Megatron flags name."""
         return Topology.from_world(world_size, self.tensor, self.pipeline, self.tp_pp_dp_mapping,
                                    cp=self.context, ep=self.expert,
                                    shard_groups=self.optimizer_instances
                                    if self.shards_parameters else None)
+
+    def nodes(self, world_size: int, switches: tuple[str, ...] = ()) -> Nodes:
+        return Nodes(min(self.node_size, world_size), world_size, switches)
+
+    def topology(self, world_size: int) -> Topology:
+        """Where each rank of a job of `world_size` sits: its replica, stage and groups, in the
+        order the placement chose for the nodes."""
+        return placed(self.asked_topology(world_size), self.nodes(world_size), self.placement)
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class RunConfig:
                   recovering: bool) -> RunConfig:
         """`recovering`: in-job recovery is on and a coordinator is there to run it."""
         return cls(
-            layout, ParallelConfig.from_args(args), FaultTolerance.from_args(args),
+            layout, ParallelConfig.from_args(args, layout.node_size), FaultTolerance.from_args(args),
             ModelConfig.from_args(args, padded_vocab_size), OptimizerSetup.from_args(args),
             ScheduleConfig.from_args(args), TrainingConfig.from_args(args),
             StepConfig.from_args(args, recovering=recovering), DataConfig.from_args(args),

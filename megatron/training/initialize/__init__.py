@@ -6,11 +6,11 @@ self) so creation never deadlocks. `factories` makes groups, `layout` says which
 `groups.ParallelGroups` holds them for the running job.
 """
 from megatron.training.initialize.factories import (GroupFactory, env_rank_world,
-                                                    init_default_group, resilient_group_factory,
+                                                    gather_switches, init_default_group, resilient_group_factory,
                                                     torch_group_factory, unit_fate)
 from megatron.training.initialize.groups import ParallelGroups
 from megatron.training.initialize.layout import build_groups, p2p_channels
 
-__all__ = ["GroupFactory", "ParallelGroups", "build_groups", "env_rank_world",
+__all__ = ["GroupFactory", "ParallelGroups", "build_groups", "env_rank_world", "gather_switches",
            "init_default_group", "p2p_channels", "resilient_group_factory",
            "torch_group_factory", "unit_fate"]

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from recover_patches.collectives import ResilientGroup
+from recover_patches.placement import switch_of
 from recover_patches.topology import Topology
 
 GroupFactory = Callable[[str, Sequence[int]], dist.ProcessGroup]
@@ -72,3 +73,17 @@ def unit_fate(topology: Topology) -> Callable[[Sequence[int]], frozenset[int]]:
         units = {topology.replica_of(m) for m in members}
         return frozenset(r for u in units for r in topology.unit_ranks(u))
     return fate
+
+
+def gather_switches(node_size: int, joining: bool) -> tuple[str, ...]:
+    """Each node's switch (SLURM_TOPOLOGY_ADDR less its node), gathered on rank 0 over the
+    bootstrap group at start-up, for the failure-domain line; () where none is known, on the
+    other ranks, and for a replacement process (no bootstrap group to gather on)."""
+    if joining or dist.get_world_size() == 1:
+        return ()
+    mine = switch_of(os.environ.get("SLURM_TOPOLOGY_ADDR"))
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None or any(switch is None for switch in gathered):
+        return ()
+    return tuple(str(switch) for switch in gathered[::node_size])

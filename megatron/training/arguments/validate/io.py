@@ -10,6 +10,7 @@ from megatron.training.errors import ArgumentError
 from megatron.training.arguments.flags import LEGACY_DEFAULT_SPLIT
 from megatron.training.config.data_sources import data_sources
 from megatron.training.config.io import MODEL_FILE_TYPES, SENTENCEPIECE_TYPES
+from megatron.training.config.rules import node_size_of, placed_topology
 from megatron.training.replication import foreign_copy
 from recover_patches.recovery.fixed_point import MAX_REPLICAS
 from recover_patches.topology import Topology
@@ -177,8 +178,9 @@ def _validate_replication(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--replication-jump", f"--replication needs --replication-jump J >= 1 "
                             f"and --replication-factor F >= 1 with J x F dividing the {world_size} "
                             f"ranks (got J={jump}, F={factor})", "pass matching values")
+    order = placed_topology(args, world_size, node_size_of(os.environ, world_size)).dp_last
     topology = Topology.from_world(world_size, args.tensor_model_parallel_size,
-                                   args.pipeline_model_parallel_size, args.use_tp_pp_dp_mapping)
+                                   args.pipeline_model_parallel_size, order)
     pair = foreign_copy(topology, jump, factor)
     if pair is not None:
         step = topology.rank(0, 1, 0) if topology.dp > 1 else None
