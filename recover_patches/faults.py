@@ -3,7 +3,10 @@
 Spec (flag ``--inject-fault``, repeatable; or env RECOVER_INJECT_FAULT, ';'-separated):
     kind:rank=R,iter=I,phase=P[,microbatch=K]
     slow:rank=R,seconds=S[,iter=I][,phase=P][,microbatch=K]
+    stall:rank=R,iter=I,phase=P,seconds=S[,microbatch=K]
     exit:rank=R,iter=I,phase=P[,code=C]
+  and any of them may end with `,incarnation=N`: only that process of the slot (0: the one the
+  job started with, N: its N-th replacement) takes the fault.
 
 Kinds:
   kill   SIGKILL this process (a crash: no cleanup, no exit handlers);
@@ -20,12 +23,14 @@ Kinds:
          backstop must fence the rank;
   slow   sleep S seconds at every matching call from iteration I on (default I=0, phase forward),
          i.e. a persistently slow replica for the workload policy;
+  stall  sleep S seconds once, at the first matching call: a rank slow for a moment (past T,
+         its peers declare it dead and its launcher fences it);
   inf    an overflowing gradient: the trainer's action writes an inf into this rank's accumulated
          gradients (fp16's loss scaler must then skip the step);
   corrupt  silent data corruption: the trainer's action changes one weight of this rank (the
          weight check across replicas must notice).
 inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
-kill, node, hang and exit fire once: at the first `at()` call with the same phase and iteration (and
+kill, node, hang, stall and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored. iter=any matches the
 first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1;
 phase `eval` with iter=I is a forward pass of the evaluation after iteration I; between the
@@ -47,13 +52,15 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("kill", "node", "hang", "exit", "slow", "inf", "corrupt", "coordinator", "watchdog")
+KINDS = ("kill", "node", "hang", "exit", "slow", "stall", "inf", "corrupt", "coordinator",
+         "watchdog")
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "cp_exchange", "ep_dispatch",
           "ep_alltoall", "dp_reduce", "reduced", "ack", "exchange", "confirmed", "optimizer",
           "param_gather", "checkpoint", "recovery", "join", "eval")
 ENV_VAR = "RECOVER_INJECT_FAULT"
 ANY = -1  # iter=any: the first matching call, whatever the iteration
-FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K] (slow: seconds=S instead of iter) "
+FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K][,incarnation=N] (slow: seconds=S "
+          "instead of iter; stall: seconds=S too) "
           f"with kind in {'|'.join(KINDS)} and phase in {'|'.join(PHASES)}")
 
 
@@ -70,6 +77,7 @@ class Fault:
     microbatch: int | None = None
     seconds: float = 0.0
     code: int = 1
+    incarnation: int | None = None  # only this process of the slot; None: every one
     fired: bool = False
 
     def matches(self, phase: str, iteration: int, microbatch: int | None) -> bool:
@@ -95,11 +103,13 @@ def parse_spec(spec: str) -> Fault:
         if not eq or key.strip() in fields:
             raise bad(f"bad or repeated field {item!r}")
         fields[key.strip()] = value.strip()
-    allowed = {"rank", "iter", "phase", "microbatch"} | {"slow": {"seconds"}, "exit": {"code"}}.get(kind, set())
+    allowed = {"rank", "iter", "phase", "microbatch", "incarnation"} | {
+        "slow": {"seconds"}, "stall": {"seconds"}, "exit": {"code"}}.get(kind, set())
     unknown = set(fields) - allowed
     if unknown:
         raise bad(f"unknown field(s) {sorted(unknown)} for {kind}")
-    required = {"rank", "seconds"} if kind == "slow" else {"rank", "iter", "phase"}
+    required = {"rank", "seconds"} if kind == "slow" else {"rank", "iter", "phase"} | (
+        {"seconds"} if kind == "stall" else set())
     if required - set(fields):
         raise bad(f"missing {sorted(required - set(fields))}")
     try:
@@ -107,10 +117,11 @@ def parse_spec(spec: str) -> Fault:
         fault = Fault(kind=kind, rank=int(fields["rank"]), iteration=iteration,
                       phase=fields.get("phase", "forward"),
                       microbatch=int(fields["microbatch"]) if "microbatch" in fields else None,
-                      seconds=float(fields.get("seconds", 0.0)), code=int(fields.get("code", 1)))
+                      seconds=float(fields.get("seconds", 0.0)), code=int(fields.get("code", 1)),
+                      incarnation=int(fields["incarnation"]) if "incarnation" in fields else None)
     except ValueError:
-        raise bad("rank, iter (or iter=any), microbatch and code must be integers, seconds a "
-                  "number") from None
+        raise bad("rank, iter (or iter=any), microbatch, code and incarnation must be integers, "
+                  "seconds a number") from None
     if fault.phase not in PHASES:
         raise bad(f"unknown phase {fault.phase!r}")
     if fault.rank < 0 or fault.iteration < ANY or (fault.microbatch or 0) < 0 or fault.seconds < 0:
@@ -122,9 +133,11 @@ class FaultInjector:
     """This rank's faults. Call `at(phase, iteration, microbatch)` at each injection point."""
 
     def __init__(self, faults: list[Fault], rank: int, *, kill: Callable[[int, int], None] = os.kill,
-                 exit: Callable[[int], None] = os._exit, sleep: Callable[[float], None] = time.sleep):
+                 exit: Callable[[int], None] = os._exit, sleep: Callable[[float], None] = time.sleep,
+                 incarnation: int = 0):
         self.rank = rank
-        self.faults = [f for f in faults if f.rank == rank]
+        self.faults = [f for f in faults if f.rank == rank
+                       and f.incarnation in (None, incarnation)]
         self._kill, self._exit, self._sleep = kill, exit, sleep
         self.actions: dict[str, Callable[[], None]] = {}  # inf / corrupt: set by the trainer
 
@@ -136,7 +149,8 @@ class FaultInjector:
     def from_specs(cls, specs: list[str] | None, rank: int, **actions) -> "FaultInjector":
         """Faults from the flag values plus env RECOVER_INJECT_FAULT. Raises FaultSpecError."""
         all_specs = list(specs or []) + [s for s in os.environ.get(ENV_VAR, "").split(";") if s.strip()]
-        return cls([parse_spec(s) for s in all_specs], rank, **actions)
+        incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # (a standby's: its slot's)
+        return cls([parse_spec(s) for s in all_specs], rank, incarnation=incarnation, **actions)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -158,7 +172,9 @@ class FaultInjector:
         where = f"iter {iteration} phase {fault.phase}" + (
             f" microbatch {microbatch}" if microbatch is not None else "")
         logger.info(f"injecting {fault.kind} at {where}")  # flushed: the process may end now
-        if fault.kind in ("inf", "corrupt"):
+        if fault.kind == "stall":
+            self._sleep(fault.seconds)
+        elif fault.kind in ("inf", "corrupt"):
             if fault.kind not in self.actions:
                 raise RuntimeError(f"a {fault.kind} fault fired before the trainer set its action")
             self.actions[fault.kind]()

@@ -168,3 +168,27 @@ def test_model_parallel_operations_reach_the_probe_under_their_phases():
     tp_expert.before("alltoall")
     tp_expert.before("allgather")
     assert seen.phases == ["tp_allreduce", "cp_exchange", "ep_alltoall", "ep_dispatch"]
+
+
+def test_a_stall_sleeps_once_and_an_incarnation_picks_the_process(monkeypatch):
+    """stall: one sleep at its point (a rank slow for a moment), unlike slow's every call.
+    incarnation=N: only that process of the slot; control: a replacement (RECOVER_INCARNATION
+    1) takes the fault meant for it and not the one meant for the process it replaced."""
+    rec = Recorder()
+    specs = ["stall:rank=0,iter=2,phase=forward,seconds=4.5",
+             "kill:rank=0,iter=any,phase=recovery,incarnation=0",
+             "hang:rank=0,iter=any,phase=join,incarnation=1"]
+    inj = injector(specs, 0, rec, monkeypatch)
+    for it in range(4):
+        inj.at("forward", it, 0)
+    inj.at("join", 5)
+    inj.at("recovery", 6)
+    assert rec.calls == [("sleep", 4.5), ("kill", signal.SIGKILL)]
+    monkeypatch.setenv("RECOVER_INCARNATION", "1")
+    replacement = Recorder()
+    inj = injector(specs, 0, replacement, monkeypatch)
+    inj.at("recovery", 6)
+    inj.at("join", 7)
+    assert replacement.calls == [("kill", signal.SIGSTOP)]  # the hang, only
+    with pytest.raises(FaultSpecError, match="missing \\['seconds'\\]"):
+        parse_spec("stall:rank=0,iter=1,phase=forward")
