@@ -238,3 +238,24 @@ def assert_the_lost_job_ended(run) -> None:
     # the ones left say why they end: rank 2 (its replica broke) and rank 1 (its join failed)
     for rank in (1, 2):
         assert re.search(rf"rank {rank}: .*stopping: ", everything), everything[-4000:]
+
+
+def test_a_joiner_that_becomes_the_logging_rank_writes_the_record_its_predecessor_died_before(
+        tmp_path, reference):
+    """Found by scripts/chaos.py (seed 1). Rank 1 dies at iteration 2 and its replacement waits
+    as a spare; rank 2 stalls 6 s in iteration 4's forward (below T), so the grow epoch is
+    known by iteration 4's commit and the join follows it. The logging rank 0 dies right after
+    that commit, before writing its record; the joiner, now the lowest live rank, writes the
+    records from then on, and iteration 4's must be among them: it was a spare then, so it has
+    it only from its donor."""
+    run = run_job(tmp_path, *CHECKED, *faults("kill:rank=1,iter=2,phase=forward",
+                                              "stall:rank=2,iter=4,phase=forward,seconds=6",
+                                              "kill:rank=0,iter=4,phase=confirmed"),
+                  replacements=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    kinds = [("join" if "join" in r else "iteration", r["iteration"]) for r in run.records]
+    assert ("join", 4) in kinds, kinds  # the join this test is about happened where planned
+    [join] = [r["join"] for r in run.records if "join" in r and r["iteration"] == 4]
+    assert join["joined"] == [1], join
+    assert_failure_free_trajectory(run, reference["dp4"])
+    assert kinds.index(("iteration", 4)) < kinds.index(("join", 4)), kinds

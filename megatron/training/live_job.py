@@ -4,6 +4,7 @@ sends. It is the `CheckpointHost` of `checkpointing` and the `ReplicaState` of g
 the Trainer keeps only the loop, the records and evaluation."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ class LiveJob:
     scheduler: OptimizerParamScheduler
     progress: Progress  # the Trainer's counters: one object, updated in place
     grads: GradBuffer
+    records: deque  # the Trainer's metrics records, newest last: a join moves the last few
 
     # -- CheckpointHost ---------------------------------------------------------------------
     @property
@@ -81,10 +83,12 @@ class LiveJob:
 
     def send_state(self, replica: int) -> int:
         self.weights_ready()
-        return send_state(self.training_state, self.replica.timings, replica)
+        return send_state(self.training_state, self.replica.timings, replica, self.records)
 
     def receive_state(self, replica: int) -> int:
-        received, timings = receive_state(self.training_state, replica)
+        received, timings, records = receive_state(self.training_state, replica)
         self.replica.adopt_timings(timings)  # every replica plans alike from the next iteration
+        self.records.clear()  # the job's, not those from before this rank's replica broke
+        self.records.extend(records)
         self.grads.zero()  # whatever a spare had accumulated when its replica broke
         return received

@@ -90,7 +90,7 @@ class Trainer:
             self.live, self.state, self.probe)
         self.job = LiveJob(self.live, self.replica, self.groups, self.agreement, self.faults,
                            self.metrics, self.model, self.optimizer, self.scheduler, self.state,
-                           self.grads)  # what checkpoints and joins see of the running job
+                           self.grads, self.history)  # what checkpoints and joins see of the job
         self._was_logging = False
         self._counted: dict[str, int] = {}  # store_ops() and host_syncs() at the last record
         self._skipped_at_last_line = 0

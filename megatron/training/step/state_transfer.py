@@ -4,7 +4,9 @@ the same (tp, pp) slot in a re-formed replica, and how that rank takes it on.
 The state is what a checkpoint of the slot holds -- weights, fp32 main params and Adam state
 (optimizer state dict, loss scaler included), LR schedule, iteration, consumed samples, RNG --
 plus what only a live job has: the per-replica microbatch times the quota plan is computed from
-(every rank must plan alike from the next iteration on) and the skipped-iteration count. It goes
+(every rank must plan alike from the next iteration on), the skipped-iteration count, and the
+donor's last metrics records (a joiner can become the logging rank, and must then write the one
+its predecessor committed but died before writing: it was a spare then and has no record of it). It goes
 over the rebuilt data-parallel group as a small serialized skeleton (the non-tensor state, and the
 dtype and shape of each tensor), then the tensors, one buffer per dtype sent in 64 MiB messages:
 no pickling of the weights, no copy beyond one concatenation per dtype. Exact bytes: after the join every
@@ -13,7 +15,7 @@ replica's weights are bitwise identical.
 from __future__ import annotations
 
 import io
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,11 @@ from megatron.training.checkpointing.state import TrainingState, cpu_tracker
 from megatron.training.initialize import ParallelGroups
 
 
-def live_state(training: TrainingState, timings: Mapping[int, float | None]) -> dict:
+RECENT_RECORDS = 8  # what a successor may lack: the iterations since its predecessor's last write
+
+
+def live_state(training: TrainingState, timings: Mapping[int, float | None],
+               records: Sequence[dict] = ()) -> dict:
     return {
         "model": training.model.state_dict(),
         # the distributed optimizer's shards come by re-sharding when the groups are rebuilt
@@ -34,11 +40,14 @@ def live_state(training: TrainingState, timings: Mapping[int, float | None]) -> 
         "timings": {int(r): t for r, t in timings.items()},
         "grad_scales": None if training.grad_scales is None else training.grad_scales.state_dict(),
         "rng_state": {"torch_cpu": torch.get_rng_state(), "tracker": cpu_tracker().get_states()},
+        "records": list(records)[-RECENT_RECORDS:],
     }
 
 
-def apply_live_state(training: TrainingState, state: dict) -> dict[int, float | None]:
-    """Take the donor's state on; returns its microbatch timings (the trainer's to adopt)."""
+def apply_live_state(training: TrainingState, state: dict
+                     ) -> tuple[dict[int, float | None], list[dict]]:
+    """Take the donor's state on; returns its microbatch timings and its last records (the
+    trainer's to adopt)."""
     training.model.load_state_dict(state["model"], strict=True)
     training.optimizer.load_replicated_state_dict(state["optimizer"])
     # megatron-core's scheduler *adds* the saved step count to its own (made for fresh ones, as
@@ -52,7 +61,7 @@ def apply_live_state(training: TrainingState, state: dict) -> dict[int, float | 
         training.grad_scales.load_state_dict(state["grad_scales"])
     torch.set_rng_state(state["rng_state"]["torch_cpu"])
     cpu_tracker().set_states(state["rng_state"]["tracker"])
-    return state["timings"]
+    return state["timings"], state["records"]
 
 
 def _peer(groups: ParallelGroups, replica: int) -> int:
@@ -90,12 +99,12 @@ CHUNK = 1 << 24
 
 
 def send_state(training: TrainingState, timings: Mapping[int, float | None],
-               to_replica: int) -> int:
+               to_replica: int, records: Sequence[dict] = ()) -> int:
     """Donor side (its weights ready): a small serialized skeleton (sizes, dtypes, the
     non-tensor state), then every tensor as it is -- no pickling of the weights. Returns the
     bytes sent. PeerFailure if the joiner or the group fails."""
     tensors: list[torch.Tensor] = []
-    skeleton = _strip(live_state(training, timings), tensors)
+    skeleton = _strip(live_state(training, timings, records), tensors)
     buffer = io.BytesIO()
     torch.save({"skeleton": skeleton, "specs": [(str(t.dtype), tuple(t.shape), t.device.type)
                                                 for t in tensors]}, buffer)
@@ -118,9 +127,9 @@ def _dtypes(tensors: list[torch.Tensor]) -> list[torch.dtype]:
 
 
 def receive_state(training: TrainingState, from_replica: int
-                  ) -> tuple[int, dict[int, float | None]]:
-    """Joiner side: receive the donor's state and take it on; returns the bytes received and
-    the donor's microbatch timings."""
+                  ) -> tuple[int, dict[int, float | None], list[dict]]:
+    """Joiner side: receive the donor's state and take it on; returns the bytes received, the
+    donor's microbatch timings and its last records."""
     group, peer = training.groups.dp, _peer(training.groups, from_replica)
     size = torch.zeros(1, dtype=torch.int64, device=training.device)
     dist.recv(size, group=group, group_src=peer)
@@ -141,5 +150,5 @@ def receive_state(training: TrainingState, from_replica: int
             tensors[i] = part.view(tensors[i].shape).clone()
         del flat
     tensors = [t.cpu() if where == "cpu" else t for t, (_, _, where) in zip(tensors, meta["specs"])]
-    timings = apply_live_state(training, _dress(meta["skeleton"], tensors))
-    return header.numel() + sum(t.numel() * t.element_size() for t in tensors), timings
+    timings, records = apply_live_state(training, _dress(meta["skeleton"], tensors))
+    return header.numel() + sum(t.numel() * t.element_size() for t in tensors), timings, records
