@@ -201,8 +201,9 @@ class Trainer:
         if config.manual_gc and config.manual_gc_interval \
                 and self.state.iteration % config.manual_gc_interval == 0:
             gc.collect()
-        if self.checkpointer is not None:
-            self.checkpointer.after_iteration(self.job)
+        if self.checkpointer is not None:  # (the last save, interrupted: regroup and save again)
+            self.checkpointer.after_iteration(
+                self.job, None if self.agreement is None else self.transaction().regroup)
         if config.eval_interval and self.valid_stages is not None \
                 and self.state.iteration % config.eval_interval == 0:
             collect = config.manual_gc and config.manual_gc_eval

@@ -299,17 +299,39 @@ class IterationTransaction:
         """Abandon every group, agree on the epoch, meet all survivors, rebuild, re-plan. A
         failure on the way (a newer epoch) just starts the next attempt. `torn` (round 0 only):
         this rank's round 0 stopped short; after the rebuild the replica's ranks agree on it."""
-        m, clock, iteration = self.live, time.perf_counter(), it.iteration
-        assert self.agreement is not None  # recovery is on
+        m = self.live
         self.replica.abandon(phase)
         if torn is not None:  # (asked before the rebuild forgets what broke)
             torn = torn or self.replica.weights_torn()
+        timing, regrouped, seen_dead, failure, redo = self._regroup(
+            str(it.iteration), failure, lambda: torn is not None and self.replica.replica_any(torn))
+        lost = [g for g in it.ids if it.owner[g] not in m.live_replicas]
+        replanned = {} if self.drop_lost or not lost else {
+            r: list(q) for r, q in self.replica.plan(lost, m.live_replicas).items()}
+        return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
+                              sorted(set(it.owner.values()) - set(m.live_replicas)), lost, replanned,
+                              timing, redo, regrouped.rebuilt, regrouped.kept,
+                              regrouped.shrunk, regrouped.connect_seconds)
+
+    def regroup(self, label: str, failure: PeerFailure) -> Regrouped:
+        """Recovery outside an iteration (a failure during the job's last save, which nothing
+        after it would replace): the survivors agree on the epoch, drop the broken replicas
+        and re-form their groups, with nothing to recompute. Raises ReplicaLost or
+        TooFewReplicas as a recovery inside an iteration does."""
+        self.replica.abandon("recovery")
+        return self._regroup(label, failure, lambda: False)[1]
+
+    def _regroup(self, label: str, failure: PeerFailure, after_rebuild: Callable[[], bool]
+                 ) -> tuple[dict[str, float], Regrouped, set[int], PeerFailure, bool]:
+        """The membership part of a recovery, attempt after attempt (each consumes a newer
+        agreed epoch): its timings, the groups' fate, the dead seen, the last failure, and what
+        `after_rebuild` (a collective of the new groups, or nothing) said."""
+        m, clock = self.live, time.perf_counter()
+        assert self.agreement is not None  # recovery is on
         timing = {"detection": 0.0, "rebuild": 0.0}
-        regrouped = Regrouped()
         seen_dead: set[int] = set()  # over all attempts: a grow epoch may clear a dead rank again
-        redo = False
         for _ in range(self.max_attempts):
-            key = f"{iteration}/{self._attempts}"
+            key = f"{label}/{self._attempts}"
             self._attempts += 1
             try:
                 epoch, dead = self.agreement.agree_on_epoch(key, m.epoch)
@@ -320,19 +342,11 @@ class IterationTransaction:
                 self.probe.at("recovery")
                 self.agreement.barrier(key, m.members(), epoch)
                 regrouped = self.replica.rebuild(m.live_replicas, epoch, f"recover/{key}")
-                redo = torn is not None and self.replica.replica_any(torn)
+                said = after_rebuild()
                 timing["rebuild"] += time.perf_counter() - clock
-                break
+                return timing, regrouped, seen_dead, failure, said
             except PeerFailure as err:  # someone else died during recovery: next attempt
                 failure = err
                 self.replica.abandon("recovery")
                 clock = time.perf_counter()
-        else:
-            raise RuntimeError(f"iteration {iteration}: recovery did not converge")
-        lost = [g for g in it.ids if it.owner[g] not in m.live_replicas]
-        replanned = {} if self.drop_lost or not lost else {
-            r: list(q) for r, q in self.replica.plan(lost, m.live_replicas).items()}
-        return RecoveryRecord(self._attempts, str(failure), phase, m.epoch, sorted(seen_dead),
-                              sorted(set(it.owner.values()) - set(m.live_replicas)), lost, replanned,
-                              timing, redo, regrouped.rebuilt, regrouped.kept,
-                              regrouped.shrunk, regrouped.connect_seconds)
+        raise RuntimeError(f"recovery {label}: did not converge")

@@ -37,7 +37,6 @@ becomes a checkpoint and the next save removes it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -55,31 +54,25 @@ from megatron.training.checkpointing.files import (drop_unretained, fsync_dir, i
                                                    keep_only_latest, write_atomically,
                                                    write_integrity_manifest)
 from megatron.training.checkpointing.local import LocalCheckpoints, due
-from megatron.training.checkpointing.writers import Writers
+from megatron.training.checkpointing.writers import Writers, writer_rank
 from megatron.training.config.io import CheckpointConfig
 from megatron.training.checkpointing.ft_timeouts import TimeoutRecorder
 from megatron.training.checkpointing.stopping import ExitConditions, TrainingStopped
-from megatron.training.checkpointing.format import (FORMAT, LATEST_FILE, METADATA_FILE,
+from megatron.training.checkpointing.format import (LATEST_FILE, METADATA_FILE,
                                                     RANK_FILE, CheckpointError, iter_dir_name)
 from megatron.training.checkpointing.resume import (NON_PERSISTENT_DIR, CkptFormat, ResumePoint,
                                                     find_resume_point, global_non_persistent_point,
-                                                    newer, rank_dir_name, read_latest)
+                                                    newer, rank_dir_name, read_latest, torch_metadata)
 from megatron.training.checkpointing.state import (CheckpointHost, apply_rank_state,
                                                 from_stock_megatron, rank_state, rng_state)
 from recover_patches.collectives.errors import PeerFailure
 from recover_patches.topology import Topology
 
 logger = logging.getLogger(__name__)
+LAST_SAVE_ATTEMPTS = 8  # the job's last save, made again after each failure that abandoned it
 
 __all__ = ["CheckpointError", "Checkpointer", "LATEST_FILE", "find_resume_point", "iter_dir_name",
            "rank_dir_name", "read_latest", "writer_rank"]
-
-
-# -- small helpers ----------------------------------------------------------------------------------
-def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) -> int:
-    """Deterministic: every rank agrees without communication on who writes (tp, pp) (its CP
-    index 0: the CP ranks of a position hold the same weights)."""
-    return topology.rank(tp, min(live_replicas), pp)
 
 
 # -- the object the Trainer calls ----------------------------------------------------------------
@@ -199,7 +192,10 @@ class Checkpointer:
                         "does not depend on it")
         return state
 
-    def after_iteration(self, host: CheckpointHost) -> None:
+    def after_iteration(self, host: CheckpointHost,
+                        regroup: Callable[[str, PeerFailure], object] | None = None) -> None:
+        """Save, locally or not, if due; stop if an exit condition holds. `regroup` (recovery
+        on): how the survivors re-form their groups after a failure outside an iteration."""
         iteration, config = host.training_state.progress.iteration, self.config
         if self.timeouts is not None:
             self.timeouts.iteration_ended()
@@ -208,8 +204,9 @@ class Checkpointer:
         persistent = config.save and ((interval and iteration % interval == 0)
                                       or iteration == config.train_iters)
         if (persistent or stop) and config.save:
-            self.save(host)
-            if stop or iteration == config.train_iters:
+            last = bool(stop) or iteration == config.train_iters
+            self._save_landing(host, regroup if last else None)
+            if last:
                 self.finish_pending(host)  # the job ends: the last save must land
             if self.timeouts is not None:  # as Megatron-LM updates them: after each save
                 self.timeouts.store()
@@ -225,8 +222,19 @@ class Checkpointer:
             host.close_metrics()
             raise TrainingStopped(stop)
 
-    def save(self, host: CheckpointHost, save_dir: Path | None = None) -> None:
-        """A checkpoint in --save (or `save_dir`: the global non-persistent one's)."""
+    def _save_landing(self, host: CheckpointHost,
+                      regroup: Callable[[str, PeerFailure], object] | None) -> None:
+        """A save; the job's last (`regroup` given) is made again by the survivors, once they
+        re-formed their groups, until it lands: nothing after it would replace it."""
+        for attempt in range(LAST_SAVE_ATTEMPTS):
+            failure = self.save(host)
+            if failure is None or regroup is None:
+                return
+            regroup(f"save{host.training_state.progress.iteration}/{attempt}", failure)
+
+    def save(self, host: CheckpointHost, save_dir: Path | None = None) -> PeerFailure | None:
+        """A checkpoint in --save (or `save_dir`: the global non-persistent one's); the failure
+        that made it abandoned, if one did."""
         self.finish_pending(host)  # one save at a time, in order
         start = time.perf_counter()
         assert self.config.save is not None  # saves happen only with --save
@@ -234,11 +242,13 @@ class Checkpointer:
             self._save(host, save_dir or Path(self.config.save))
         except PeerFailure as err:  # a rank died mid-save: the previous checkpoint stays latest
             self.last_saved = None
-            return self._abandon(host.training_state.progress.iteration, err)
+            self._abandon(host.training_state.progress.iteration, err)
+            return err
         if self.rank == 0:  # the save's cost to training (scripts/bench/effective_throughput.py)
             logger.info(f"checkpoint stall: iteration {host.training_state.progress.iteration}, "
                         f"{(time.perf_counter() - start) * 1e3:.1f} ms"
                         f"{' (async: the write goes on in the background)' if self.async_save else ''}")
+        return None
 
     def _abandon(self, iteration: int, why) -> None:
         logger.warning(f"checkpoint of iteration {iteration} abandoned ({why}); the last good "
@@ -271,7 +281,8 @@ class Checkpointer:
                                   self._plan_torch_dist(host, tmp, optimizer_state, is_leader),
                                   host.membership_epoch)
         if is_leader and self.format is CkptFormat.TORCH:
-            write_atomically(tmp / METADATA_FILE, self._metadata(host).encode())
+            write_atomically(tmp / METADATA_FILE, torch_metadata(
+                self.topology, host, self.config.save_optim, self.config.save_rng).encode())
         if self.async_save:  # torch_dist only (validated): the writers go on in the background
             if pending is None:
                 host.faults.at("checkpoint", iteration)
@@ -369,17 +380,6 @@ class Checkpointer:
             os.fsync(f.fileno())
         fsync_dir(directory)
 
-    def _metadata(self, host: CheckpointHost) -> str:
-        topo = self.topology
-        return json.dumps({
-            "format": FORMAT, "iteration": host.training_state.progress.iteration,
-            "consumed_samples": host.training_state.progress.consumed_samples,
-            "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size},
-            "live_replicas": sorted(host.live_replicas),
-            "writers": {rank_dir_name(t, p, topo.pp): writer_rank(topo, host.live_replicas, t, p)
-                        for t in range(topo.tp) for p in range(topo.pp)},
-            "has_optimizer": self.config.save_optim, "has_rng": self.config.save_rng,
-        }, indent=1, sort_keys=True)
 
     def _commit(self, tmp: Path, final: Path, iteration: int) -> None:
         previous = read_latest(final.parent)  # named by `latest` until it moves

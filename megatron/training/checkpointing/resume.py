@@ -12,13 +12,18 @@ import json
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron.training.checkpointing import torch_dist as ckd
 from megatron.training.checkpointing.reshardable import is_fully_reshardable
 from megatron.training.checkpointing.format import (FORMAT, LATEST_FILE, METADATA_FILE,
                                                     RANK_FILE, CheckpointError, iter_dir_name)
+from megatron.training.checkpointing.writers import writer_rank
 from megatron.training.config.io import CheckpointConfig
 from recover_patches.topology import Topology
+
+if TYPE_CHECKING:  # (state.py's host: the running job, not read here beyond its progress)
+    from megatron.training.checkpointing.state import CheckpointHost
 
 
 def rank_dir_name(tp: int, pp: int, pp_size: int) -> str:
@@ -200,3 +205,19 @@ def global_non_persistent_point(config: CheckpointConfig, topology: Topology
     if read_latest(directory) is None:
         return None
     return find_resume_point(replace(config, load=str(directory), ckpt_step=None), topology)
+
+
+def torch_metadata(topology: Topology, host: "CheckpointHost", save_optim: bool,
+                   save_rng: bool) -> str:
+    """The torch format's `recover_metadata.json`: the layout, and who wrote each position."""
+    live = host.live_replicas
+    return json.dumps({
+        "format": FORMAT, "iteration": host.training_state.progress.iteration,
+        "consumed_samples": host.training_state.progress.consumed_samples,
+        "topology": {"tp": topology.tp, "pp": topology.pp, "dp": topology.dp,
+                     "world_size": topology.world_size},
+        "live_replicas": sorted(live),
+        "writers": {rank_dir_name(t, p, topology.pp): writer_rank(topology, live, t, p)
+                    for t in range(topology.tp) for p in range(topology.pp)},
+        "has_optimizer": save_optim, "has_rng": save_rng,
+    }, indent=1, sort_keys=True)

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 
+from recover_patches.topology import Topology
+
 # a ShardedObject (RNG state, ...) is small; a nominal size spreads several of them out
 _OBJECT_BYTES = 1024
 EXPERT_ITEM = ".mlp.experts."  # routed experts' keys (shared experts: `.mlp.shared_experts.`)
@@ -110,3 +112,9 @@ def gather_object(obj, group: dist.ProcessGroup, device: torch.device) -> list:
     dist.all_reduce(slots, group=group)  # one non-zero slot per rank: the sum is a gather
     rows = slots.cpu()
     return [pickle.loads(rows[i, :size].numpy().tobytes()) for i, size in enumerate(sizes_list)]
+
+
+def writer_rank(topology: Topology, live_replicas: list[int], tp: int, pp: int) -> int:
+    """Deterministic: every rank agrees without communication on who writes (tp, pp) (its CP
+    index 0: the CP ranks of a position hold the same weights)."""
+    return topology.rank(tp, min(live_replicas), pp)
