@@ -6,7 +6,12 @@ Spec (flag ``--inject-fault``, repeatable; or env RECOVER_INJECT_FAULT, ';'-sepa
     stall:rank=R,iter=I,phase=P,seconds=S[,microbatch=K]
     exit:rank=R,iter=I,phase=P[,code=C]
   and any of them may end with `,incarnation=N`: only that process of the slot (0: the one the
-  job started with, N: its N-th replacement) takes the fault.
+  job started with, N: its N-th replacement) takes the fault. `iter=I+` (one-shot kinds): the
+  first matching call at iteration I or later.
+
+RECOVER_FAULT_LEDGER=DIR (a directory every process of the job sees): a one-shot fault fires once
+in the job, in whichever process of its slot reaches it first -- a replacement, or the job
+restarted from a checkpoint with the same ledger (`scripts/chaos.py`), does not take it again.
 
 Kinds:
   kill   SIGKILL this process (a crash: no cleanup, no exit handlers);
@@ -58,6 +63,7 @@ PHASES = ("forward", "backward", "p2p", "tp_allreduce", "cp_exchange", "ep_dispa
           "ep_alltoall", "dp_reduce", "reduced", "ack", "exchange", "confirmed", "optimizer",
           "param_gather", "checkpoint", "recovery", "join", "eval")
 ENV_VAR = "RECOVER_INJECT_FAULT"
+LEDGER_ENV_VAR = "RECOVER_FAULT_LEDGER"
 ANY = -1  # iter=any: the first matching call, whatever the iteration
 FORMAT = ("expected kind:rank=R,iter=I,phase=P[,microbatch=K][,incarnation=N] (slow: seconds=S "
           "instead of iter; stall: seconds=S too) "
@@ -78,6 +84,7 @@ class Fault:
     seconds: float = 0.0
     code: int = 1
     incarnation: int | None = None  # only this process of the slot; None: every one
+    or_later: bool = False  # iter=I+: at iteration I or the first one after it
     fired: bool = False
 
     def matches(self, phase: str, iteration: int, microbatch: int | None) -> bool:
@@ -87,7 +94,14 @@ class Fault:
             return False
         if self.iteration == ANY:
             return True
-        return iteration >= self.iteration if self.kind == "slow" else iteration == self.iteration
+        if self.kind == "slow" or self.or_later:
+            return iteration >= self.iteration
+        return iteration == self.iteration
+
+    def key(self) -> str:
+        """The fault's name in the ledger: the same in every process given the same spec."""
+        where = "any" if self.iteration == ANY else f"{self.iteration}{'+' if self.or_later else ''}"
+        return f"{self.kind}-r{self.rank}-i{where}-{self.phase}-m{self.microbatch}-n{self.incarnation}"
 
 
 def parse_spec(spec: str) -> Fault:
@@ -113,15 +127,17 @@ def parse_spec(spec: str) -> Fault:
     if required - set(fields):
         raise bad(f"missing {sorted(required - set(fields))}")
     try:
-        iteration = ANY if fields.get("iter") == "any" else int(fields.get("iter", 0))
-        fault = Fault(kind=kind, rank=int(fields["rank"]), iteration=iteration,
+        text = fields.get("iter", "0")
+        or_later = text.endswith("+")
+        iteration = ANY if text == "any" else int(text.removesuffix("+"))
+        fault = Fault(kind=kind, rank=int(fields["rank"]), iteration=iteration, or_later=or_later,
                       phase=fields.get("phase", "forward"),
                       microbatch=int(fields["microbatch"]) if "microbatch" in fields else None,
                       seconds=float(fields.get("seconds", 0.0)), code=int(fields.get("code", 1)),
                       incarnation=int(fields["incarnation"]) if "incarnation" in fields else None)
     except ValueError:
-        raise bad("rank, iter (or iter=any), microbatch, code and incarnation must be integers, "
-                  "seconds a number") from None
+        raise bad("rank, iter (or iter=any, or iter=I+), microbatch, code and incarnation must "
+                  "be integers, seconds a number") from None
     if fault.phase not in PHASES:
         raise bad(f"unknown phase {fault.phase!r}")
     if fault.rank < 0 or fault.iteration < ANY or (fault.microbatch or 0) < 0 or fault.seconds < 0:
@@ -134,8 +150,9 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], rank: int, *, kill: Callable[[int, int], None] = os.kill,
                  exit: Callable[[int], None] = os._exit, sleep: Callable[[float], None] = time.sleep,
-                 incarnation: int = 0):
+                 incarnation: int = 0, ledger: str | None = None):
         self.rank = rank
+        self.ledger = ledger  # RECOVER_FAULT_LEDGER: one-shot faults fire once in the job
         self.faults = [f for f in faults if f.rank == rank
                        and f.incarnation in (None, incarnation)]
         self._kill, self._exit, self._sleep = kill, exit, sleep
@@ -150,7 +167,8 @@ class FaultInjector:
         """Faults from the flag values plus env RECOVER_INJECT_FAULT. Raises FaultSpecError."""
         all_specs = list(specs or []) + [s for s in os.environ.get(ENV_VAR, "").split(";") if s.strip()]
         incarnation = int(os.environ.get("RECOVER_INCARNATION", "0"))  # (a standby's: its slot's)
-        return cls([parse_spec(s) for s in all_specs], rank, incarnation=incarnation, **actions)
+        return cls([parse_spec(s) for s in all_specs], rank, incarnation=incarnation,
+                   ledger=os.environ.get(LEDGER_ENV_VAR) or None, **actions)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -169,6 +187,8 @@ class FaultInjector:
             self._sleep(fault.seconds)
             return
         fault.fired = True
+        if not self._claim(fault):
+            return  # another process of the slot (or an earlier launch) took it
         where = f"iter {iteration} phase {fault.phase}" + (
             f" microbatch {microbatch}" if microbatch is not None else "")
         logger.info(f"injecting {fault.kind} at {where}")  # flushed: the process may end now
@@ -195,3 +215,15 @@ class FaultInjector:
             self._kill(int(pid), signal.SIGKILL)
         else:
             self._exit(fault.code)
+
+    def _claim(self, fault: Fault) -> bool:
+        """Whether this process takes the fault: always without a ledger; with one, only the
+        first to create its entry (an atomic create, shared by every process of the job)."""
+        if self.ledger is None:
+            return True
+        try:
+            os.close(os.open(os.path.join(self.ledger, fault.key()),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True

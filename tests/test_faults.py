@@ -192,3 +192,28 @@ def test_a_stall_sleeps_once_and_an_incarnation_picks_the_process(monkeypatch):
     assert replacement.calls == [("kill", signal.SIGSTOP)]  # the hang, only
     with pytest.raises(FaultSpecError, match="missing \\['seconds'\\]"):
         parse_spec("stall:rank=0,iter=1,phase=forward")
+
+
+def test_a_ledger_fires_each_fault_once_in_the_job_and_iter_plus_takes_the_first_chance(
+        monkeypatch, tmp_path):
+    """RECOVER_FAULT_LEDGER: two processes of slot 0 (the first, then its replacement, or the
+    job restarted) given the same specs: each fault fires in one of them only. `iter=3+`
+    fires at iteration 3 or, when the slot did not reach 3 (it waited as a spare), at the first
+    call after. Control: without the ledger the replacement takes the fault again."""
+    specs = ["kill:rank=0,iter=3+,phase=forward", "hang:rank=0,iter=any,phase=recovery"]
+    monkeypatch.setenv("RECOVER_FAULT_LEDGER", str(tmp_path))
+    first, second = Recorder(), Recorder()
+    inj = injector(specs, 0, first, monkeypatch)
+    inj.at("forward", 1)
+    inj.at("forward", 5)  # (iterations 2-4 were missed: a spare)
+    inj.at("forward", 6)
+    assert first.calls == [("kill", signal.SIGKILL)]
+    again = injector(specs, 0, second, monkeypatch)
+    again.at("forward", 7)
+    again.at("recovery", 8)
+    assert second.calls == [("kill", signal.SIGSTOP)]  # the hang; the kill was the first's
+    monkeypatch.delenv("RECOVER_FAULT_LEDGER")
+    unshared = Recorder()
+    injector(specs, 0, unshared, monkeypatch).at("forward", 7)
+    assert unshared.calls == [("kill", signal.SIGKILL)]
+    assert parse_spec("kill:rank=0,iter=3+,phase=forward").or_later
