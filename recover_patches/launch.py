@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     beats = None
     if coordinator is not None:  # one heartbeat per node: the ranks beat into a local directory
-        from recover_patches.collectives.node_beats import NodeBeatRelay
-        beats = NodeBeatRelay(f"standby-{args.node_rank}" if args.standby else str(args.node_rank))
+        from recover_patches.collectives.node_beats import NodeBeatRelay, node_name
+        beats = NodeBeatRelay(node_name(args.node_rank, args.standby))
         extra_env.update(beats.env())
     if args.master_port == 0:  # after the coordinator bound its own port 0: never the same one
         args.master_port = free_port(args.master_addr)

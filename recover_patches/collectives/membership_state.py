@@ -305,23 +305,28 @@ class MembershipState:
             return now >= self.dead_at.get(slot, now) + self.standby_grace
         return not replacing
 
-    def assign_standbys(self) -> list[tuple[str, int, int]]:
+    def assign_standbys(self, silent: frozenset[str] = frozenset()
+                        ) -> list[tuple[str, int, int]]:
         """Give orphaned dead slots to waiting standbys: [(standby, slot, incarnation)]. Slots
-        whose replica already has waiting spares go first (they re-form a replica soonest)."""
+        whose replica already has waiting spares go first (they re-form a replica soonest).
+        `silent`: standbys whose node fell silent (lost with its launcher): none is given a
+        slot, and a slot given to one that has not registered goes to the next standby now,
+        not `register_timeout` later (they stay listed, to be sent home if they were not lost)."""
         now = self.clock()
         for slot, reservation in list(self.reserved.items()):
-            if now > reservation.deadline:  # never registered: its node may be gone too
-                del self.reserved[slot]
+            if now > reservation.deadline or reservation.standby in silent:
+                del self.reserved[slot]  # never registered: its node may be gone too
                 self.dead_at[slot] = now - self.standby_grace
-        if self.pending_dead or self.completed_at is not None or not self.standbys \
+        ready = [s for s in self.standbys if s not in silent]
+        if self.pending_dead or self.completed_at is not None or not ready \
                 or not self.holds_state():  # nobody could hand a joining replica the state
             return []
         waiting_replicas = {s for slots in self.spares.values() for s in slots}
         orphans = sorted((s for s in self.dead if self._orphaned(s, now)),
                          key=lambda s: (s not in waiting_replicas, s))
         given = []
-        for slot in orphans[:len(self.standbys)]:
-            standby = self.standbys.pop(0)
+        for slot, standby in zip(orphans, ready):
+            self.standbys.remove(standby)
             incarnation = max(self.issued.get(slot, 0), self.dead_incarnation.get(slot, 0)) + 1
             self.issued[slot] = incarnation
             self.reserved[slot] = Reservation(standby, incarnation, now + self.register_timeout)

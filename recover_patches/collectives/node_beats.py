@@ -101,6 +101,16 @@ class NodeBeats(NamedTuple):
         return cls(environ[ENV_VAR], environ[NODE_ENV_VAR])
 
 
+def node_name(node_rank: int, standby: bool) -> str:
+    """The name a launcher's lines carry: its node rank, or `standby-N` for a standby node."""
+    return f"standby-{node_rank}" if standby else str(node_rank)
+
+
+def standby_node(standby: str) -> str:
+    """The node whose lines speak for standby process `N.k` (its launcher's): `standby-N`."""
+    return node_name(int(standby.split(".", 1)[0]), standby=True)
+
+
 def write_beat(directory: str, rank: int, interval: float, beat: str) -> None:
     """A rank's heartbeat ("<beat> <progress>") in `<pid>-<rank>`, replacing its last one
     atomically (a reader never sees half a line): a file write on tmpfs, no store operation."""

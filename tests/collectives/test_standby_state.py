@@ -81,6 +81,32 @@ def test_a_standby_that_never_registers_loses_the_slot_to_the_next_one():
     assert s.reserved == {}
 
 
+def test_a_standby_whose_node_fell_silent_gets_no_slot_and_loses_the_one_it_was_given():
+    """Found by scripts/chaos.py: a node fault killed a standby node whose first process had
+    just taken a slot; the coordinator gave the next dead slots to that node's other, dead,
+    standby processes, and the replicas waited register_timeout (20 s) for them. A standby
+    whose node's line stopped (`silent`) is passed over, and a slot given to one that has not
+    registered goes to the next standby at once. Control: without `silent`, the dead one is
+    given the slot."""
+    s, clock = state()
+    for standby in ("3.1", "3.2", "4.0"):
+        s.on_standby(standby)
+    s.on_exit(2, -9, replacing=False)
+    s.next_epoch()
+    assert s.assign_standbys() == [("3.1", 2, 1)]
+    clock.now += 1.0
+    assert s.assign_standbys(frozenset({"3.1", "3.2"})) == [("4.0", 2, 2)]  # at once
+    assert s.standbys == ["3.2"]  # still listed: sent home at the end if it was not lost
+    control, _ = state()
+    for standby in ("3.2", "4.0"):
+        control.on_standby(standby)
+    control.on_exit(2, -9, replacing=False)
+    control.next_epoch()
+    assert control.assign_standbys() == [("3.2", 2, 1)]
+    from recover_patches.collectives.node_beats import node_name, standby_node
+    assert standby_node("3.1") == node_name(3, standby=True) == "standby-3"
+
+
 def test_a_replacement_that_dies_while_waiting_opens_its_slot_again():
     s, _ = state()
     s.on_exit(2, -9, replacing=True)

@@ -14,7 +14,7 @@ from recover_patches.collectives.journal import COMPLETE, EPOCH, STANDBYS, Journ
     write_or_fence
 from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
-from recover_patches.collectives.node_beats import NodeBeatLine, parse_lines
+from recover_patches.collectives.node_beats import NodeBeatLine, parse_lines, standby_node
 from recover_patches.collectives.timeouts import Timeouts
 
 # by name, not __name__: also when run as __main__ (python -m)
@@ -119,7 +119,7 @@ class Coordinator:
 
     def _standbys(self) -> None:
         """Hand orphaned slots to standby processes; send them home when none ever will be."""
-        given = self.state.assign_standbys()
+        given = self.state.assign_standbys(self._silent_standbys())
         if given:  # durable before any standby hears of it: a successor never gives a slot twice
             write_or_fence(self.config.journal, STANDBYS, {"grants": self.state.grant_record()})
         for standby, slot, incarnation in given:
@@ -127,6 +127,16 @@ class Coordinator:
         for standby in self.state.release_standbys():
             ended = P.COMPLETE if self.state.completed_at is not None else P.STOPPED
             self.store.queue_push(P.standby_key(standby), ended)
+
+    def _silent_standbys(self) -> frozenset[str]:
+        """Standby processes whose node's line stopped for longer than T + GRACE: lost with
+        their launcher (a node fault), they must not be given a slot (`liveness.py`)."""
+        waiting = [*self.state.standbys, *(r.standby for r in self.state.reserved.values())]
+        if not waiting or self.timeouts is None:
+            return frozenset()
+        now, nodes = self.liveness.clock(), self.liveness.nodes
+        return frozenset(s for s in waiting if (node := nodes.get(standby_node(s))) is not None
+                         and now - node.at > self.timeouts.stall)
 
     def _send_slot(self, standby: str, slot: int, incarnation: int) -> None:
         assignment = json.dumps({"rank": slot, "incarnation": incarnation})
