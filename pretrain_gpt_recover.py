@@ -356,8 +356,10 @@ def _wait_as_spare(trainer) -> None:
     if trainer.checkpointer is not None:
         trainer.checkpointer.drop_pending()  # its writing replica broke with it
     logger.info("waiting as a spare until this rank's replica is re-formed")
-    trainer.record_join(trainer.grow.wait_as_spare())
-    trainer.finish_iteration()  # with the others: the join iteration's save/eval
+    join = trainer.grow.wait_as_spare()
+    trainer.record_join(join)
+    if join.after == "boundary":  # with the others: the join iteration's save/eval (a join
+        trainer.finish_iteration()  # made when an evaluation failed comes after both)
 
 
 def _stopping(err: Exception, run, trainer, membership) -> int:

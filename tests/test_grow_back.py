@@ -259,3 +259,26 @@ def test_a_joiner_that_becomes_the_logging_rank_writes_the_record_its_predecesso
     assert join["joined"] == [1], join
     assert_failure_free_trajectory(run, reference["dp4"])
     assert kinds.index(("iteration", 4)) < kinds.index(("join", 4)), kinds
+
+
+def test_a_join_made_when_the_last_evaluation_fails_does_not_redo_the_save(tmp_path, reference):
+    """Found by scripts/chaos.py (seed 11). Rank 1 dies right after the last commit: the last
+    save is interrupted, and the survivors re-form their groups and save again. Its
+    replacement registers while rank 3 stalls in the evaluation, then rank 3 dies there: the
+    evaluation fails and the live ranks take the replacement in at that boundary. The joiner
+    must not make that iteration's save and evaluation again (the others made them before the
+    join): it used to, alone, and stopped the job with status 3 after the job had completed."""
+    from megatron.training.checkpointing import read_latest
+    ck = tmp_path / "ck"
+    run = run_job(tmp_path, "--save", str(ck), "--save-interval", str(ITERS), "--eval-interval",
+                  str(ITERS), *faults(f"kill:rank=1,iter={ITERS},phase=confirmed",
+                                      f"stall:rank=3,iter={ITERS},phase=eval,seconds=6",
+                                      f"kill:rank=3,iter={ITERS},phase=eval"), replacements=2)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert read_latest(ck) == ITERS
+    late = [j for j in joins(run) if j["after"] == "eval"]
+    assert late and late[0]["joined"] == [1], joins(run)  # the join this test is about
+    assert f"checkpoint of iteration {ITERS} abandoned" in run.stdout  # the first attempt
+    assert run.stdout.count(f"saved checkpoint {ck / f'iter_{ITERS:07d}'}") == 1
+    # the joiner (rank 1's replacement: the first rank 1 died before the save) saved nothing
+    assert f"rank 1: warning: checkpoint of iteration {ITERS} abandoned" not in run.stdout

@@ -89,6 +89,9 @@ class JoinRecord:
     bytes_received: int = 0  # joining ranks only
     abandoned: list[int] = field(default_factory=list)  # replicas whose join aborted
     seconds: dict[str, float] = field(default_factory=dict)  # pause / transfer
+    # the step after the iteration that made the join: "boundary" (before that iteration's save
+    # and evaluation, which the joiners then make with the others) or "eval" (after them)
+    after: str = "boundary"
 
 
 @dataclass
@@ -124,7 +127,7 @@ class GrowBack:
                 dropped = m.adopt_epoch(epoch, dead)
                 joining = [] if epoch in self.failed else m.joinable()
                 plan = self.agreement.announce_join(epoch, {
-                    "iteration": iteration, "live": sorted(m.live_replicas + joining),
+                    "iteration": iteration, "after": key, "live": sorted(m.live_replicas + joining),
                     "donor": min(m.live_replicas),
                     "donors": [[r, self._donor(r)] for r in joining]})
                 joined = [r for r in plan["live"] if r not in m.live_replicas]
@@ -146,7 +149,7 @@ class GrowBack:
             return JoinRecord(iteration, epoch, list(m.live_replicas), joined, dropped,
                               plan["donor"], attempt + 1, bytes_sent=sent or 0,
                               seconds={"pause": time.perf_counter() - start, "transfer": transfer},
-                              abandoned=abandoned)
+                              abandoned=abandoned, after=key)
         raise RuntimeError(f"after iteration {iteration}: the membership change did not converge")
 
     def _meet(self, plan: dict, epoch: int, joined: list[int]) -> tuple[float, int | None]:
@@ -222,7 +225,8 @@ class GrowBack:
             self.membership.joined()  # without it, the coordinator counts no holder in this unit
             return JoinRecord(plan["iteration"], epoch, list(plan["live"]), [m.replica], [],
                               donor, 1, bytes_received=received,
-                              seconds={"pause": time.perf_counter() - start})
+                              seconds={"pause": time.perf_counter() - start},
+                              after=plan.get("after", "boundary"))
 
     def _after_abort(self, epoch: int, slots: list[int]) -> None:
         """A death explains most aborted joins: its epoch follows, and the live ranks retry with
