@@ -76,6 +76,9 @@ class Waiter:
     where: str
 
 
+RELAY_GRACE = 3.0  # x stall: a rank's launcher has until then to reach a restarted coordinator
+
+
 class Liveness:
     def __init__(self, stall: float, expiry: float, clock: Callable[[], float] = time.monotonic):
         self.stall, self.expiry, self.clock = stall, expiry, clock
@@ -206,9 +209,19 @@ class Liveness:
         silent = []
         for r in sorted(suspects):
             s = self._settle(r)
-            if s is not None and now - s.beat_at > s.allowed_silence(self.stall):
+            if s is not None and now - s.beat_at > self._allowed(s):
                 silent.append((r, f"no heartbeat for {now - s.beat_at:.1f}s"))
         return silent
+
+    def _allowed(self, seen: Seen) -> float:
+        """The silence that is no death yet. A rank whose launcher forwards its beats, when no
+        line of that node reached this coordinator yet (it was just restarted: each launcher
+        reconnects at most once a second, and on a loaded host 5 s after a restart every rank
+        of a two-node job had been declared dead), gets RELAY_GRACE times more."""
+        allowed = seen.allowed_silence(self.stall)
+        if seen.via is not None and seen.via not in self.nodes:
+            allowed = max(allowed, RELAY_GRACE * self.stall)
+        return allowed
 
     def _current_waiters(self) -> dict[int, Waiter]:
         now = self.clock()

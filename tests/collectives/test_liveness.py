@@ -204,7 +204,11 @@ def test_a_rank_its_node_stops_carrying_or_another_node_lists_is_judged_on_its_o
     for step in range(3, 15):
         clock.now = step * 0.5
         live.observe_node(node_line("a", {0: (0.0, 0.0, "it2"), 3: (0.0, 0.0, "it2")}))
-    assert [r for r, _ in live.silent()] == [1, 3]  # 1: quiet since t = 1; 3: since watched
+    assert [r for r, _ in live.silent()] == [1]  # 1: quiet since t = 1; 3: c never spoke yet
+    for step in range(15, 34):  # (c gets RELAY_GRACE x stall to send its first line)
+        clock.now = step * 0.5
+        live.observe_node(node_line("a", {0: (0.0, 0.0, "it2"), 3: (0.0, 0.0, "it2")}))
+    assert [r for r, _ in live.silent()] == [1, 3]  # 3: silent since watched, a's line or not
     assert live.loose == {1, 3}
     live.observe_node(node_line("c", {3: (0.0, 0.0, "it2")}))  # the standby's launcher speaks
     live.observe_node(node_line("a", {0: (0.0, 0.0, "it2")}))  # a drops 3: not news of 3
@@ -222,3 +226,25 @@ def test_a_waited_for_rank_on_a_node_is_stuck_by_the_progress_age_its_line_says(
     stuck = live.stuck({0, 1})
     assert [r for r, _ in stuck] == [1] and "(at it3 forward)" in stuck[0][1]
     assert live.silent() == []  # it beats on: only its progress tells
+
+
+def test_ranks_whose_launcher_has_not_reached_a_restarted_coordinator_get_its_reconnection():
+    """Found by scripts/chaos.py (seed 11): the coordinator was killed and restarted; the ranks
+    registered again at once, but their beats come through their launchers, which reconnect
+    at most once a second, and on a loaded host every rank was declared dead 5 s later. A rank
+    whose node has sent this coordinator no line yet is silent only after RELAY_GRACE x the
+    stall time. Control: a rank beating on its own key is judged as before."""
+    from recover_patches.collectives.liveness import RELAY_GRACE
+    clock = Clock()
+    live = Liveness(5.0, 7.0, clock)
+    live.watch(0, via="a")  # a rejoin: not starting, its node's launcher still reconnecting
+    live.watch(1)
+    for r in (0, 1):
+        live.seen[r].progress = "9 e2 it40 forward"
+    clock.now = 6.0
+    assert [r for r, _ in live.silent()] == [1]
+    clock.now = RELAY_GRACE * 5.0 + 0.5
+    assert [r for r, _ in live.silent()] == [0, 1]
+    live.observe_node(node_line("a", {0: (0.0, 0.0, "9 e2 it41 forward")}))  # it reconnected
+    clock.now += 6.0
+    assert [r for r, _ in live.silent()] == [0, 1]  # once its node speaks: T + GRACE again
