@@ -217,10 +217,16 @@ class Liveness:
         """The silence that is no death yet. A rank whose launcher forwards its beats, when no
         line of that node reached this coordinator yet (it was just restarted: each launcher
         reconnects at most once a second, and on a loaded host 5 s after a restart every rank
-        of a two-node job had been declared dead), gets RELAY_GRACE times more."""
+        of a two-node job had been declared dead), gets RELAY_GRACE times more. Once the job
+        is past start-up, a rank whose node's lines stopped is lost with its launcher, starting
+        or not (a replacement on a node lost just after it registered kept the job's end
+        waiting for start-up's bound)."""
         allowed = seen.allowed_silence(self.stall)
-        if seen.via is not None and seen.via not in self.nodes:
+        node = self.nodes.get(seen.via) if seen.via is not None else None
+        if seen.via is not None and node is None:
             allowed = max(allowed, RELAY_GRACE * self.stall)
+        elif node is not None and self.settled and self.clock() - node.at > self.stall:
+            allowed = self.stall
         return allowed
 
     def _current_waiters(self) -> dict[int, Waiter]:

@@ -248,3 +248,22 @@ def test_ranks_whose_launcher_has_not_reached_a_restarted_coordinator_get_its_re
     live.observe_node(node_line("a", {0: (0.0, 0.0, "9 e2 it41 forward")}))  # it reconnected
     clock.now += 6.0
     assert [r for r, _ in live.silent()] == [0, 1]  # once its node speaks: T + GRACE again
+
+
+def test_a_starting_replacement_on_a_node_that_fell_silent_is_lost_with_it():
+    """Found by scripts/chaos.py (seed 12): a replacement registered, then its node was killed
+    whole. Its last beat said it was starting, so its silence was allowed start-up's bound and
+    the job's end waited for it. Past start-up, a node whose lines stopped is lost, and so is
+    every rank it carried. Control: while the node's lines go on, the starting replacement's
+    own quiet beat is allowed its bound (its import may hold it back)."""
+    clock = Clock()
+    live = Liveness(5.0, 7.0, clock)
+    live.settle()  # the job committed an iteration long ago
+    live.watch(5, startup=60.0, via="b")
+    live.watch(6, startup=60.0, via="c")
+    for clock.now in (1.0, 2.0):
+        live.observe_node(node_line("b", {5: (0.0, 0.0, "1 e3 it0 start starting")}))
+    for t in range(1, 20):
+        clock.now = float(t)
+        live.observe_node(node_line("c", {6: (t - 1.0, t - 1.0, "1 e3 it0 start starting")}))
+    assert [r for r, _ in live.silent()] == [5]  # b stopped at 2 s; c speaks, 6 starts slowly
