@@ -76,11 +76,28 @@ def final_state(checkpoint: Path) -> dict:
         return torch.load(f"{scratch}/state.pt", weights_only=False)
 
 
+# per process, not per job: the randomness a microbatch draws is seeded from its id (design.md
+# §8), so these streams differ with whichever rank saved and what it ran last, and a resume
+# re-seeds them; the exact reduction's exponents, kept beside them, are the job's and compared
+PROCESS_STREAMS = ("torch_rng_state", "rng_tracker_states", "random_rng_state", "np_rng_state",
+                   "cuda_rng_state")
+
+
+def without_streams(value):
+    """A checkpoint value less the per-process random streams inside it."""
+    if isinstance(value, dict):
+        return {k: without_streams(v) for k, v in value.items() if k not in PROCESS_STREAMS}
+    if isinstance(value, (list, tuple)):
+        return [without_streams(v) for v in value]
+    return value
+
+
 def compare_states(reference: Path, final: Path) -> str | None:
-    """None when both checkpoints hold the same tensors, bit for bit; else what differs."""
+    """None when both checkpoints hold the same parameters, optimizer state and exact-reduction
+    exponents, bit for bit; else what differs."""
     if not final.is_dir():
         return f"no final checkpoint {final}"
-    ours, theirs = final_state(final), final_state(reference)
+    ours, theirs = (without_streams(final_state(path)) for path in (final, reference))
     if set(ours) != set(theirs):
         return f"keys differ: {sorted(set(ours) ^ set(theirs))[:4]}"
     for key in sorted(ours):
