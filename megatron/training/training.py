@@ -133,6 +133,11 @@ class Trainer:
                                     drop_lost=self.step_config.drop_lost,
                                     on_failure=self.log_failure, probe=self.probe)
 
+    def regroup(self, label: str, failure: PeerFailure) -> None:
+        """The survivors re-form their groups after a failure outside an iteration (the job's
+        last save); the transaction is built only then, not after every iteration."""
+        self.transaction().regroup(label, failure)
+
     def counts_since_last_record(self) -> dict[str, int]:
         """store_ops (from every thread) and host_syncs since the last record, or since the loop
         started: the first iteration's are its own, not start-up's (connects, rendezvous)."""
@@ -203,7 +208,7 @@ class Trainer:
             gc.collect()
         if self.checkpointer is not None:  # (the last save, interrupted: regroup and save again)
             self.checkpointer.after_iteration(
-                self.job, None if self.agreement is None else self.transaction().regroup)
+                self.job, None if self.agreement is None else self.regroup)
         if config.eval_interval and self.valid_stages is not None \
                 and self.state.iteration % config.eval_interval == 0:
             collect = config.manual_gc and config.manual_gc_eval

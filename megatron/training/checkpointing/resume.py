@@ -207,7 +207,7 @@ def global_non_persistent_point(config: CheckpointConfig, topology: Topology
     return find_resume_point(replace(config, load=str(directory), ckpt_step=None), topology)
 
 
-def torch_metadata(topology: Topology, host: "CheckpointHost", save_optim: bool,
+def torch_metadata(topology: Topology, host: CheckpointHost, save_optim: bool,
                    save_rng: bool) -> str:
     """The torch format's `recover_metadata.json`: the layout, and who wrote each position."""
     live = host.live_replicas
