@@ -102,13 +102,16 @@ class StoreAgreement:
             store.compare_set(key, "", value)
 
     def _surviving_restarts(self, action: Callable[[], T]) -> T:
-        """Run a store protocol; if the coordinator's store goes away meanwhile, wait until the
-        membership client reconnected to its successor and run it again from the start."""
+        """Run a store protocol; if the coordinator's store goes away meanwhile, or does not
+        answer in time, register again (to it or its successor) and run it again from the start.
+        The answer of an operation given up may still have been applied: the protocols count
+        nothing twice (see `_vote_once`, `_barrier`)."""
         while True:
             generation = getattr(self.membership, "generation", 0)
             try:
                 return action()
-            except dist.DistNetworkError:  # a store operation failed: the connection is gone
+            except dist.DistNetworkError as lost:  # the main connection is lost or unanswered
+                self.membership.reconnect_after(generation, lost)
                 if not self.membership.wait_reconnected(generation):
                     raise
 
@@ -160,13 +163,15 @@ class StoreAgreement:
         prefix = f"recover/commit/{key}/"
         decision_key = prefix + "decision"
         voters = {voter_of(m) for m in members}
-        previous = self._retire("_previous_vote", [prefix + "news", prefix + "count", decision_key,
-                                                   *(prefix + f"done/{v}" for v in voters)])
+        done = [prefix + f"done/{v}" for v in sorted(voters)]
+        previous = self._retire("_previous_vote", [prefix + "news", decision_key, *done])
         if reduced_ok:
-            if news:  # before the count: the last voter then sees it
+            if news:  # before the done key: the last voter then sees it
                 self._store("set", prefix + "news", "1")
             self._store("set", prefix + f"done/{voter}", "1")
-            if self._store("add", prefix + "count", 1) == len(voters):  # the last to vote
+            # the last to vote sees every done key (a count would count a vote made again
+            # after its answer was lost twice, and decide before the last voter)
+            if self._store("check", done):
                 sync = news or self._store("check", [prefix + "news"])
                 decided = Decision(self._store("compare_set", decision_key, "", (  # what is stored
                     Decision.COMMIT_AND_SYNC if sync else Decision.COMMIT).value).decode())
@@ -292,8 +297,10 @@ class StoreAgreement:
                  ) -> None:
         self.membership.mark("barrier")
         prefix = f"recover/barrier/{key}/"
-        previous = self._retire("_previous_barrier", [prefix + "count", prefix + "all", *also])
-        if self.store.add(prefix + "count", 1) == len(members):
+        arrived = [prefix + f"at/{m}" for m in sorted(members)]
+        previous = self._retire("_previous_barrier", [prefix + "all", *arrived, *also])
+        self.store.set(prefix + f"at/{self.rank}", "1")
+        if self.store.check(arrived):  # the last to arrive (an arrival made again counts once)
             self.store.set(prefix + "all", "1")
             for stale in previous:  # every member arrived here: nobody reads these any more
                 self.store.delete_key(stale)

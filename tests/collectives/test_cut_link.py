@@ -27,19 +27,23 @@ from recover_patches.collectives.membership import MembershipClient
 from recover_patches.collectives.node_beats import RankAges
 from recover_patches.collectives.self_fence import SelfFence
 from recover_patches.collectives.timeouts import REPORT_WAIT
+from recover_patches.recovery.agreement import StoreAgreement
 
 TOKEN = "cut-link-job"
 pytestmark = pytest.mark.timeout(60)
 
 
 class CutProxy:
-    """TCP proxy to `port`; `cut()` makes it drop everything it reads, both ways."""
+    """TCP proxy to `port`; `cut()` makes it drop everything it reads, both ways, on every
+    connection, or on one: `cut(n)`, the n-th accepted (from 0)."""
 
     def __init__(self, port: int):
         self.target, self.cut_off = port, threading.Event()
+        self.cut_ones: set[int] = set()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.sockets: list[socket.socket] = [self.listener]
+        self.accepted = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -51,18 +55,23 @@ class CutProxy:
             outside = socket.create_connection(("127.0.0.1", self.target))
             self.sockets += [inside, outside]
             for a, b in ((inside, outside), (outside, inside)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, self.accepted),
+                                 daemon=True).start()
+            self.accepted += 1
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, connection: int) -> None:
         try:
             while data := source.recv(65536):
-                if not self.cut_off.is_set():
+                if not (self.cut_off.is_set() or connection in self.cut_ones):
                     sink.sendall(data)
         except OSError:
             pass
 
-    def cut(self) -> None:
-        self.cut_off.set()
+    def cut(self, connection: int | None = None) -> None:
+        if connection is None:
+            self.cut_off.set()
+        else:
+            self.cut_ones.add(connection)
 
     def close(self) -> None:
         """Close every connection (a shutdown wakes the threads blocked on them, and the
@@ -203,6 +212,49 @@ def test_start_up_gives_the_store_its_longer_bound_until_the_rank_settles(monkey
             waited.append(time.monotonic() - started)
         assert 3.0 <= waited[0] < 4.5, waited  # start-up's bound, not T
         assert waited[1] < 1.0 + 0.5, waited  # then T
+    finally:
+        rank.close()
+        proxy.close()
+        stop(coord, thread)
+
+
+def test_a_rank_whose_own_connection_goes_unanswered_registers_again_at_once(monkeypatch):
+    """The main thread's connection gets no answer within T while the watcher's holds (a
+    restarted coordinator serving every rank's registration at once: the soak's seeds 116 and
+    117). The watcher never fails, so waiting for it to reconnect waited out RECONNECT_WITHIN
+    (60 s) in the middle of a recovery barrier. The rank registers again itself and the barrier
+    passes within T and a few seconds, on the same coordinator, with the rank alive. A reconnect
+    listener that fails (its store did not answer either) makes it register once more, instead
+    of ending the watcher."""
+    monkeypatch.setattr(os, "_exit", lambda code: None)  # (a fenced client lives in this process)
+    port, coord, thread = serve(1)
+    proxy = CutProxy(port)
+    rank = MembershipClient("127.0.0.1", proxy.port, TOKEN, 0, 1, timeout=1.0,
+                            connect_timeout=5)
+    assert proxy.accepted == 3  # the main thread's connection, the watcher's, the heartbeat's
+    agreement = StoreAgreement(rank, timeout=1.0)
+    failed_once: list[int] = []
+
+    def republish_fails_once(store) -> None:
+        if not failed_once:
+            failed_once.append(rank.generation)
+            raise dist.DistNetworkError("the coordinator's store did not answer")
+    rank.add_reconnect_listener(republish_fails_once)
+    try:
+        proxy.cut(0)  # the main thread's connection only
+        passed: list[float] = []
+        started = time.monotonic()
+        barrier = threading.Thread(target=lambda: (agreement.barrier("1/0", [0], epoch=0),
+                                                   passed.append(time.monotonic() - started)),
+                                   daemon=True)
+        barrier.start()
+        barrier.join(15)
+        assert passed, "the barrier waited for a reconnection nobody made"
+        assert passed[0] < rank.timeouts.operation + 5, passed
+        assert rank.generation == 1 and failed_once == [0]
+        assert rank.dead_ranks() == frozenset() and rank._watcher.is_alive()
+        coord_epoch = rank.epoch()
+        assert coord_epoch == 0  # registering again on a live coordinator declared no one dead
     finally:
         rank.close()
         proxy.close()

@@ -16,7 +16,11 @@ reconnects: it registers again with what this rank knows (its latest epoch recor
 waits as a spare), replaces `store`, bumps `generation` and calls the reconnect listeners (the
 agreement re-publishes its last decisions there). The main thread's store operations fail
 meanwhile, within T even on a cut link (`counted_store.py` bounds them); callers that must
-survive the gap (the commit vote) wait for `wait_reconnected()` and retry.
+survive the gap (the commit vote) call `reconnect_after()`, wait for `wait_reconnected()` and
+retry. A failure of the main connection alone (a coordinator that restarted and, serving every
+rank's registration at once, did not answer within T, while the watcher's connection holds) is
+a lost connection too: the watcher would never notice it, so `reconnect_after()` registers again
+itself.
 """
 from __future__ import annotations
 
@@ -194,8 +198,16 @@ class MembershipClient(JobReports):
             self._listeners.append(listener)
 
     def add_reconnect_listener(self, listener: ReconnectListener) -> None:
-        """`listener(new_store)` runs on the watcher thread after each reconnection."""
+        """`listener(new_store)` runs on the watcher thread at each reconnection, before callers
+        waiting for it go on; if it raises a store's RuntimeError, the rank registers again."""
         self._on_reconnect.append(listener)
+
+    def reconnect_after(self, generation: int, error: Exception) -> None:
+        """The main thread's store operation on connection `generation` failed: register again
+        (on a new watcher thread, as a moved coordinator is followed) unless a reconnection
+        since did. Callers then `wait_reconnected(generation)`."""
+        if self.generation == generation and not self._stop.is_set():
+            self._watcher = self._thread(self._watch, "membership", generation, error)
 
     def wait_reconnected(self, generation: int, timeout: float = RECONNECT_WITHIN) -> bool:
         """Block until a reconnection after `generation` (True), or `timeout` passed (False)."""
@@ -277,18 +289,21 @@ class MembershipClient(JobReports):
             self._watcher = self._thread(self._watch, "membership", generation, RuntimeError(
                 f"the coordinator moved to {moved_to[0]}:{moved_to[1]}"))
 
-    def _watch(self, generation: int, moved: Exception | None = None) -> None:
-        """Serve one connection generation; once another thread reconnected, end without acting
-        on what the old connection returns (if it ever does)."""
-        if moved is not None:
-            if not self._reconnect(moved, generation):
+    def _watch(self, generation: int, lost: Exception | None = None) -> None:
+        """Serve one connection generation (after registering again first, if `lost` says why);
+        once another thread reconnected, end without acting on what the old connection returns."""
+        if lost is not None:
+            if not self._reconnect(lost, generation):
                 return
             generation = self.generation
         store = self._watch_store
         while not self._stop.is_set():
             try:
                 value = store.queue_pop(P.notify_key(self.rank), True)
-                if value == P.STOP.encode() or generation != self.generation:
+                if generation != self.generation:  # superseded on a coordinator still alive:
+                    store.queue_push(P.notify_key(self.rank), value)  # its news is the new watcher's
+                    return
+                if value == P.STOP.encode():
                     return
                 self._adopt(*P.read_latest(store))
             except RuntimeError as e:
@@ -311,6 +326,8 @@ class MembershipClient(JobReports):
                 previous = self.store
                 self._open(5.0, {"epoch": self._epoch, "record": self._record}, attempt=1.0)
                 previous.close()  # its bound's worker (perhaps stuck on a cut link: abandoned)
+                for listener in list(self._on_reconnect):  # before anyone retries on it
+                    listener(self.store)
                 break
             except JobTokenRefused as refused:  # declared dead meanwhile: fenced
                 logger.error(f"{refused}: exiting")
@@ -324,8 +341,6 @@ class MembershipClient(JobReports):
         with self._changed:
             self.generation += 1
             self._changed.notify_all()
-        for listener in list(self._on_reconnect):
-            listener(self.store)
         if self._spare_slots is not None:
             self.wait_as_spare(self._spare_slots)
         self._adopt(*P.read_latest(self._watch_store))

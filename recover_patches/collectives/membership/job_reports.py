@@ -25,6 +25,7 @@ class JobReports:
     _bounded: BoundedCaller
     _spare_slots: list[int] | None
     wait_reconnected: Callable[[int], bool]  # (generation): the coordinator is back
+    reconnect_after: Callable[[int, Exception], None]  # (generation, why): register again
 
     def report_failure(self, suspects: Iterable[int], where: str) -> None:
         """An operation timed out or broke: this rank waits for the coordinator's verdict on
@@ -73,7 +74,8 @@ class JobReports:
             P.post_report(self.store, P.Report.make("complete", rank=self.rank))
             self.store.wait([P.COMPLETE], timedelta(seconds=timeout))
             record = json.loads(self.store.get(P.COMPLETE))
-        except dist.DistNetworkError:
+        except dist.DistNetworkError as lost:
+            self.reconnect_after(generation, lost)
             if not self.wait_reconnected(generation):
                 raise
             return self.declare_complete(timeout)  # to the restarted coordinator
