@@ -32,16 +32,18 @@ class BoundedCaller:
         self._calls: queue.SimpleQueue[_Call | None] | None = None
 
     def __call__(self, fn: Callable[[], T], limit: float | None = None) -> T:
-        if self._calls is None:
-            self._calls = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(self._calls,), name=self._name,
+        calls = self._calls  # (another thread may close() meanwhile: this call keeps its own)
+        if calls is None:
+            self._calls = calls = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(calls,), name=self._name,
                              daemon=True).start()
         call = _Call(fn)
-        self._calls.put(call)
+        calls.put(call)
         wait = self.limit if limit is None else limit
         if not call.done.wait(wait):
-            self._calls.put(None)  # the worker is abandoned: it ends if its call ever returns
-            self._calls = None
+            calls.put(None)  # the worker is abandoned: it ends if its call ever returns
+            if self._calls is calls:
+                self._calls = None
             raise OperationTimedOut(f"no answer within {wait:g}s (a cut link?)")
         if call.error is not None:
             raise call.error
@@ -53,9 +55,9 @@ class BoundedCaller:
 
     def close(self) -> None:
         """End the worker (once its call, if any, returns)."""
-        if self._calls is not None:
-            self._calls.put(None)
-            self._calls = None
+        calls, self._calls = self._calls, None
+        if calls is not None:
+            calls.put(None)
 
     @staticmethod
     def _serve(calls: queue.SimpleQueue[_Call | None]) -> None:

@@ -112,6 +112,26 @@ def test_a_bounded_call_gives_up_on_a_stuck_call_and_serves_the_next_on_a_new_wo
     call.close()
 
 
+def test_a_call_waiting_when_another_thread_closes_its_caller_still_gives_up_cleanly():
+    """A reconnection closes the old store's caller on the watcher thread while the main thread
+    waits in a call on it (seen in the chaos harness as an AttributeError that ended a rank)."""
+    call, stuck = BoundedCaller(0.3), threading.Event()
+    outcome: list[BaseException] = []
+
+    def waits() -> None:
+        try:
+            call(stuck.wait)
+        except BaseException as e:  # noqa: BLE001 (the test reads which one)
+            outcome.append(e)
+    waiter = threading.Thread(target=waits)
+    waiter.start()
+    time.sleep(0.1)
+    call.close()
+    waiter.join(2)
+    stuck.set()
+    assert [type(e) for e in outcome] == [OperationTimedOut], outcome
+
+
 def test_a_fence_fires_once_when_the_silence_passes_its_limit():
     silence, fenced = [0.0], []
     fence = SelfFence(lambda: silence[0], 1.0, fenced.append)
