@@ -13,7 +13,7 @@ import pytest
 from recover_patches.faults import parse_spec
 from scripts.chaos.cluster import Injection
 from scripts.chaos.launches import take_fired
-from scripts.chaos.plan import JobShape, plan
+from scripts.chaos.plan import KINDS, JobShape, menu, plan
 from scripts.chaos.run import main as chaos_main
 from scripts.chaos.verdict import compare_records, percentile
 from tests._launch_util import REPO, TINY_GPT
@@ -34,13 +34,15 @@ def test_the_plan_is_the_seeds_spread_over_the_run_and_parses():
     for fault in first:
         parsed = parse_spec(fault.spec())  # the injector takes every spec the plan writes
         assert (parsed.kind, parsed.rank, parsed.phase) == (fault.kind, fault.rank, fault.phase)
-        if fault.kind in ("node",):
+        if fault.kind in ("node", "cut"):
             assert fault.rank >= SHAPE.per_node  # node 0 runs the coordinator
         if fault.name == "checkpoint":
             assert fault.iteration % SHAPE.save_interval == 0
     names = {f.name for seed in range(10) for f in plan(seed, 20, SHAPE)}
-    assert names == {"kill", "hang", "stall", "exit", "node", "coordinator", "recovery", "join",
-                     "checkpoint", "eval"}
+    assert names == {"kill", "hang", "stall", "exit", "node", "cut", "coordinator", "recovery",
+                     "join", "checkpoint", "eval"}
+    on_loopback = {f.name for seed in range(10) for f in plan(seed, 20, SHAPE, menu(KINDS, False))}
+    assert on_loopback == names - {"cut"}  # no link of its own to take down
 
 
 def test_a_fault_line_is_matched_to_the_fault_it_fired():
@@ -91,10 +93,9 @@ def test_a_metrics_file_that_holds_a_run_is_refused(tmp_path, capsys):
 
 
 CI_SEED, CI_FAULTS, CI_ITERS = 11, 20, 140
-# every kind but the coordinator's: a rank waiting in a store protocol for its membership
-# client to reconnect to a restarted coordinator waited out RECONNECT_WITHIN twice in the soak
-# (BENCHMARKS.md, seeds 116 and 117), an open race the soak still runs
-CI_KINDS = "kill=5,hang=3,stall=2,exit=1,node=3,recovery=3,join=2,checkpoint=2,eval=1"
+# every kind (a cut where the launchers get network namespaces: root, as CI runs here)
+CI_KINDS = "kill=5,hang=3,stall=2,exit=1,node=3,cut=2,coordinator=1,recovery=3,join=2," \
+    "checkpoint=2,eval=1"
 
 
 @pytest.mark.multiprocess
@@ -102,9 +103,8 @@ CI_KINDS = "kill=5,hang=3,stall=2,exit=1,node=3,recovery=3,join=2,checkpoint=2,e
 def test_a_chaos_run_of_20_faults_keeps_every_record_and_the_final_state_bitwise(tmp_path):
     """2 launchers of 4 ranks, PP 2, exact reduction, checkpoints every 10 iterations and one
     standby launcher: the plan's faults fire (kills, hangs, stalls, nodes, during recoveries,
-    joins, saves and evaluations), every record of every
-    launch equals the failure-free run's to the bit, and so does the final checkpoint.
-    (The coordinator's kill is left to the soak: see CI_KINDS.)
+    joins, saves and evaluations, a node cut off, the coordinator killed), every record of
+    every launch equals the failure-free run's to the bit, and so does the final checkpoint.
     Negative control: the same verdict on the run's records with one loss moved by an ulp."""
     out = tmp_path / "chaos"
     flags = [*TINY_GPT, "--eval-interval", "20", "--pipeline-model-parallel-size", "2",

@@ -1,4 +1,4 @@
-"""Hosts with their own addresses: one network namespace per node (`tests/netns.py`), an
+"""Hosts with their own addresses: one network namespace per node (`scripts/hosts.py`), an
 etcd member and a launcher in each of three (`--rdzv-backend etcd`, one rank per node, DP 3), and
 a standby node in a fourth (`--standby`: it follows the election, it does not run for it).
 Node 0, which leads, is lost whole at iteration 3: its launcher, coordinator and rank by the

@@ -1,7 +1,7 @@
-"""A slow, lossy link: three hosts with their own addresses (`tests/netns.py`), an etcd
+"""A slow, lossy link: three hosts with their own addresses (`scripts/hosts.py`), an etcd
 member and a launcher with one rank on each (DP 3, `--rdzv-backend etcd`, the default
 `--recover-timeout`). Node 2's link delays every frame it sends by 200 ms and drops 5 % of them,
-as `tc netem` on its eth0 would (`tests/lossy_link.py`: this kernel has no netem qdisc). Node 0
+as `tc netem` on its eth0 would (`scripts/lossy_link.py`: this kernel has no netem qdisc). Node 0
 leads, so node 2's heartbeats, votes and gradients all cross the bad link.
 
 Nobody is declared dead (no false verdict), every iteration commits its M microbatches with the

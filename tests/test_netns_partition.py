@@ -1,4 +1,4 @@
-"""A node cut off: four hosts with their own addresses (`tests/netns.py`), etcd members on
+"""A node cut off: four hosts with their own addresses (`scripts/hosts.py`), etcd members on
 nodes 0-2, a launcher and one rank on each (DP 4, `--rdzv-backend etcd`). Links are taken down,
 not processes killed: the cut side's connections hang instead of closing.
 

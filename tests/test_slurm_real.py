@@ -1,6 +1,6 @@
 """The sbatch template on a real SLURM (Debian's slurm-wlm with munge), brought up for this module
 in a temporary directory and torn down by PID: three SLURM nodes, each a network namespace of
-`tests/netns.py` with its own address and its own slurmd, so a job's launchers, ranks and
+`scripts/hosts.py` with its own address and its own slurmd, so a job's launchers, ranks and
 etcd members talk over real addresses, a job can lose a node and a standby node can take over.
 
 Needs root on Debian: installs slurm-wlm with apt when it is missing (once per machine), and skips

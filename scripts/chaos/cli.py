@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="standby launchers kept ready for lost nodes' slots")
     p.add_argument("--kinds", default=None, metavar="NAME=W,...",
                    help="the fault menu's weights (default: every kind; see scripts/chaos/plan.py)")
+    p.add_argument("--no-netns", action="store_true",
+                   help="keep every launcher on this machine's loopback even as root (default: "
+                        "a network namespace each where they can be made; `cut` faults need it)")
     p.add_argument("--out", default=None, help="logs, plan, summary and plot "
                    "(default runs/chaos/seedS)")
     p.add_argument("--stall-limit", type=float, default=90.0,

@@ -2,9 +2,15 @@
 session of its own (a node: killing its process group takes its launcher and every rank it
 started, as a lost node does), their output in files, the fault lines timed as they arrive.
 
-A node fault consumes a standby launcher (its processes take the lost node's slots); whenever a
-launcher dies by a signal, another standby launcher is started, so the next node fault still
-finds spares. Everything this module started is ended by process group, never by name.
+Where network namespaces can be made (`scripts/hosts.py`: root, iproute2) each launcher runs
+in one of its own, with its own address and link, so a node can also be cut off: on a rank's
+`injecting cut` line the harness takes that launcher's link down. Its processes stay alive and
+hear nothing (they fence themselves); the launch no longer waits for them to end.
+
+A node fault (or a cut) consumes a standby launcher (its processes take the lost node's slots);
+whenever a launcher dies by a signal or is cut off, another standby launcher is started, so the
+next node fault still finds spares. Everything this module started is ended by process group,
+never by name.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from scripts.hosts import Hosts
 
 REPO = Path(__file__).resolve().parents[2]
 INJECTED = re.compile(r"rank (\d+): injecting (\w+) at iter (\d+) phase (\w+)")
@@ -38,6 +46,7 @@ class ClusterSettings:
     script_flags: tuple[str, ...]  # pretrain_gpt_recover.py's, as given after `--`
     env: tuple[tuple[str, str], ...] = ()  # extra environment (the emulated NCCL's switches)
     ledger: str = ""  # RECOVER_FAULT_LEDGER: each fault fires once in the whole run
+    netns: bool = False  # each launcher in a network namespace of its own (nodes can be cut)
 
 
 @dataclass
@@ -55,6 +64,8 @@ class Launcher:
     name: str
     proc: subprocess.Popen
     standby: bool
+    host: int | None = None  # its network namespace's index
+    cut_off: bool = False  # its link was taken down
     readers: list[threading.Thread] = field(default_factory=list)
 
 
@@ -70,6 +81,7 @@ class Launch:
         self.replaced: set[str] = set()  # launchers a standby launcher was started for
         self._standbys = 0
         self._lock = threading.Lock()
+        self.hosts = Hosts(settings.nodes) if settings.netns else None
 
     # --- starting ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -85,6 +97,10 @@ class Launch:
 
     def _start(self, name: str, where: list[str], standby: bool) -> None:
         s = self.settings
+        host = None if self.hosts is None else \
+            len(self.launchers) if len(self.launchers) < s.nodes else self.hosts.add()
+        if self.hosts is not None:  # node 0's address holds the coordinator and the master
+            where = [*where, "--master-addr", self.hosts.address(0)]
         cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node",
                str(s.per_node), "--nnodes", str(s.nodes), *where, "--master-port",
                str(self.master_port), "--coordinator-port", str(self.coordinator_port),
@@ -93,18 +109,21 @@ class Launch:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RECOVER_INJECT_FAULT=self.specs,
                    RECOVER_FAULT_LEDGER=s.ledger, **dict(s.env))
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        launcher = Launcher(name, proc, standby)
+        streams = dict(cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, **streams) if self.hosts is None or host is None \
+            else self.hosts.popen(host, cmd, **streams)
+        launcher = Launcher(name, proc, standby, host)
         for stream, suffix in ((proc.stdout, "out"), (proc.stderr, "err")):
             reader = threading.Thread(target=self._copy, daemon=True,
-                                      args=(stream, self.directory / f"{name}.{suffix}"))
+                                      args=(stream, self.directory / f"{name}.{suffix}", launcher))
             reader.start()
             launcher.readers.append(reader)
         self.launchers.append(launcher)
 
-    def _copy(self, stream, path: Path) -> None:
-        """A launcher's output into its file, each fault line timed as it arrives."""
+    def _copy(self, stream, path: Path, launcher: Launcher) -> None:
+        """A launcher's output into its file, each fault line timed as it arrives (a cut is
+        made here, while its rank pauses at the phase)."""
         with open(path, "w") as f:
             for line in stream:
                 f.write(line)
@@ -112,13 +131,23 @@ class Launch:
                     with self._lock:
                         self.injections.append(Injection(time.monotonic(), int(m[1]), m[2],
                                                          int(m[3]), m[4]))
+                    if m[2] == "cut":
+                        self._cut(launcher)
+
+    def _cut(self, launcher: Launcher) -> None:
+        """Take the launcher's link down (never node 0's: it holds the coordinator)."""
+        if self.hosts is None or launcher.host in (None, 0):
+            return
+        self.hosts.cut(launcher.host)
+        launcher.cut_off = True
 
     # --- watching ---------------------------------------------------------------------------
     def replenish(self) -> None:
         """A launcher killed by a signal lost its node: start a standby launcher in its place."""
         for launcher in list(self.launchers):
             code = launcher.proc.poll()
-            if code is not None and code < 0 and launcher.name not in self.replaced:
+            lost = launcher.cut_off or (code is not None and code < 0)
+            if lost and launcher.name not in self.replaced:
                 self.replaced.add(launcher.name)
                 if not self.ended():
                     self._start_standby()
@@ -130,10 +159,12 @@ class Launch:
     def running(self) -> list[str]:
         """The launchers not ended yet, by name and pid."""
         return [f"{launcher.name} (pid {launcher.proc.pid})" for launcher in self.launchers
-                if launcher.proc.poll() is None]
+                if launcher.proc.poll() is None and not launcher.cut_off]
 
     def ended(self) -> bool:
-        return all(launcher.proc.poll() is not None for launcher in self.launchers)
+        """Every launcher ended, but those cut off (they may wait for the coordinator long)."""
+        return all(launcher.proc.poll() is not None or launcher.cut_off
+                   for launcher in self.launchers)
 
     def signal_ranks(self, sig: int) -> None:
         """`sig` to every process of every launcher's group but the launchers (SIGUSR2: each
@@ -156,6 +187,9 @@ class Launch:
             launcher.proc.wait()
             for reader in launcher.readers:
                 reader.join(10)
+        if self.hosts is not None:  # (what is left in the namespaces, by PID; then them)
+            self.hosts.close()
+            self.hosts = None
 
     def output(self) -> str:
         return "".join(path.read_text(errors="replace")

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 ITERATION_PHASES = ("forward", "backward", "dp_reduce", "reduced", "ack", "exchange",
                     "confirmed", "optimizer")
 # what the menu can draw, and how often (relative weights)
-KINDS = {"kill": 5, "hang": 3, "stall": 2, "exit": 1, "node": 3, "coordinator": 1,
+KINDS = {"kill": 5, "hang": 3, "stall": 2, "exit": 1, "node": 3, "cut": 2, "coordinator": 1,
          "recovery": 3, "join": 2, "checkpoint": 2, "eval": 1}
+NEEDS_NETNS = ("cut",)  # a node's link taken down: each launcher in a network namespace
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ def draw(rng: random.Random, name: str, shape: JobShape, within: range) -> Plann
     if name == "stall":  # slow for a moment: below T the job waits, past T it is fenced
         return PlannedFault(name, "stall", rank, iteration, phase,
                             seconds=rng.uniform(0.5, 2.0) * shape.timeout)
-    if name == "node":  # not node 0: its launcher runs the coordinator
-        return PlannedFault(name, "node", rng.randrange(shape.per_node, shape.world_size),
+    if name in ("node", "cut"):  # not node 0: its launcher runs the coordinator
+        return PlannedFault(name, name, rng.randrange(shape.per_node, shape.world_size),
                             iteration, phase)
     if name == "coordinator":
         return PlannedFault(name, "coordinator", rng.randrange(shape.per_node), iteration, phase)
@@ -93,6 +94,12 @@ def draw(rng: random.Random, name: str, shape: JobShape, within: range) -> Plann
         evals = range(shape.eval_interval, shape.train_iters + 1, shape.eval_interval)
         return PlannedFault(name, "kill", rank, rng.choice(evals), "eval")
     return None
+
+
+def menu(kinds: dict[str, int], netns: bool) -> dict[str, int]:
+    """The kinds a job can be given: without a network namespace per launcher, no cut (every
+    launcher shares this machine's loopback; no link of its own to take down)."""
+    return {k: w for k, w in kinds.items() if netns or k not in NEEDS_NETNS}
 
 
 def stratum(index: int, count: int, shape: JobShape) -> range:

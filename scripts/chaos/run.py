@@ -15,7 +15,8 @@ from pathlib import Path
 from scripts.chaos import verdict
 from scripts.chaos.cluster import REPO, ClusterSettings
 from scripts.chaos.launches import JobHistory, run_job
-from scripts.chaos.plan import KINDS, JobShape, plan
+from scripts.chaos.plan import KINDS, JobShape, menu, plan
+from scripts.hosts import available as hosts_available
 
 
 class UsageError(Exception):
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = shape_of(args, script)
         kinds = KINDS if args.kinds is None else dict(
             (k, int(w)) for k, _, w in (item.partition("=") for item in args.kinds.split(",")))
-        faults = plan(args.seed, args.faults, shape, kinds)
+        netns = not args.no_netns and hosts_available()
+        faults = plan(args.seed, args.faults, shape, menu(kinds, netns))
     except (UsageError, ValueError) as err:
         print(f"chaos.py: error: {err}", file=sys.stderr)
         return 2
@@ -129,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.emulate_nccl else {}
     out = Path(args.out or f"runs/chaos/seed{args.seed}")
     out.mkdir(parents=True, exist_ok=True)
+    where = "a network namespace each" if netns else "on loopback: no cut faults"
     print(f"chaos: seed {args.seed}, {len(faults)} faults planned over {args.nodes} nodes x "
-          f"{args.nproc_per_node} ranks; the failure-free run first", flush=True)
+          f"{args.nproc_per_node} ranks ({where}); the failure-free run first", flush=True)
     ref_metrics, ref_ckpt, ref_wall = reference_run(args, script, out, env)
     metrics = Path(str(flag(script, "--metrics-file")))
     if flag(script, "--load") is None:
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(ledger, ignore_errors=True)
     ledger.mkdir()
     settings = ClusterSettings(args.nodes, args.nproc_per_node, args.standby, tuple(script),
-                               tuple(env.items()), str(ledger))
+                               tuple(env.items()), str(ledger), netns)
     (out / "plan.json").write_text(json.dumps([f.spec() for f in faults], indent=1))
     history = _run_with_progress(settings, faults, metrics, out, args, shape)
     return report(history, shape, script, out, ref_metrics, ref_ckpt, ref_wall)

@@ -29,7 +29,7 @@ def _free_ports(count: int) -> list[int]:
 class EtcdMembers:
     """`size` members of one cluster; `client_ports[i]` is member i's client port. By default all
     on 127.0.0.1 (free ports); with `hosts` (one address each, e.g. network namespaces of
-    `tests/netns.py`) etcd's own ports, each member started by `spawn(i, command, **popen)`."""
+    `scripts/hosts.py`) etcd's own ports, each member started by `spawn(i, command, **popen)`."""
 
     def __init__(self, root: Path, size: int, hosts: list[str] | None = None, spawn=None):
         if hosts is None:

@@ -1,11 +1,11 @@
 """A slow, lossy link in user space, for a kernel without the netem qdisc.
 
-`python tests/lossy_link.py NODE_END BRIDGE_END DELAY LOSS SEED` creates two TAP devices in its
+`python scripts/lossy_link.py NODE_END BRIDGE_END DELAY LOSS SEED` creates two TAP devices in its
 network namespace and relays every Ethernet frame between them. A frame the node sends (read on
 NODE_END) is dropped with probability LOSS, otherwise delivered DELAY seconds after it arrived, in
 arrival order; a frame to the node passes at once. That is what `tc qdisc add dev eth0 root netem
 delay DELAY loss LOSS` on the node does (netem shapes a device's egress): a round trip gains
-DELAY, and the node's data and its acknowledgements are lost. `tests/netns.py` moves NODE_END
+DELAY, and the node's data and its acknowledgements are lost. `scripts/hosts.py` moves NODE_END
 into a node's namespace as its eth0 and puts BRIDGE_END on the bridge. The relay prints "ready"
 once both devices exist and runs until SIGTERM, then prints "relayed R dropped D" (the node's
 frames).
