@@ -22,7 +22,9 @@ Kinds:
          `setsid`, srun); the group of a launcher that started the coordinator holds it too;
   cut    this process's node is cut off the network by whoever started it in a network
          namespace of its own, on reading the fault's line (`scripts/chaos.py`); the process
-         itself only pauses CUT_PAUSE seconds at the phase, so that the cut lands there;
+         itself only pauses HARNESS_PAUSE seconds at the phase, so that the cut lands there;
+  etcd   the same, for the leader of the etcd members an elected coordinator's rendezvous
+         uses: whoever runs them kills it on reading the line;
   coordinator  SIGKILL the membership coordinator the launcher started (RECOVER_COORDINATOR_PID):
          the node-0 launcher starts a new one and the ranks reconnect;
   exit   os._exit(C) (default C=1) after flushing stdout/stderr: a process that quits abruptly
@@ -38,7 +40,7 @@ Kinds:
   corrupt  silent data corruption: the trainer's action changes one weight of this rank (the
          weight check across replicas must notice).
 inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
-kill, node, cut, hang, stall and exit fire once: at the first `at()` call with the same phase and iteration (and
+kill, node, cut, etcd, hang, stall and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored. iter=any matches the
 first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1;
 phase `eval` with iter=I is a forward pass of the evaluation after iteration I; between the
@@ -60,9 +62,10 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("kill", "node", "cut", "hang", "exit", "slow", "stall", "inf", "corrupt", "coordinator",
-         "watchdog")
-CUT_PAUSE = 1.0  # seconds a `cut` rank waits at its phase for its node's link to go down
+KINDS = ("kill", "node", "cut", "etcd", "hang", "exit", "slow", "stall", "inf", "corrupt",
+         "coordinator", "watchdog")
+HARNESS_KINDS = ("cut", "etcd")  # made by whoever reads the fault's line
+HARNESS_PAUSE = 1.0  # seconds such a rank waits at its phase for the fault to be made
 PHASES = ("forward", "backward", "p2p", "tp_allreduce", "cp_exchange", "ep_dispatch",
           "ep_alltoall", "dp_reduce", "reduced", "ack", "exchange", "confirmed", "optimizer",
           "param_gather", "checkpoint", "recovery", "join", "eval")
@@ -204,8 +207,8 @@ class FaultInjector:
             self.actions[fault.kind]()
         elif fault.kind == "kill":
             self._kill(os.getpid(), signal.SIGKILL)
-        elif fault.kind == "cut":  # the harness reads the line above and cuts the link
-            self._sleep(CUT_PAUSE)
+        elif fault.kind in HARNESS_KINDS:  # the harness reads the line above and makes it
+            self._sleep(HARNESS_PAUSE)
         elif fault.kind == "node":
             self._kill(-os.getpgrp(), signal.SIGKILL)
         elif fault.kind == "hang":

@@ -125,6 +125,10 @@ class Hosts:
         closed: its connections hang, as over a failed switch port."""
         _ip("link", "set", self.links[i], "down")
 
+    def mend(self, i: int) -> None:
+        """Node i's link up again (after `cut`)."""
+        _ip("link", "set", self.links[i], "up")
+
     def close(self) -> None:
         for relay in self.relays.values():
             relay.kill()

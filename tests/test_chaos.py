@@ -1,6 +1,7 @@
 """The chaos harness (`scripts/chaos.py`): its seeded plan, how it tells which faults fired, the
-verdict's comparison (with its negative controls), its refusals, and one real run of about 20
-faults over two launchers of 4 ranks at PP 2 with exact reduction and checkpoints."""
+verdict's comparison (with its negative controls), its refusals, one real run of about 20
+faults over two launchers of 4 ranks at PP 2 with exact reduction and checkpoints, and a short
+one whose coordinator is elected through etcd while etcd's leader is killed."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,8 @@ from scripts.chaos.launches import take_fired
 from scripts.chaos.plan import KINDS, JobShape, menu, plan
 from scripts.chaos.run import main as chaos_main
 from scripts.chaos.verdict import compare_records, percentile
+from scripts.etcd_members import ETCD
+from scripts.hosts import available as netns_available
 from tests._launch_util import REPO, TINY_GPT
 
 SHAPE = JobShape(world_size=8, per_node=4, train_iters=120, timeout=3.0, pipeline=2,
@@ -39,10 +42,14 @@ def test_the_plan_is_the_seeds_spread_over_the_run_and_parses():
         if fault.name == "checkpoint":
             assert fault.iteration % SHAPE.save_interval == 0
     names = {f.name for seed in range(10) for f in plan(seed, 20, SHAPE)}
-    assert names == {"kill", "hang", "stall", "exit", "node", "cut", "coordinator", "recovery",
-                     "join", "checkpoint", "eval"}
-    on_loopback = {f.name for seed in range(10) for f in plan(seed, 20, SHAPE, menu(KINDS, False))}
-    assert on_loopback == names - {"cut"}  # no link of its own to take down
+    assert names == {"kill", "hang", "stall", "exit", "node", "cut", "coordinator", "etcd",
+                     "recovery", "join", "checkpoint", "eval"}
+
+    def drawn(netns: bool, etcd: bool) -> set[str]:
+        return {f.name for seed in range(10)
+                for f in plan(seed, 20, SHAPE, menu(KINDS, netns, etcd))}
+    assert drawn(False, False) == names - {"cut", "etcd"}  # on loopback: no link to take down
+    assert drawn(True, True) == names - {"coordinator"}  # elected: no node-0 child to kill
 
 
 def test_a_fault_line_is_matched_to_the_fault_it_fired():
@@ -153,3 +160,33 @@ def test_the_final_state_is_compared_without_the_per_process_random_streams():
     ulp = float(torch.nextafter(torch.tensor(1.5), torch.tensor(2.0)))
     assert not same_value(without_streams(checkpoint(ulp, 31, 7)), without_streams(theirs))
     assert not same_value(without_streams(checkpoint(1.5, 30, 7)), without_streams(theirs))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(ETCD is None or not netns_available(),
+                    reason="needs the etcd binary and network namespaces (root)")
+def test_under_an_elected_coordinator_the_etcd_leaders_kills_cost_no_record(tmp_path):
+    """--etcd: 3 etcd members in namespaces of their own, the coordinator elected (lease 2 s).
+    Seed 6's plan of 6 faults over 60 iterations kills etcd's leader three times (the harness
+    waits for every member to be back before the next), a rank twice and cuts node 1 off: every
+    record and the final state stay bitwise. Each kill moved etcd's leadership (its members'
+    logs), so the faults were real."""
+    out = tmp_path / "chaos"
+    flags = [*TINY_GPT, "--eval-interval", "20", "--pipeline-model-parallel-size", "2",
+             "--recover-exact-reduction", "--recover-timeout", "3", "--train-iters", "60",
+             "--save", str(out / "ckpt"), "--save-interval", "10",
+             "--metrics-file", str(out / "metrics.jsonl")]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/chaos.py"), "--nodes", "2",
+                           "--nproc-per-node", "4", "--faults", "6", "--seed", "6", "--etcd",
+                           "--kinds", "etcd=3,kill=1,cut=1", "--out", str(out),
+                           "--stall-limit", "60", "--", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=380)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(f["name"] for f in summary["fired"]).count("etcd") == 3, last
+    assert "0 hangs" in last and "final parameters and optimizer state: bitwise" in last, last
+    terms = {line.split(" at term ")[1].strip() for log in (out / "etcd").glob("etcd*.log")
+             for line in log.read_text().splitlines() if "elected leader" in line}
+    assert len(terms) >= 4, terms  # the first election and one after each kill

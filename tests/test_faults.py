@@ -77,14 +77,14 @@ def test_a_node_fault_kills_the_whole_process_group(monkeypatch):
 def test_a_cut_names_itself_once_and_pauses_at_its_phase_for_the_harness(monkeypatch, caplog):
     """The harness that started the node in a namespace cuts its link on reading the line; the
     rank waits at the phase meanwhile, and kills nothing itself."""
-    from recover_patches.faults import CUT_PAUSE
+    from recover_patches.faults import HARNESS_PAUSE
     rec = Recorder()
     inj = injector(["cut:rank=5,iter=7+,phase=confirmed"], 5, rec, monkeypatch)
     with caplog.at_level("INFO", logger="recover_patches.faults"):
         inj.at("confirmed", 6)
         inj.at("confirmed", 8)
         inj.at("confirmed", 9)
-    assert rec.calls == [("sleep", CUT_PAUSE)]
+    assert rec.calls == [("sleep", HARNESS_PAUSE)]
     assert [r.getMessage() for r in caplog.records] == ["injecting cut at iter 8 phase confirmed"]
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from tests._launch_util import TINY_GPT, base_env  # noqa: E402  (after the path)
-from tests.collectives.etcd_members import EtcdMembers  # noqa: E402
+from scripts.etcd_members import EtcdMembers  # noqa: E402
 
 
 def run_job(arm: str, iters: int, work: Path, endpoint: str) -> list[dict]:

@@ -7,7 +7,8 @@ import argparse
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="scripts/chaos.py", usage="python scripts/chaos.py --nodes N --nproc-per-node P "
-        "--faults K --seed S [--emulate-nccl [silent|socket]] -- <pretrain_gpt_recover.py flags>",
+        "--faults K --seed S [--emulate-nccl [silent|socket]] [--etcd] -- "
+        "<pretrain_gpt_recover.py flags>",
         description="A ReCoVer job over N launchers on this machine with K seeded random faults, "
                     "restarted from its checkpoints when one leaves no complete copy, judged "
                     "against the failure-free run.")
@@ -26,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-netns", action="store_true",
                    help="keep every launcher on this machine's loopback even as root (default: "
                         "a network namespace each where they can be made; `cut` faults need it)")
+    p.add_argument("--etcd", action="store_true",
+                   help="elect the coordinator through 3 etcd members the harness starts "
+                        "(--rdzv-backend etcd), and kill their leader among the faults")
     p.add_argument("--out", default=None, help="logs, plan, summary and plot "
                    "(default runs/chaos/seedS)")
     p.add_argument("--stall-limit", type=float, default=90.0,

@@ -2,10 +2,11 @@
 session of its own (a node: killing its process group takes its launcher and every rank it
 started, as a lost node does), their output in files, the fault lines timed as they arrive.
 
-Where network namespaces can be made (`scripts/hosts.py`: root, iproute2) each launcher runs
-in one of its own, with its own address and link, so a node can also be cut off: on a rank's
-`injecting cut` line the harness takes that launcher's link down. Its processes stay alive and
-hear nothing (they fence themselves); the launch no longer waits for them to end.
+Where network namespaces can be made (`site.py`: root, iproute2) each launcher runs in one of
+its own, with its own address and link, so a node can also be cut off: on a rank's `injecting
+cut` line the harness takes that launcher's link down. Its processes stay alive and hear nothing
+(they fence themselves); the launch no longer waits for them to end. On an `injecting etcd` line
+(with --etcd: the coordinator is elected through etcd) it kills the etcd leader.
 
 A node fault (or a cut) consumes a standby launcher (its processes take the lost node's slots);
 whenever a launcher dies by a signal or is cut off, another standby launcher is started, so the
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.hosts import Hosts
+from scripts.chaos.site import Site
 
 REPO = Path(__file__).resolve().parents[2]
 INJECTED = re.compile(r"rank (\d+): injecting (\w+) at iter (\d+) phase (\w+)")
@@ -46,7 +47,6 @@ class ClusterSettings:
     script_flags: tuple[str, ...]  # pretrain_gpt_recover.py's, as given after `--`
     env: tuple[tuple[str, str], ...] = ()  # extra environment (the emulated NCCL's switches)
     ledger: str = ""  # RECOVER_FAULT_LEDGER: each fault fires once in the whole run
-    netns: bool = False  # each launcher in a network namespace of its own (nodes can be cut)
 
 
 @dataclass
@@ -70,8 +70,8 @@ class Launcher:
 
 
 class Launch:
-    def __init__(self, settings: ClusterSettings, specs: list[str], directory: Path):
-        self.settings, self.directory = settings, directory
+    def __init__(self, settings: ClusterSettings, specs: list[str], directory: Path, site: Site):
+        self.settings, self.directory, self.site = settings, directory, site
         directory.mkdir(parents=True, exist_ok=True)
         self.specs = ";".join(specs)
         self.token = secrets.token_hex(8)
@@ -81,7 +81,6 @@ class Launch:
         self.replaced: set[str] = set()  # launchers a standby launcher was started for
         self._standbys = 0
         self._lock = threading.Lock()
-        self.hosts = Hosts(settings.nodes) if settings.netns else None
 
     # --- starting ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -96,14 +95,13 @@ class Launch:
         self._start(f"standby{index}", ["--node-rank", str(index), "--standby"], standby=True)
 
     def _start(self, name: str, where: list[str], standby: bool) -> None:
-        s = self.settings
-        host = None if self.hosts is None else \
-            len(self.launchers) if len(self.launchers) < s.nodes else self.hosts.add()
-        if self.hosts is not None:  # node 0's address holds the coordinator and the master
-            where = [*where, "--master-addr", self.hosts.address(0)]
+        s, site = self.settings, self.site
+        host = site.host_for(len(self.launchers))
+        rendezvous = site.rendezvous(host, f"chaos-{self.token}") or [
+            "--coordinator-port", str(self.coordinator_port)]  # (static: node 0 runs it)
         cmd = [sys.executable, "-m", "recover_patches.launch", "--nproc-per-node",
-               str(s.per_node), "--nnodes", str(s.nodes), *where, "--master-port",
-               str(self.master_port), "--coordinator-port", str(self.coordinator_port),
+               str(s.per_node), "--nnodes", str(s.nodes), *where, "--master-addr",
+               site.address(0), "--master-port", str(self.master_port), *rendezvous,
                "--job-token", self.token, "--max-replacements", "1000", "--failure-window", "0",
                str(REPO / "pretrain_gpt_recover.py"), *s.script_flags]
         env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
@@ -111,8 +109,7 @@ class Launch:
                    RECOVER_FAULT_LEDGER=s.ledger, **dict(s.env))
         streams = dict(cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, start_new_session=True)
-        proc = subprocess.Popen(cmd, **streams) if self.hosts is None or host is None \
-            else self.hosts.popen(host, cmd, **streams)
+        proc = site.popen(host, cmd, **streams)
         launcher = Launcher(name, proc, standby, host)
         for stream, suffix in ((proc.stdout, "out"), (proc.stderr, "err")):
             reader = threading.Thread(target=self._copy, daemon=True,
@@ -122,8 +119,8 @@ class Launch:
         self.launchers.append(launcher)
 
     def _copy(self, stream, path: Path, launcher: Launcher) -> None:
-        """A launcher's output into its file, each fault line timed as it arrives (a cut is
-        made here, while its rank pauses at the phase)."""
+        """A launcher's output into its file, each fault line timed as it arrives (a cut or an
+        etcd leader's kill is made here, while its rank pauses at the phase)."""
         with open(path, "w") as f:
             for line in stream:
                 f.write(line)
@@ -132,14 +129,9 @@ class Launch:
                         self.injections.append(Injection(time.monotonic(), int(m[1]), m[2],
                                                          int(m[3]), m[4]))
                     if m[2] == "cut":
-                        self._cut(launcher)
-
-    def _cut(self, launcher: Launcher) -> None:
-        """Take the launcher's link down (never node 0's: it holds the coordinator)."""
-        if self.hosts is None or launcher.host in (None, 0):
-            return
-        self.hosts.cut(launcher.host)
-        launcher.cut_off = True
+                        launcher.cut_off = self.site.cut(launcher.host)
+                    elif m[2] == "etcd":
+                        self.site.kill_etcd_leader()
 
     # --- watching ---------------------------------------------------------------------------
     def replenish(self) -> None:
@@ -187,9 +179,6 @@ class Launch:
             launcher.proc.wait()
             for reader in launcher.readers:
                 reader.join(10)
-        if self.hosts is not None:  # (what is left in the namespaces, by PID; then them)
-            self.hosts.close()
-            self.hosts = None
 
     def output(self) -> str:
         return "".join(path.read_text(errors="replace")

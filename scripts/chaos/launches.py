@@ -13,6 +13,7 @@ from typing import Callable
 
 from scripts.chaos.cluster import ClusterSettings, Injection, Launch
 from scripts.chaos.plan import PlannedFault
+from scripts.chaos.site import Site
 
 POLL = 0.2  # seconds between looks at the launchers
 
@@ -93,12 +94,12 @@ def take_fired(pending: list[PlannedFault], injections: list[Injection]
     return fired
 
 
-def run_job(settings: ClusterSettings, faults: list[PlannedFault], metrics: Path,
+def run_job(settings: ClusterSettings, site: Site, faults: list[PlannedFault], metrics: Path,
             directory: Path, stall_limit: float, max_launches: int,
             progress: Callable[[int], None] = lambda _: None) -> JobHistory:
     history, pending = JobHistory(), list(faults)
     for index in range(max_launches):
-        launch = Launch(settings, [f.spec() for f in faults], directory / f"launch{index}")
+        launch = Launch(settings, [f.spec() for f in faults], directory / f"launch{index}", site)
         started, records_from = time.monotonic(), lines_in(metrics)
         status, left = run_launch(launch, metrics, stall_limit, progress)
         history.fired += take_fired(pending, launch.injections)

@@ -20,8 +20,7 @@ ITERATION_PHASES = ("forward", "backward", "dp_reduce", "reduced", "ack", "excha
                     "confirmed", "optimizer")
 # what the menu can draw, and how often (relative weights)
 KINDS = {"kill": 5, "hang": 3, "stall": 2, "exit": 1, "node": 3, "cut": 2, "coordinator": 1,
-         "recovery": 3, "join": 2, "checkpoint": 2, "eval": 1}
-NEEDS_NETNS = ("cut",)  # a node's link taken down: each launcher in a network namespace
+         "etcd": 1, "recovery": 3, "join": 2, "checkpoint": 2, "eval": 1}
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,8 @@ def draw(rng: random.Random, name: str, shape: JobShape, within: range) -> Plann
     if name == "stall":  # slow for a moment: below T the job waits, past T it is fenced
         return PlannedFault(name, "stall", rank, iteration, phase,
                             seconds=rng.uniform(0.5, 2.0) * shape.timeout)
+    if name == "etcd":
+        return PlannedFault(name, "etcd", rank, iteration, phase)
     if name in ("node", "cut"):  # not node 0: its launcher runs the coordinator
         return PlannedFault(name, name, rng.randrange(shape.per_node, shape.world_size),
                             iteration, phase)
@@ -96,10 +97,13 @@ def draw(rng: random.Random, name: str, shape: JobShape, within: range) -> Plann
     return None
 
 
-def menu(kinds: dict[str, int], netns: bool) -> dict[str, int]:
-    """The kinds a job can be given: without a network namespace per launcher, no cut (every
-    launcher shares this machine's loopback; no link of its own to take down)."""
-    return {k: w for k, w in kinds.items() if netns or k not in NEEDS_NETNS}
+def menu(kinds: dict[str, int], netns: bool, etcd: bool) -> dict[str, int]:
+    """The kinds a job can be given: a cut needs a network namespace per launcher (on loopback
+    no node has a link of its own); an etcd leader's kill needs the etcd rendezvous, where the
+    coordinator is elected, not node 0's launcher's child (no coordinator kill then)."""
+    gone = {"cut"} if not netns else set()
+    gone |= {"coordinator"} if etcd else {"etcd"}
+    return {k: w for k, w in kinds.items() if k not in gone}
 
 
 def stratum(index: int, count: int, shape: JobShape) -> range:

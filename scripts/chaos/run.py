@@ -16,6 +16,8 @@ from scripts.chaos import verdict
 from scripts.chaos.cluster import REPO, ClusterSettings
 from scripts.chaos.launches import JobHistory, run_job
 from scripts.chaos.plan import KINDS, JobShape, menu, plan
+from scripts.chaos.site import Site
+from scripts.etcd_members import ETCD
 from scripts.hosts import available as hosts_available
 
 
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         kinds = KINDS if args.kinds is None else dict(
             (k, int(w)) for k, _, w in (item.partition("=") for item in args.kinds.split(",")))
         netns = not args.no_netns and hosts_available()
-        faults = plan(args.seed, args.faults, shape, menu(kinds, netns))
+        if args.etcd and ETCD is None:
+            raise UsageError("--etcd needs the etcd binary (Debian: apt install etcd-server)")
+        faults = plan(args.seed, args.faults, shape, menu(kinds, netns, args.etcd))
     except (UsageError, ValueError) as err:
         print(f"chaos.py: error: {err}", file=sys.stderr)
         return 2
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.emulate_nccl else {}
     out = Path(args.out or f"runs/chaos/seed{args.seed}")
     out.mkdir(parents=True, exist_ok=True)
-    where = "a network namespace each" if netns else "on loopback: no cut faults"
+    where = ("a network namespace each" if netns else "on loopback: no cut faults") + (
+        ", the coordinator elected through 3 etcd members" if args.etcd else "")
     print(f"chaos: seed {args.seed}, {len(faults)} faults planned over {args.nodes} nodes x "
           f"{args.nproc_per_node} ranks ({where}); the failure-free run first", flush=True)
     ref_metrics, ref_ckpt, ref_wall = reference_run(args, script, out, env)
@@ -142,15 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(ledger, ignore_errors=True)
     ledger.mkdir()
     settings = ClusterSettings(args.nodes, args.nproc_per_node, args.standby, tuple(script),
-                               tuple(env.items()), str(ledger), netns)
+                               tuple(env.items()), str(ledger))
     (out / "plan.json").write_text(json.dumps([f.spec() for f in faults], indent=1))
-    history = _run_with_progress(settings, faults, metrics, out, args, shape)
+    site = Site(args.nodes, netns, args.etcd, out / "etcd")
+    try:
+        history = _run_with_progress(settings, site, faults, metrics, out, args, shape)
+    finally:
+        site.close()
     return report(history, shape, script, out, ref_metrics, ref_ckpt, ref_wall)
 
 
-def _run_with_progress(settings, faults, metrics: Path, out: Path, args, shape) -> JobHistory:
+def _run_with_progress(settings, site, faults, metrics: Path, out: Path, args, shape
+                       ) -> JobHistory:
     from tqdm import tqdm
     with tqdm(total=shape.train_iters, desc="records", unit="it", file=sys.stderr,
               disable=not sys.stderr.isatty()) as bar:
-        return run_job(settings, faults, metrics, out, args.stall_limit,
+        return run_job(settings, site, faults, metrics, out, args.stall_limit,
                        args.max_launches or args.faults + 4, progress=bar.update)

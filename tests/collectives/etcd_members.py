@@ -1,91 +1,11 @@
-"""Real etcd members on this host (Debian's etcd-server), each on its own ports and data dir,
-killed by PID when the test ends. Tests that need them skip, with the reason, without `etcd`."""
+"""Real etcd members for tests (`scripts/etcd_members.py`), and the mark that skips a test
+without the etcd binary, with the reason."""
 from __future__ import annotations
-
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
-ETCD = shutil.which("etcd")
+from scripts.etcd_members import ETCD, EtcdMembers
+
 needs_etcd = pytest.mark.skipif(ETCD is None, reason="needs the etcd binary (Debian: etcd-server)")
 
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-class EtcdMembers:
-    """`size` members of one cluster; `client_ports[i]` is member i's client port. By default all
-    on 127.0.0.1 (free ports); with `hosts` (one address each, e.g. network namespaces of
-    `scripts/hosts.py`) etcd's own ports, each member started by `spawn(i, command, **popen)`."""
-
-    def __init__(self, root: Path, size: int, hosts: list[str] | None = None, spawn=None):
-        if hosts is None:
-            ports = _free_ports(2 * size)
-            self.client_ports, peer_ports = ports[:size], ports[size:]
-            self.hosts = ["127.0.0.1"] * size
-        else:
-            self.client_ports, peer_ports, self.hosts = [2379] * size, [2380] * size, hosts
-        spawn = spawn or (lambda _i, cmd, **kw: subprocess.Popen(cmd, **kw))
-        cluster = ",".join(f"m{i}=http://{h}:{p}" for i, (h, p) in
-                           enumerate(zip(self.hosts, peer_ports)))
-        self.procs: list[subprocess.Popen] = []
-        for i in range(size):
-            client, peer = (f"http://{self.hosts[i]}:{self.client_ports[i]}",
-                            f"http://{self.hosts[i]}:{peer_ports[i]}")
-            log = open(root / f"etcd{i}.log", "w")  # noqa: SIM115 -- the member's whole life
-            self.procs.append(spawn(i, [
-                ETCD, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                "--heartbeat-interval", "50", "--election-timeout", "500"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        self._wait_healthy(20.0)
-
-    @property
-    def endpoints(self) -> list[tuple[str, int]]:
-        return list(zip(self.hosts, self.client_ports))
-
-    @property
-    def rdzv_endpoint(self) -> str:
-        """The members as `--rdzv-endpoint` takes them."""
-        return ",".join(f"{host}:{port}" for host, port in self.endpoints)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        import requests
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if all(requests.get(f"http://{h}:{p}/health", timeout=1).json()
-                       .get("health") == "true" for h, p in self.endpoints):
-                    return
-            except (requests.RequestException, ValueError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"etcd members not healthy within {timeout:g}s")
-
-    def kill(self, index: int) -> None:
-        os.killpg(self.procs[index].pid, signal.SIGKILL)
-        self.procs[index].wait()
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+__all__ = ["EtcdMembers", "needs_etcd"]
