@@ -323,6 +323,8 @@ def supervise(args: argparse.Namespace, ranks: list[Rank], respawn, coordinator,
             stopped = stop_verdict(link, list(sup.ranks.values()))
         if coordinator is not None:
             completion = coordinator.finish(link, should_stop=lambda: sup.stop_signal is not None)
+        if link is not None and stopped is None:  # (the coordinator's owner waited for it)
+            stopped = link.stopped
         if beats is not None:  # not at exit: a forked rank runs the launcher's exit hooks
             beats.close()
     status = summarize(list(sup.ranks.values()), completion, stopped)

@@ -198,11 +198,11 @@ class LauncherLink:
             return record["epoch"], frozenset(record["dead"])
         return self._guard(read, None)
 
-    def finished(self) -> str | None:
-        """FINISHED's value once the coordinator set it (a lost coordinator: "1")."""
+    def finished(self, lost: str | None = "1") -> str | None:
+        """FINISHED's value once the coordinator set it (while the link is lost: `lost`)."""
         def read():
             return self.store.get(P.FINISHED).decode() if self.store.check([P.FINISHED]) else None
-        return self._guard(read, "1")
+        return self._guard(read, lost)
 
     def stop_reason(self) -> str | None:
         """Why the coordinator stopped the job (None: it did not), asked now."""
@@ -248,16 +248,32 @@ class CoordinatorHandle:
         coordinator, keep it up until every rank and every standby process sent home is done
         (other nodes, standby nodes), then stop it."""
         if self.pid is not None and link is not None:  # (standby nodes: with one node too)
-            while (finished := link.finished()) is None and not should_stop():
+            # while our coordinator lives, a lost link is a reconnection away (to the successor
+            # this node just started, under etcd), not the job's end: leaving then took the
+            # job's only coordinator away from every other launcher
+            while (finished := link.finished(None if self._coordinator_lives() else "1")) \
+                    is None and not should_stop():
                 time.sleep(0.1)
             if finished == P.FINISHED_WITH_STANDBYS:  # their launchers read the end last
                 time.sleep(STANDBY_LINGER)
         completion = link.completion() if link is not None else None
         if link is not None:
+            if completion is None:  # a stop that came while we waited: kept in `link.stopped`
+                link.stop_reason()
             link.close()
         if self.pid is not None:
             stop_process(self.pid, grace=5.0)
         return completion
+
+    def _coordinator_lives(self) -> bool:
+        """Whether the coordinator process this launcher started still runs (one that ended is
+        reaped here, and forgotten)."""
+        try:
+            if self.pid is not None and os.waitpid(self.pid, os.WNOHANG)[0] != 0:
+                self.pid = None
+        except ChildProcessError:  # reaped already
+            self.pid = None
+        return self.pid is not None
 
 
 def stop_process(pid: int, grace: float) -> None:

@@ -179,3 +179,51 @@ def test_the_coordinator_stops_a_job_its_ranks_named_units_for_and_wakes_the_lau
         assert "no complete replica" in (rank0.job_stopped() or "")
     else:
         assert link.stopped is None and rank0.job_stopped() is None
+
+
+class LostForAWhile:
+    """A launcher's link to the coordinator it runs: lost for the first `lost_calls` reads (it
+    reconnects to the successor it just started), then the job's FINISHED mark."""
+
+    def __init__(self, lost_calls: int):
+        self.lost_calls, self.reads, self.closed = lost_calls, 0, False
+        self.stopped = None
+
+    def stop_reason(self):
+        self.stopped = "no complete replica holds the training state"
+        return self.stopped
+
+    def finished(self, lost="1"):
+        self.reads += 1
+        return lost if self.reads <= self.lost_calls else "1"
+
+    def completion(self):
+        return None
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_launcher_running_the_coordinator_waits_for_the_job_across_a_lost_link():
+    """Found by the chaos harness under etcd: node 0 became leader again and started a successor
+    coordinator while its link was still lost; its ranks were all gone, and `finish` took the
+    lost link for the job's end, stopped the successor and left, so the standby launchers had no
+    coordinator to hear the job stop from and lingered. While its coordinator process lives,
+    the launcher waits for the link to answer; once that process ended, a lost link is the
+    end (negative control: nothing to wait for)."""
+    import subprocess
+
+    from recover_patches.collectives.launcher_link import CoordinatorHandle
+    coordinator = subprocess.Popen(["sleep", "30"])
+    try:
+        link = LostForAWhile(lost_calls=3)
+        CoordinatorHandle("127.0.0.1", 1, TOKEN, 0, 2, coordinator.pid).finish(link)
+        assert link.reads == 4 and link.closed  # waited through three lost reads
+        assert link.stopped is not None  # the stop it waited for: the launcher's status 3
+    finally:
+        coordinator.kill()
+    gone = subprocess.Popen(["true"])
+    time.sleep(0.3)
+    link = LostForAWhile(lost_calls=3)
+    CoordinatorHandle("127.0.0.1", 1, TOKEN, 0, 2, gone.pid).finish(link)
+    assert link.reads == 1  # its coordinator ended: a lost link is the job's end
