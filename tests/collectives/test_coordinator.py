@@ -5,6 +5,7 @@ always its own process.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -330,3 +331,51 @@ def test_a_standby_follows_the_address_file_past_a_coordinator_that_never_answer
     while any(t.name == "recover-connect" for t in threading.enumerate()) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def test_a_post_whose_poster_died_between_its_two_writes_holds_up_nothing(coordinator,
+                                                                          monkeypatch):
+    """A report (and a registration) is two writes: take a number, then write the post under it.
+    A poster killed or cut off between them left a number with no post, and the coordinator,
+    reading posts in order, waited for it forever: no report after it was read (the chaos soak,
+    seed 205: a cut node's rank, then every rank's `complete`, unheard for 30 s). A number still
+    empty after T is passed over (and read later if its post ever comes)."""
+    import os
+
+    from recover_patches.collectives import protocol as P
+    monkeypatch.setattr(os, "_exit", lambda code: None)  # (rank 1's client, fenced at the end)
+    port, clients = coordinator
+    watcher = client(port, clients, 0)
+    watcher.store.add(P.REPORTS_COUNT, 1)  # a report's number, its post never written
+    raw = P.connect("127.0.0.1", port, 5.0, "test")
+    raw.add(P.HELLO_COUNT, 1)  # the same for a registration
+    link = LauncherLink("127.0.0.1", port, TOKEN, node_rank=0)
+    clients.append(link)
+    link.report_exit(2, -9)
+    started = time.monotonic()
+    assert watcher.wait_for_epoch_after(0, 5) == 1 and watcher.dead_ranks() == {2}
+    assert time.monotonic() - started < TIMEOUT.operation + 2
+    client(port, clients, 1)  # a registration after the empty one is answered
+    # the post passed over (number 1) comes after all: it is read then
+    watcher.store.set(P.report_key(1), json.dumps(P.Report.make("exit", rank=1, code=1)))
+    assert watcher.wait_for_epoch_after(1, 5) == 2 and watcher.dead_ranks() == {1, 2}
+
+
+def test_numbered_posts_wait_a_gap_for_an_empty_number_then_read_on_and_look_back():
+    from recover_patches.collectives.coordinator.posts import KEPT_FOR, NumberedPosts
+    now, posted = [0.0], {1, 3}
+    posts = NumberedPosts(gap=1.0, clock=lambda: now[0])
+    assert posts.ready(3, posted.__contains__) == [1]  # 2 is empty: 3 waits behind it
+    now[0] = 0.5
+    assert posts.ready(3, posted.__contains__) == []
+    now[0] = 1.6
+    assert posts.ready(3, posted.__contains__) == [3]  # 2 passed over after the gap
+    posted.add(2)
+    assert posts.ready(3, posted.__contains__) == [2]  # and read when it comes after all
+    assert posts.ready(4, posted.__contains__) == []  # 4 not posted yet
+    now[0] = 2.7
+    assert posts.ready(4, posted.__contains__) == []  # passed over, kept aside
+    now[0] = 2.7 + KEPT_FOR + 0.1
+    posts.ready(4, posted.__contains__)
+    posted.add(4)
+    assert posts.ready(4, posted.__contains__) == []  # forgotten by then

@@ -14,6 +14,7 @@ from recover_patches.collectives.journal import COMPLETE, EPOCH, STANDBYS, Journ
     write_or_fence
 from recover_patches.collectives.liveness import Liveness
 from recover_patches.collectives.membership_state import MembershipState
+from recover_patches.collectives.coordinator.posts import NumberedPosts
 from recover_patches.collectives.node_beats import NodeBeatLine, parse_lines, standby_node
 from recover_patches.collectives.timeouts import Timeouts
 
@@ -21,6 +22,7 @@ from recover_patches.collectives.timeouts import Timeouts
 logger = logging.getLogger("recover_patches.collectives.coordinator")
 
 TICK = 0.02  # seconds between polls of the store: bounds detection latency, costs ~nothing
+UNTIMED_GAP = 10.0  # s an empty post number holds up the next ones before a rank brought T
 BACKLOG = 1 << 20  # bytes of a shard left unswept (after a long burst of handshakes) that is
 #                    cleared by a set, not a compare-and-set
 SWEEPS_PER_INTERVAL = 4  # heartbeat reads per heartbeat interval (every 100 ms at the default T)
@@ -41,13 +43,14 @@ class Coordinator:
         self.store = dist.PrefixStore(P.job_prefix(config.token), server)
         self.config = config
         self.state = MembershipState(config.world_size)
+        # registrations and reports, each read once in order (an empty number held up
+        # every one after it: `posts.py`); the gap becomes T once the first rank brings it
+        self.hellos, self.reports = NumberedPosts(UNTIMED_GAP), NumberedPosts(UNTIMED_GAP)
         self.timeouts: Timeouts | None = None
         self.liveness = Liveness(stall=float("inf"), expiry=float("inf"))
         if config.timeout is not None:
             self._adopt_timeouts(config.timeout)
         self.digest = P.token_digest(config.token)
-        self.next_hello = 1
-        self.next_report = 1
         self.registered: set[int] = set()  # ranks to notify of new epochs
         self.launchers: set[str] = set()  # the nodes whose launchers are notified of new epochs
         self.pushes = 0  # epoch notifications pushed so far (ranks' and launchers' queues)
@@ -77,6 +80,7 @@ class Coordinator:
         self.state.standby_grace, self.state.register_timeout = t.standby_grace, t.register_timeout
         # a waiter gives up after verdict_wait: until then (and a stall more) it is not a suspect
         self.liveness.stall, self.liveness.expiry = t.stall, t.verdict_wait + t.stall
+        self.hellos.gap = self.reports.gap = t.operation
 
     def _publish(self, epoch: int, reason: str) -> None:
         record = self.state.record(epoch, reason)
@@ -146,8 +150,7 @@ class Coordinator:
         logger.info(f"standby {standby} takes rank {slot} (incarnation {incarnation})")
 
     def _handshakes(self, count: int) -> None:
-        while self.next_hello <= count and self.raw.check([P.hello_key(self.next_hello)]):
-            n = self.next_hello
+        for n in self.hellos.ready(count, lambda n: self.raw.check([P.hello_key(n)])):
             hello = json.loads(self.raw.get(P.hello_key(n)))
             reason = None
             if hello["digest"] != self.digest:
@@ -173,7 +176,6 @@ class Coordinator:
             if reason is not None:
                 logger.info(f"refused {hello['role']} {hello['rank']}: {reason}")
             self.raw.set(P.reply_key(n), reason or P.OK)
-            self.next_hello += 1
 
     def _restore(self, rank: int, incarnation: int, rejoin: dict) -> None:
         """A rank registers again with this restarted coordinator: adopt the newest epoch record
@@ -217,10 +219,9 @@ class Coordinator:
         return None
 
     def _reports(self, count: int) -> None:
-        while self.next_report <= count and self.store.check([P.report_key(self.next_report)]):
-            report = json.loads(self.store.get(P.report_key(self.next_report)))
-            self.store.delete_key(P.report_key(self.next_report))  # read once: store stays flat
-            self.next_report += 1
+        for n in self.reports.ready(count, lambda n: self.store.check([P.report_key(n)])):
+            report = json.loads(self.store.get(P.report_key(n)))
+            self.store.delete_key(P.report_key(n))  # read once: the store stays flat
             kind = report["kind"]
             if kind == "exit":
                 if report.get("incarnation", 0) == self.state.incarnation.get(report["rank"], 0):
