@@ -65,6 +65,16 @@ def test_a_fault_line_is_matched_to_the_fault_it_fired():
     assert len(pending) == len(faults) - 2
 
 
+def test_a_launch_that_ended_with_a_launchers_failure_is_counted_apart_from_restarts():
+    from scripts.chaos.launches import JobHistory, LaunchOutcome
+
+    def ended(status, hung=False):
+        return LaunchOutcome(0, status, hung, 0.0, 1.0, [], 0)
+    history = JobHistory([ended(3), ended(None, hung=True), ended(1), ended(0)])
+    assert (history.restarts, history.hangs, history.unexpected_ends) == (3, 1, 1)
+    assert history.completed
+
+
 def test_the_comparison_is_bitwise_and_names_the_first_difference():
     reference = [{"iteration": i, "lm_loss": 5.0 - i / 10, "grad_norm": 1.5, "microbatches": 8,
                   "tokens": 256, "id_sum": i, "lr": 1e-3, "loss_scale": 1.0,
@@ -128,7 +138,8 @@ def test_a_chaos_run_of_20_faults_keeps_every_record_and_the_final_state_bitwise
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["fired"]) >= 16, last
     assert {f["name"] for f in summary["fired"]} >= {"kill", "node", "hang"}, last
-    assert "0 hangs" in last and "final parameters and optimizer state: bitwise" in last, last
+    assert "0 hangs, 0 unexpected ends" in last, last
+    assert "final parameters and optimizer state: bitwise" in last, last
     assert (out / "chaos.png").stat().st_size > 10_000
     from scripts.chaos.verdict import training_records
     reference = training_records(out / "reference" / "metrics.jsonl")
@@ -186,7 +197,8 @@ def test_under_an_elected_coordinator_the_etcd_leaders_kills_cost_no_record(tmp_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(f["name"] for f in summary["fired"]).count("etcd") == 3, last
-    assert "0 hangs" in last and "final parameters and optimizer state: bitwise" in last, last
+    assert "0 hangs, 0 unexpected ends" in last, last
+    assert "final parameters and optimizer state: bitwise" in last, last
     terms = {line.split(" at term ")[1].strip() for log in (out / "etcd").glob("etcd*.log")
              for line in log.read_text().splitlines() if "elected leader" in line}
     assert len(terms) >= 4, terms  # the first election and one after each kill

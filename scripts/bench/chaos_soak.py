@@ -45,6 +45,8 @@ def run_once(seed: int, backend: str | None, args: argparse.Namespace) -> dict:
     return {"seed": seed, "backend": backend or "gloo", "status": proc.returncode,
             "seconds": time.monotonic() - started, "fired": [f["name"] for f in summary["fired"]],
             "hangs": sum(launch["hung"] for launch in summary["launches"]),
+            "unexpected_ends": sum(launch["status"] not in (None, 0, 3)
+                                   for launch in summary["launches"]),
             "line": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:],
             "latencies": latencies(training_records(out / "metrics.jsonl"))}
 
@@ -92,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     lat = {k: [v for run in runs for v in run["latencies"][k]] for k in runs[0]["latencies"]}
     print(f"soak: {len(runs)} runs, {sum(len(r['fired']) for r in runs)} faults "
           f"({', '.join(f'{k} {n}' for k, n in sorted(Counter(n for r in runs for n in r['fired']).items()))}), "
-          f"{sum(r['hangs'] for r in runs)} hangs, failed runs {failed or 'none'}; in-job "
+          f"{sum(r['hangs'] for r in runs)} hangs, "
+          f"{sum(r['unexpected_ends'] for r in runs)} unexpected ends, failed runs "
+          f"{failed or 'none'}; in-job "
           f"recoveries {len(lat['total'])}, p50/p99 " + ", ".join(
               f"{k} {percentile(v, 0.5):.2f}/{percentile(v, 0.99):.2f} s" for k, v in lat.items()))
     return 1 if failed else 0

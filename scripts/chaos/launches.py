@@ -48,6 +48,12 @@ class JobHistory:
     def restarts(self) -> int:
         return len(self.launches) - 1
 
+    @property
+    def unexpected_ends(self) -> int:
+        """Launches that ended neither completed (0), nor stopped for a restart (3), nor hung:
+        a launcher failed (the soak found a job whose `complete` went unheard end with 1)."""
+        return sum(launch.status not in (None, 0, 3) for launch in self.launches)
+
 
 def lines_in(path: Path) -> int:
     if not path.exists():

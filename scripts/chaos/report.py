@@ -38,7 +38,8 @@ def report(history: JobHistory, shape: JobShape, script: list[str], out: Path,
     plot(reference, records, history, [i for i in resumed if i is not None], out / "chaos.png")
     if comparison.first_difference:
         print(f"chaos: first difference: {comparison.first_difference}")
-    ok = history.completed and history.hangs == 0 and comparison.equal == comparison.compared \
+    ok = history.completed and history.hangs == history.unexpected_ends == 0 \
+        and comparison.equal == comparison.compared \
         and not comparison.missing and comparison.compared > 0 \
         and (not exact or state is None)
     print(f"chaos: logs, plan and summary in {out}; plot {out / 'chaos.png'}")
@@ -69,7 +70,8 @@ def plot(reference: list[dict], records: list[dict], history: JobHistory, resume
     ax.legend(unique.values(), unique.keys(), fontsize=8, ncol=2)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
-    ax.set_title(f"{len(history.fired)} faults, {history.restarts} restarts")
+    restarts = history.restarts
+    ax.set_title(f"{len(history.fired)} faults, {restarts} restart{'' if restarts == 1 else 's'}")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

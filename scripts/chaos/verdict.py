@@ -160,7 +160,8 @@ def summary_line(history: JobHistory, records: list[dict], comparison: Compariso
     return (f"chaos: {len(history.fired)} faults ("
             + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + f"), "
             f"{len(history.unfired)} planned never fired; {len(lat['total'])} in-job "
-            f"recoveries, {history.restarts} restarts, {history.hangs} hangs; recovery p50/p99 "
+            f"recoveries, {history.restarts} restarts, {history.hangs} hangs, "
+            f"{history.unexpected_ends} unexpected ends; recovery p50/p99 "
             f"{spans}; goodput {good:.2f}; records bitwise on the failure-free run: "
             f"{comparison.equal} of {comparison.compared}"
             + (f", iterations never committed {comparison.missing}" if comparison.missing else "")
