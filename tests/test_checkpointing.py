@@ -409,3 +409,23 @@ def test_fp16_resume_restores_main_params_and_the_loss_scaler(tmp_path):
     assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
     assert [r["loss_scale"] for r in resumed.records] == scales[3:]
     assert resumed.losses() == whole.losses()[3:]
+
+
+def test_a_last_save_that_never_lands_says_so(tmp_path, caplog):
+    """The job's last save is made again after each regroup until it lands; after
+    LAST_SAVE_ATTEMPTS it ends without it, and says so (it used to give up in silence)."""
+    from types import SimpleNamespace
+
+    from megatron.training.checkpointing import LAST_SAVE_ATTEMPTS, Checkpointer
+    from recover_patches.collectives import PeerFailure
+
+    class NeverLands(Checkpointer):
+        def save(self, host, save_dir=None):
+            return PeerFailure(0, {1}, "checkpoint", "rank 1 died mid-save")
+    host = SimpleNamespace(training_state=SimpleNamespace(progress=SimpleNamespace(iteration=7)))
+    regroups: list[str] = []
+    NeverLands(make_args(tmp_path), 0, 1)._save_landing(
+        host, lambda key, failure: regroups.append(key))
+    assert regroups == [f"save7/{a}" for a in range(LAST_SAVE_ATTEMPTS)]
+    assert f"the last checkpoint (iteration 7) did not land in {LAST_SAVE_ATTEMPTS} attempts" \
+        in caplog.text

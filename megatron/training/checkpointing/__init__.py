@@ -231,6 +231,9 @@ class Checkpointer:
             if failure is None or regroup is None:
                 return
             regroup(f"save{host.training_state.progress.iteration}/{attempt}", failure)
+        logger.error(f"the last checkpoint (iteration {host.training_state.progress.iteration}) "
+                     f"did not land in {LAST_SAVE_ATTEMPTS} attempts: the job ends without it, "
+                     "and a restart resumes from the one before")
 
     def save(self, host: CheckpointHost, save_dir: Path | None = None) -> PeerFailure | None:
         """A checkpoint in --save (or `save_dir`: the global non-persistent one's); the failure
