@@ -42,7 +42,8 @@ Kinds:
 inf and corrupt run the action the trainer registered in `FaultInjector.actions` for the kind.
 kill, node, cut, etcd, hang, stall and exit fire once: at the first `at()` call with the same phase and iteration (and
 microbatch, if the spec gives one). Faults for other ranks are ignored. iter=any matches the
-first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1;
+first call of the phase whatever the iteration. Phase `join` with iter=I is a donor rank about to send its state to a joining replica after iteration I - 1,
+or a joining rank about to receive it;
 phase `eval` with iter=I is a forward pass of the evaluation after iteration I; between the
 reduction and the step come `reduced` (the DP reduction returned), `ack` (before the ack over the
 DP group), `exchange` (acked, before the exchange over the replica) and `confirmed` (committed,

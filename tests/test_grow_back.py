@@ -138,6 +138,22 @@ def test_a_join_that_loses_its_donor_is_retried_and_the_donor_comes_back(tmp_pat
     assert records[-1]["live_replicas"] == [0, 1, 2, 3]
 
 
+def test_a_join_that_loses_its_joiner_is_retried_with_the_next_replacement(tmp_path, reference):
+    """The other side of a join: rank 2's first replacement is killed about to receive the state
+    (phase join, incarnation 1). The live ranks' vote aborts that join, and the second
+    replacement joins; the trajectory is the failure-free one."""
+    run = run_job(tmp_path, *CHECKED, *faults("kill:rank=2,iter=3,phase=forward",
+                                              "kill:rank=2,iter=any,phase=join,incarnation=1",
+                                              "slow:rank=1,seconds=0.3,iter=4,phase=forward"),
+                  replacements=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = assert_failure_free_trajectory(run, reference["dp4"])
+    assert re.search(r"rank 2: injecting kill at iter \d+ phase join", run.stdout)
+    first, second = joins(run)
+    assert (first["joined"], first["abandoned"]) == ([], [2]), first  # its joiner died
+    assert second["joined"] == [2] and second["live"] == [0, 1, 2, 3], second
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

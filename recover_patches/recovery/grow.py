@@ -212,6 +212,7 @@ class GrowBack:
             try:
                 self.agreement.barrier(f"join/{epoch}", members, epoch)
                 self.replica.rebuild(plan["live"], epoch, f"join/{epoch}")
+                self.probe.at("join")  # (the joining side: about to receive the state)
                 received = self.replica.receive_state(donor)
             except PeerFailure:
                 ok = False
