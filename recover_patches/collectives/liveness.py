@@ -217,16 +217,19 @@ class Liveness:
         """The silence that is no death yet. A rank whose launcher forwards its beats, when no
         line of that node reached this coordinator yet (it was just restarted: each launcher
         reconnects at most once a second, and on a loaded host 5 s after a restart every rank
-        of a two-node job had been declared dead), gets RELAY_GRACE times more. Once the job
-        is past start-up, a rank whose node's lines stopped is lost with its launcher, starting
-        or not (a replacement on a node lost just after it registered kept the job's end
-        waiting for start-up's bound)."""
+        of a two-node job had been declared dead), gets RELAY_GRACE times more. A rank whose
+        node's lines stopped is lost with its launcher, starting or not: past start-up after
+        T + GRACE (a replacement on a node lost just after it registered kept the job's end
+        waiting for start-up's bound); during start-up after RELAY_GRACE times that, since a
+        launcher beside its ranks' imports on a loaded host is slow, not gone (a node lost in
+        the first iteration of a job restarted from a checkpoint hung the chaos soak for
+        start-up's bound, ten minutes)."""
         allowed = seen.allowed_silence(self.stall)
         node = self.nodes.get(seen.via) if seen.via is not None else None
         if seen.via is not None and node is None:
             allowed = max(allowed, RELAY_GRACE * self.stall)
-        elif node is not None and self.settled and self.clock() - node.at > self.stall:
-            allowed = self.stall
+        elif node is not None and self.clock() - node.at > self.stall:
+            allowed = self.stall if self.settled else min(allowed, RELAY_GRACE * self.stall)
         return allowed
 
     def _current_waiters(self) -> dict[int, Waiter]:

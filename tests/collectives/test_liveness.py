@@ -267,3 +267,27 @@ def test_a_starting_replacement_on_a_node_that_fell_silent_is_lost_with_it():
         clock.now = float(t)
         live.observe_node(node_line("c", {6: (t - 1.0, t - 1.0, "1 e3 it0 start starting")}))
     assert [r for r, _ in live.silent()] == [5]  # b stopped at 2 s; c speaks, 6 starts slowly
+
+
+def test_a_node_lost_in_the_first_iteration_is_declared_within_the_relay_grace():
+    """Found by the chaos soak (seed 311): a job restarted from a checkpoint lost a node (cut
+    off) in its first iteration; every rank still said `starting`, so their silence was allowed
+    start-up's bound (ten minutes) and the launch hung. A node whose lines stopped is lost
+    during start-up too, after RELAY_GRACE x T + GRACE (a launcher starved by its ranks'
+    imports is slow, not gone). Control: a starting rank whose node's lines go on keeps its
+    bound."""
+    from recover_patches.collectives.liveness import RELAY_GRACE
+    clock = Clock()
+    live = Liveness(5.0, 7.0, clock)
+    live.watch(1, startup=600.0, via="b")  # on the node that is lost
+    live.watch(2, startup=600.0, via="c")  # on a node that goes on, its rank quiet
+    for t in range(1, 40):
+        clock.now = float(t)
+        if t <= 2:
+            live.observe_node(node_line("b", {1: (0.0, 0.0, "9 e0 it91 forward starting")}))
+        live.observe_node(node_line("c", {2: (t - 1.0, t - 1.0, "9 e0 it91 forward starting")}))
+        lost = [r for r, _ in live.silent()]
+        if lost:
+            break
+    assert not live.settled and lost == [1]
+    assert RELAY_GRACE * 5.0 < clock.now - 2.0 <= RELAY_GRACE * 5.0 + 1.0, clock.now
