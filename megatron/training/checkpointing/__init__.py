@@ -224,16 +224,13 @@ class Checkpointer:
 
     def _save_landing(self, host: CheckpointHost,
                       regroup: Callable[[str, PeerFailure], object] | None) -> None:
-        """A save; the job's last (`regroup` given) is made again by the survivors, once they
-        re-formed their groups, until it lands: nothing after it would replace it."""
+        """A save; the job's last (`regroup` given) is made again once the survivors regrouped."""
         for attempt in range(LAST_SAVE_ATTEMPTS):
             failure = self.save(host)
             if failure is None or regroup is None:
                 return
             regroup(f"save{host.training_state.progress.iteration}/{attempt}", failure)
-        logger.error(f"the last checkpoint (iteration {host.training_state.progress.iteration}) "
-                     f"did not land in {LAST_SAVE_ATTEMPTS} attempts: the job ends without it, "
-                     "and a restart resumes from the one before")
+        logger.error(f"the last checkpoint (iteration {host.training_state.progress.iteration}) did not land in {LAST_SAVE_ATTEMPTS} attempts")  # noqa: E501
 
     def save(self, host: CheckpointHost, save_dir: Path | None = None) -> PeerFailure | None:
         """A checkpoint in --save (or `save_dir`: the global non-persistent one's); the failure

@@ -301,7 +301,7 @@ class MembershipClient(JobReports):
             try:
                 value = store.queue_pop(P.notify_key(self.rank), True)
                 if generation != self.generation:  # superseded on a coordinator still alive:
-                    store.queue_push(P.notify_key(self.rank), value)  # the new watcher's news
+                    store.queue_push(P.notify_key(self.rank), value.decode())  # the new one's news
                     return
                 if value == P.STOP.encode():
                     return
